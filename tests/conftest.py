@@ -1,0 +1,3 @@
+"""Shared fixtures: real Redis-compatible servers and model files, each in its own module."""
+
+pytest_plugins = ["tests.fixtures.redis_servers", "tests.fixtures.models"]

@@ -1,0 +1,47 @@
+"""EngineConfig: every knob of the engine core, checked once at construction.
+
+Names follow vLLM (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `block_size`) so
+vLLM users know them; `llmq generate` / `llmq worker` flags map 1:1 onto the fields, with
+`LLMQ_<FIELD>` environment variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""  # a .gguf file or a Hugging Face folder; "" means the default model
+    dtype: str = "bfloat16"
+    threads: int = 1  # torch intra-op threads; one worker process per core fills a machine
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory_bytes: int = 1 << 30  # KV budget; ignored when num_kv_blocks is set
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64  # running requests per step
+    max_num_batched_tokens: int = 1024  # tokens per step (prefill chunks + decodes)
+    scheduling_policy: str = "fcfs"
+    max_num_preemptions: int = 8  # a request preempted more often fails with code "preempted"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}")
+        for name in ("threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_preemptions < 0:
+            raise ValueError(f"max_num_preemptions must be >= 0, got {self.max_num_preemptions}")

@@ -1,0 +1,112 @@
+"""The plain data objects the engine's parts meet at (after vLLM v1's sched/output.py, outputs.py).
+
+scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler --EngineCoreOutput-->
+worker. Lists, ints and strings only: no tensors leave the model runner. Requests the runner has
+seen before travel as a diff (`CachedRequestData`); a request that is new, or resumed after a
+preemption, travels whole (`NewRequestData`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmq.worker.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resumed after a preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds; their sampled tokens it appended itself."""
+
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make_empty(cls) -> CachedRequestData:
+        return cls()
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # request_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests finished, aborted or preempted since the last step: the runner drops their state.
+    finished_request_ids: set[str]
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData.make_empty(), {}, 0, set())
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one sampled token (after penalties, before temperature)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    request_ids: list[str]  # every request scheduled this step, in the runner's order
+    # Per request: the sampled ids ([] when the step ended inside its prompt).
+    sampled_token_ids: list[list[int]]
+    logprobs: list[TokenLogprobs | None]  # per request; None when not asked for or not sampled
+    errors: dict[str, str] = field(default_factory=dict)  # request_id -> why (NaN/inf logits)
+
+    @classmethod
+    def make_empty(cls) -> ModelRunnerOutput:
+        return cls([], [], [])
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class Timings:
+    """Seconds, measured by the engine's monotonic clock."""
+
+    queue: float  # arrival -> first scheduled
+    ttft: float  # arrival -> first token
+    e2e: float  # arrival -> finished
+    per_token: float  # mean seconds between output tokens after the first
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: only what is new since its previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | cancelled | error; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    error_code: str | None = None  # with finish_reason "error": preempted, numerical, ...
+    error_message: str | None = None
+    # Set only on the finished output:
+    text: str | None = None  # the whole output text
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,87 @@
+"""Per-request sampling and stopping parameters, as the engine sees them.
+
+Mirrors vLLM's `SamplingParams` names. The wire request (`llmq.broker.protocol`) is checked
+field by field before it becomes one of these; `__post_init__` re-checks so in-process users
+(`llmq generate`, tests) get the same clear errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 256
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # 1 disables
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # 0 disables
+    seed: int | None = None  # per-request: the same seed gives the same tokens whatever the batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 disables
+    logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # NOTE: tuples keep the struct hashable and frozen even when callers pass lists.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def problem(self) -> str | None:
+        """The first invalid field, described for a user; None when every field is in bounds."""
+        def finite(name: str, value: float) -> str | None:
+            return None if math.isfinite(value) else f"{name} must be a finite number, got {value}"
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            if msg := finite(name, getattr(self, name)):
+                return msg
+        if self.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.temperature < 0:
+            return f"temperature must be >= 0, got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < 0:
+            return f"top_k must be >= 0 (0 disables it), got {self.top_k}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            return f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            return f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            return f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+        if len(self.stop) > MAX_STOP_STRINGS:
+            return f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS} allowed"
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_LEN:
+                return f"stop strings must be 1..{MAX_STOP_STRING_LEN} characters, got {s!r:.40}"
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            return f"stop_token_ids has {len(self.stop_token_ids)} ids, at most {MAX_STOP_STRINGS}"
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            return f"seed must be in [0, 2**63), got {self.seed}"
+        return None
