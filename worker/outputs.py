@@ -29,7 +29,7 @@ class CachedRequestData:
 
     request_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
-    num_computed_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # in the KV cache before this step
 
     @classmethod
     def make_empty(cls) -> CachedRequestData:

@@ -1,0 +1,73 @@
+"""Option groups shared by several commands, each flag with its `LLMQ_*` environment variable.
+
+Engine flags map 1:1 onto `EngineConfig` fields and sampling flags onto `SamplingParams`, so a
+flag, its variable and its field always share one name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+
+def _apply(options: list[Callable]) -> Callable:
+    def decorate(fn: Callable) -> Callable:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+engine_options = _apply([
+    click.option("--model", envvar="LLMQ_MODEL", default="", show_default=False,
+                 help="A .gguf file or a Hugging Face folder. Default: SmolLM2-135M-Instruct."),
+    click.option("--dtype", envvar="LLMQ_DTYPE", type=click.Choice(["float32", "bfloat16"]),
+                 default="bfloat16", show_default=True, help="Weights and KV-cache dtype."),
+    click.option("--threads", envvar="LLMQ_THREADS", type=click.IntRange(min=1), default=1,
+                 show_default=True, help="torch threads (run one worker per core instead)."),
+    click.option("--max-num-seqs", envvar="LLMQ_MAX_NUM_SEQS", type=click.IntRange(min=1),
+                 default=64, show_default=True, help="Requests batched per step."),
+    click.option("--max-num-batched-tokens", envvar="LLMQ_MAX_NUM_BATCHED_TOKENS",
+                 type=click.IntRange(min=1), default=1024, show_default=True,
+                 help="Tokens per step (prefill chunks + decodes)."),
+    click.option("--max-model-len", envvar="LLMQ_MAX_MODEL_LEN", type=click.IntRange(min=2),
+                 default=None, help="Context length (default: the model's, capped at 8192)."),
+    click.option("--block-size", envvar="LLMQ_BLOCK_SIZE", type=click.IntRange(min=1),
+                 default=16, show_default=True, help="Tokens per KV-cache block."),
+    click.option("--kv-cache-memory-bytes", envvar="LLMQ_KV_CACHE_MEMORY_BYTES",
+                 type=click.IntRange(min=1), default=1 << 30, show_default=True,
+                 help="KV-cache budget in bytes."),
+    click.option("--scheduling-policy", envvar="LLMQ_SCHEDULING_POLICY",
+                 type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True),
+])
+
+ENGINE_FIELDS = ("model", "dtype", "threads", "max_num_seqs", "max_num_batched_tokens",
+                 "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy")
+
+
+def engine_config_kwargs(kwargs: dict) -> dict:
+    """Pop the engine flags out of a command's kwargs, ready for EngineConfig(**...)."""
+    return {name: kwargs.pop(name) for name in ENGINE_FIELDS}
+
+
+sampling_options = _apply([
+    click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+    click.option("--temperature", type=click.FloatRange(min=0), default=None,
+                 help="0 is greedy. Default 1.0."),
+    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None),
+    click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 disables."),
+    click.option("--min-p", type=click.FloatRange(min=0, max=1), default=None),
+    click.option("--seed", type=click.IntRange(min=0), default=None),
+    click.option("--stop", multiple=True, help="A stop string (repeatable)."),
+    click.option("--ignore-eos", is_flag=True, default=False),
+])
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "ignore_eos")
+
+
+def sampling_kwargs(kwargs: dict) -> dict:
+    """Pop the sampling flags the user set (unset ones keep the protocol's defaults)."""
+    picked = {name: kwargs.pop(name) for name in SAMPLING_FIELDS}
+    return {k: v for k, v in picked.items() if v is not None and v != () and v is not False}

@@ -1,0 +1,115 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and one sampling call.
+
+After vLLM v1's GPUModelRunner (persistent per-request state, updated from the scheduler's diff)
+and nano-vllm's model_runner.py (flatten every scheduled token of every sequence into one batch,
+so each linear layer runs once per step). Tensors live here and in the model; everything that
+leaves is lists and ints (`ModelRunnerOutput`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from llmq.worker.model.attention import AttentionMetadata
+from llmq.worker.outputs import ModelRunnerOutput, SchedulerOutput
+from llmq.worker.sampler import Sampler, SamplingMetadata
+from llmq.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers of a running request between steps."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+
+class ModelRunner:
+    def __init__(self, model, num_kv_blocks: int, block_size: int, threads: int) -> None:
+        # NOTE: set explicitly: torch's default (one thread per core) collapses 5-30x on this
+        # kind of machine whenever a neighbour is busy; one worker process per core is the plan.
+        torch.set_num_threads(threads)
+        self.model = model
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = model.arch.vocab_size
+        self.kv_caches = model.make_kv_caches(num_kv_blocks, block_size)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for request_id in so.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, list(new.prompt_token_ids), list(new.output_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for request_id, new_block_ids, num_computed in zip(
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[request_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.make_empty()
+
+        # NOTE: single-token sequences (decodes) go first: the attention runs them as one batch.
+        scheduled = sorted(so.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        states = [self.requests[request_id] for request_id, _ in scheduled]
+        query_lens = [n for _, n in scheduled]
+        input_ids: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # index into `states` of each request that samples
+        logits_indices: list[int] = []  # its last token's row in the flat batch
+        for i, (state, n) in enumerate(zip(states, query_lens)):
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start:start + n])
+            seq_lens.append(start + n)
+            if start + n == len(state.token_ids):  # the prompt is done: a new token is due
+                sample_rows.append(i)
+                logits_indices.append(len(input_ids) - 1)
+
+        metadata = AttentionMetadata.build(
+            query_lens, seq_lens, [s.block_ids for s in states], self.block_size)
+        hidden = self.model(  # [num_tokens, hidden_size]
+            torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches)
+
+        sampled: list[list[int]] = [[] for _ in states]
+        logprobs: list = [None] * len(states)
+        errors: dict[str, str] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[logits_indices])  # [num_samples, vocab]
+            sampling_states = [states[i] for i in sample_rows]
+            sampling_metadata = SamplingMetadata.build(
+                [s.sampling_params for s in sampling_states],
+                [s.prompt_token_ids for s in sampling_states],
+                [s.output_token_ids for s in sampling_states],
+                self.vocab_size)
+            out = self.sampler(logits, sampling_metadata)
+            for row, (i, token_id) in enumerate(zip(sample_rows, out.sampled_token_ids)):
+                state = states[i]
+                if row in out.bad_rows:
+                    errors[state.request_id] = out.bad_rows[row]
+                    continue
+                state.output_token_ids.append(token_id)
+                state.token_ids.append(token_id)
+                sampled[i] = [token_id]
+                logprobs[i] = out.logprobs[row]
+        return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors)
