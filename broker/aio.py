@@ -1,0 +1,243 @@
+"""AsyncClient: the asyncio twin of `llmq.broker.client.Client`, method for method.
+
+    async with AsyncClient() as client:
+        request_id = await client.submit("Hello", max_tokens=32)
+        async for event in client.events(request_id):
+            ...
+
+Only the IO differs: commands are built and replies parsed by `llmq.broker.commands`, events are
+folded by `Transcript`, and requests validated by the worker's own decoder, as in the sync client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+import redis
+import redis.asyncio
+from llmq.broker.client import _READ_COUNT, _ClientBase
+from llmq.broker.commands import (
+    CANCEL_STREAM_MAXLEN,
+    DEFAULT_REQUEST_TTL,
+    SUBMIT_SCRIPT,
+    DeadLetterEntry,
+    QueueStats,
+    block_ms,
+    build_submission,
+    dead_letter_to_retry,
+    parse_dead_letters,
+    parse_heartbeats,
+    parse_queue_stats,
+    stream_entries,
+)
+from llmq.broker.connection import connect_async, translate_errors
+from llmq.broker.errors import InvalidRequest, RequestFailed, ResultTimeout
+from llmq.broker.keys import GROUP
+from llmq.broker.protocol import (
+    Done,
+    Encoding,
+    Error,
+    Event,
+    WorkerHeartbeat,
+    encode_cancel,
+)
+from llmq.broker.settings import BrokerSettings
+from llmq.broker.transcript import Fold, Transcript
+
+__all__ = ["AsyncClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncClient(_ClientBase):
+    """Asyncio producer client; the arguments and methods are those of `Client`."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        queue: str | None = None,
+        prefix: str | None = None,
+        encoding: Encoding = "json",
+        request_ttl: int = DEFAULT_REQUEST_TTL,
+        settings: BrokerSettings | None = None,
+        connection: redis.asyncio.Redis | None = None,
+    ) -> None:
+        self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection)
+        self._owns_connection = connection is None
+        self.redis: redis.asyncio.Redis = (connection if connection is not None
+                                           else connect_async(self.url))
+        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_connection:
+            await self.redis.aclose()
+
+    async def ping(self) -> None:
+        with translate_errors(self.url):
+            await self.redis.ping()
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Mapping[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        queue: str | None = None,
+        **params: Any,
+    ) -> str:
+        submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            await self._ensure_group_once(queue)
+            if submission.request_id is None:
+                reply = await self.redis.xadd(self.keys.queue(queue),
+                                              {submission.encoding: submission.payload})
+            else:
+                keys, args = self._script_args(submission, queue)
+                reply = await self._submit_script(keys=keys, args=args)
+        return self._submitted_id(submission, reply)
+
+    async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
+                          queue: str | None = None) -> list[str]:
+        submissions = []
+        for index, body in enumerate(requests):
+            try:
+                submissions.append(build_submission(body, self.encoding))
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"request {index}: {exc}") from None
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            await self._ensure_group_once(queue)
+            pipe = self.redis.pipeline(transaction=False)
+            for submission in submissions:
+                if submission.request_id is None:
+                    pipe.xadd(self.keys.queue(queue), {submission.encoding: submission.payload})
+                else:
+                    keys, args = self._script_args(submission, queue)
+                    await self._submit_script(keys=keys, args=args, client=pipe)
+            replies = await pipe.execute()
+        return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
+
+    async def ensure_group(self, queue: str | None = None) -> bool:
+        queue = self._queue(queue)
+        key = self.keys.queue(queue)
+        with translate_errors(self.url):
+            try:
+                await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
+                created = True
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+                created = False
+            await self.redis.sadd(self.keys.queues(), queue)
+        self._groups_ready.add(queue)
+        return created
+
+    async def _ensure_group_once(self, queue: str) -> None:
+        if queue not in self._groups_ready:
+            await self.ensure_group(queue)
+
+    async def events(self, request_id: str, *, timeout: float | None = None
+                     ) -> AsyncIterator[Event]:
+        key = self.keys.result(request_id)
+        transcript = Transcript(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id: bytes | str = "0-0"
+        with translate_errors(self.url):
+            while True:
+                block = block_ms(deadline)
+                if block == 0:
+                    raise ResultTimeout(request_id, timeout or 0.0)
+                reply = await self.redis.xread({key: last_id}, count=_READ_COUNT, block=block)
+                for entry_id, fields in stream_entries(reply):
+                    last_id = entry_id
+                    event = self._decode_entry(request_id, entry_id, fields)
+                    if event is None or transcript.apply(event) is Fold.IGNORED:
+                        continue
+                    yield event
+                    if transcript.finished:
+                        return
+
+    async def result(self, request_id: str, timeout: float | None = None) -> Done:
+        async for event in self.events(request_id, timeout=timeout):
+            if isinstance(event, Done):
+                return event
+            if isinstance(event, Error):
+                raise RequestFailed(event)
+        raise AssertionError("events() ends only after a terminal event")
+
+    async def cancel(self, request_id: str, *, queue: str | None = None) -> None:
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
+            pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
+                      maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+            await pipe.execute()
+
+    async def stats(self, queue: str | None = None) -> QueueStats:
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(self.keys.queue(queue))
+            pipe.xinfo_groups(self.keys.queue(queue))
+            pipe.xlen(self.keys.dlq(queue))
+            length, groups, dead = await pipe.execute(raise_on_error=False)
+            for reply in (length, dead):
+                if isinstance(reply, Exception):
+                    raise reply
+            return parse_queue_stats(queue, length, groups, dead)
+
+    async def queues(self) -> list[str]:
+        with translate_errors(self.url):
+            return sorted(m.decode() for m in await self.redis.smembers(self.keys.queues()))
+
+    async def workers(self) -> list[WorkerHeartbeat]:
+        with translate_errors(self.url):
+            worker_ids = [m.decode() for m in await self.redis.zrange(self.keys.workers(), 0, -1)]
+            pipe = self.redis.pipeline(transaction=False)
+            for worker_id in worker_ids:
+                pipe.hgetall(self.keys.worker(worker_id))
+            hashes = await pipe.execute()
+            live, dead = parse_heartbeats(worker_ids, hashes)
+            if dead:
+                await self.redis.zrem(self.keys.workers(), *dead)
+        return live
+
+    async def dead_letters(self, queue: str | None = None, *,
+                           count: int = 100) -> list[DeadLetterEntry]:
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            entries = await self.redis.xrange(self.keys.dlq(queue), count=count)
+        return parse_dead_letters(entries)
+
+    async def retry_dead_letter(self, dlq_entry_id: str, *, queue: str | None = None) -> str:
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            entries = await self.redis.xrange(self.keys.dlq(queue), dlq_entry_id, dlq_entry_id)
+            entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.keys.queue(queue), entry.payload)
+            pipe.xdel(self.keys.dlq(queue), dlq_entry_id)
+            new_id, _ = await pipe.execute()
+        return new_id.decode()
+
+    async def purge_dead_letters(self, queue: str | None = None) -> int:
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xlen(self.keys.dlq(queue))
+            pipe.delete(self.keys.dlq(queue))
+            count, _ = await pipe.execute()
+        return int(count)

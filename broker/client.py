@@ -1,0 +1,370 @@
+"""Client: the synchronous producer API (submit, follow events, cancel, inspect queues).
+
+    from llmq.broker import Client
+
+    with Client() as client:                      # LLMQ_REDIS_URL, else the `llmq up` server
+        request_id = client.submit("Hello", max_tokens=32, temperature=0)
+        for event in client.events(request_id):   # from the start: a late reader misses nothing
+            ...
+        done = client.result(request_id, timeout=60)   # or RequestFailed(code, message)
+
+Every Redis failure surfaces as `BrokerUnavailable` or `BrokerError` with a one-line message.
+`llmq.broker.aio.AsyncClient` is the asyncio twin; both build and parse their commands with
+`llmq.broker.commands` and fold events with `llmq.broker.transcript.Transcript`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import Any
+
+import redis
+from llmq.broker.commands import (
+    CANCEL_STREAM_MAXLEN,
+    DEFAULT_REQUEST_TTL,
+    SUBMIT_SCRIPT,
+    DeadLetterEntry,
+    QueueStats,
+    Submission,
+    block_ms,
+    build_submission,
+    dead_letter_to_retry,
+    parse_dead_letters,
+    parse_heartbeats,
+    parse_queue_stats,
+    stream_entries,
+)
+from llmq.broker.connection import (
+    connect,
+    describe_connection,
+    resolve_redis_url,
+    translate_errors,
+)
+from llmq.broker.errors import InvalidRequest, ProtocolError, RequestFailed, ResultTimeout
+from llmq.broker.keys import GROUP, Keys, validate_name
+from llmq.broker.protocol import (
+    Done,
+    Encoding,
+    Error,
+    Event,
+    WorkerHeartbeat,
+    decode_event,
+    encode_cancel,
+)
+from llmq.broker.settings import BrokerSettings
+from llmq.broker.transcript import Fold, Transcript
+
+__all__ = ["Client"]
+
+logger = logging.getLogger(__name__)
+
+_READ_COUNT = 512  # entries per XREAD: a long answer arrives in a few round trips
+
+
+class _ClientBase:
+    """What the sync and asyncio clients share: settings, keys, and request building."""
+
+    def _configure(self, redis_url: str | None, queue: str | None, prefix: str | None,
+                   encoding: Encoding, request_ttl: int, settings: BrokerSettings | None,
+                   connection: Any) -> None:
+        overrides = {k: v for k, v in
+                     {"redis_url": redis_url, "queue": queue, "prefix": prefix}.items()
+                     if v is not None}
+        self.settings = (replace(settings, **overrides) if settings is not None
+                         else BrokerSettings.from_env(**overrides))
+        if encoding not in ("json", "msgpack"):
+            raise ValueError(f"encoding must be 'json' or 'msgpack', got {encoding!r}")
+        if request_ttl < 1:
+            raise ValueError(f"request_ttl must be >= 1 second, got {request_ttl}")
+        self.keys: Keys = self.settings.keys
+        self.encoding: Encoding = encoding
+        self.request_ttl = request_ttl
+        self.url = (describe_connection(connection) if connection is not None
+                    else resolve_redis_url(self.settings.redis_url))
+        self._groups_ready: set[str] = set()
+
+    def _queue(self, queue: str | None) -> str:
+        return validate_name("queue", queue or self.settings.queue)
+
+    def _submission(self, prompt: str | None, messages: Any, prompt_token_ids: Any,
+                    request_id: str | None, params: Mapping[str, Any]) -> Submission:
+        if "id" in params:
+            raise InvalidRequest("pass the request id as `request_id=`")
+        body = {"id": request_id, "prompt": prompt, "messages": messages,
+                "prompt_token_ids": prompt_token_ids, **params}
+        return build_submission(body, self.encoding)
+
+    def _script_args(self, submission: Submission, queue: str) -> tuple[list[str], list[Any]]:
+        assert submission.request_id is not None
+        return ([self.keys.queue(queue), self.keys.idempotency(submission.request_id)],
+                [submission.encoding, submission.payload, self.request_ttl])
+
+    @staticmethod
+    def _submitted_id(submission: Submission, reply: Any) -> str:
+        """The request id, from an XADD reply (entry id) or the submit script's reply."""
+        if submission.request_id is None:
+            return reply.decode() if isinstance(reply, bytes) else str(reply)
+        if not int(reply[0]):
+            logger.debug("request %s was already submitted; not queued again",
+                         submission.request_id)
+        return submission.request_id
+
+    @staticmethod
+    def _decode_entry(request_id: str, entry_id: bytes, fields: Any) -> Event | None:
+        try:
+            return decode_event(fields)
+        except ProtocolError as exc:
+            # NOTE: skipped, not raised: a newer worker may write event types this reader predates.
+            logger.warning("skipping entry %r of request %s: %s", entry_id, request_id, exc)
+            return None
+
+
+class Client(_ClientBase):
+    """Synchronous producer client.
+
+    redis_url:   None -> `LLMQ_REDIS_URL`, else the embedded server `llmq up` started.
+    queue:       the default queue of the methods (None -> `LLMQ_QUEUE`, else "default").
+    prefix:      key prefix (None -> `LLMQ_PREFIX`, else "llmq").
+    encoding:    "json" or "msgpack" for the requests it sends (events come back the same way).
+    request_ttl: seconds a request id is remembered: idempotent submit and the cancel flag.
+    connection:  an existing `redis.Redis` (must not decode responses) instead of a URL.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        queue: str | None = None,
+        prefix: str | None = None,
+        encoding: Encoding = "json",
+        request_ttl: int = DEFAULT_REQUEST_TTL,
+        settings: BrokerSettings | None = None,
+        connection: redis.Redis | None = None,
+    ) -> None:
+        self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection)
+        self._owns_connection = connection is None
+        self.redis: redis.Redis = connection if connection is not None else connect(self.url)
+        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owns_connection:
+            self.redis.close()
+
+    def ping(self) -> None:
+        """Return when the server answers; BrokerUnavailable (saying how to fix it) when not."""
+        with translate_errors(self.url):
+            self.redis.ping()
+
+    # --- submitting ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Mapping[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        queue: str | None = None,
+        **params: Any,
+    ) -> str:
+        """Queue one request and return its id; nothing is sent when it fails validation.
+
+        Give exactly one of `prompt`, `messages` ([{"role", "content"}]) or `prompt_token_ids`;
+        `params` are the other request fields (max_tokens, temperature, stop, metadata...).
+        With `request_id`, submitting is idempotent: while the id is remembered (`request_ttl`),
+        a second submit of it queues nothing and returns the same id. Without one, the stream
+        entry id becomes the request id.
+        Raises InvalidRequest (message names the field), BrokerUnavailable, BrokerError.
+        """
+        submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            self._ensure_group_once(queue)
+            if submission.request_id is None:
+                reply = self.redis.xadd(self.keys.queue(queue),
+                                        {submission.encoding: submission.payload})
+            else:
+                keys, args = self._script_args(submission, queue)
+                reply = self._submit_script(keys=keys, args=args)
+        return self._submitted_id(submission, reply)
+
+    def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
+                    queue: str | None = None) -> list[str]:
+        """Queue many requests in one round trip; returns their ids in order.
+
+        Each item is a request object with the wire's field names (`id`, not `request_id`), as
+        in a JSONL file. All are validated first: one invalid item raises InvalidRequest naming
+        its index, and nothing is sent.
+        """
+        submissions = []
+        for index, body in enumerate(requests):
+            try:
+                submissions.append(build_submission(body, self.encoding))
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"request {index}: {exc}") from None
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            self._ensure_group_once(queue)
+            pipe = self.redis.pipeline(transaction=False)
+            for submission in submissions:
+                if submission.request_id is None:
+                    pipe.xadd(self.keys.queue(queue), {submission.encoding: submission.payload})
+                else:
+                    keys, args = self._script_args(submission, queue)
+                    self._submit_script(keys=keys, args=args, client=pipe)
+            replies = pipe.execute()
+        return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
+
+    def ensure_group(self, queue: str | None = None) -> bool:
+        """Create the queue's stream and consumer group `workers` if missing; True if created.
+
+        The group starts at id 0, so requests queued before it existed are still delivered.
+        """
+        queue = self._queue(queue)
+        key = self.keys.queue(queue)
+        with translate_errors(self.url):
+            try:
+                self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
+                created = True
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+                created = False
+            self.redis.sadd(self.keys.queues(), queue)
+        self._groups_ready.add(queue)
+        return created
+
+    def _ensure_group_once(self, queue: str) -> None:
+        if queue not in self._groups_ready:
+            self.ensure_group(queue)
+
+    # --- reading results -------------------------------------------------------------------------
+
+    def events(self, request_id: str, *, timeout: float | None = None) -> Iterator[Event]:
+        """The request's events from the start of its result stream, as they arrive.
+
+        Follows the attempt rule (see `Transcript`): events of superseded attempts are skipped;
+        a `Start` whose attempt is higher than a previous one tells the reader to drop the text
+        shown so far. Ends after the terminal event (`Done` or `Error`) of the current attempt.
+        Raises ResultTimeout when `timeout` seconds pass first (None waits for ever).
+        """
+        key = self.keys.result(request_id)
+        transcript = Transcript(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_id: bytes | str = "0-0"
+        with translate_errors(self.url):
+            while True:
+                block = block_ms(deadline)
+                if block == 0:
+                    raise ResultTimeout(request_id, timeout or 0.0)
+                reply = self.redis.xread({key: last_id}, count=_READ_COUNT, block=block)
+                for entry_id, fields in stream_entries(reply):
+                    last_id = entry_id
+                    event = self._decode_entry(request_id, entry_id, fields)
+                    if event is None or transcript.apply(event) is Fold.IGNORED:
+                        continue
+                    yield event
+                    if transcript.finished:
+                        return
+
+    def result(self, request_id: str, timeout: float | None = None) -> Done:
+        """The `Done` event of the request (finish_reason stop, length or cancelled).
+
+        Raises RequestFailed (with `.code` and `.message`) if it ended with an error, and
+        ResultTimeout if nothing final arrived within `timeout` seconds.
+        """
+        for event in self.events(request_id, timeout=timeout):
+            if isinstance(event, Done):
+                return event
+            if isinstance(event, Error):
+                raise RequestFailed(event)
+        raise AssertionError("events() ends only after a terminal event")
+
+    def cancel(self, request_id: str, *, queue: str | None = None) -> None:
+        """Ask the workers to stop the request; it ends with done(finish_reason="cancelled").
+
+        Sets the cancel flag (checked when a worker admits the request, for `request_ttl`) and
+        notifies the workers of `queue` that may be running it.
+        """
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
+            pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
+                      maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+            pipe.execute()
+
+    # --- inspecting ------------------------------------------------------------------------------
+
+    def stats(self, queue: str | None = None) -> QueueStats:
+        """Length, lag, pending, dead letters and consumers of a queue."""
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(self.keys.queue(queue))
+            pipe.xinfo_groups(self.keys.queue(queue))
+            pipe.xlen(self.keys.dlq(queue))
+            length, groups, dead = pipe.execute(raise_on_error=False)
+            for reply in (length, dead):
+                if isinstance(reply, Exception):
+                    raise reply
+            return parse_queue_stats(queue, length, groups, dead)
+
+    def queues(self) -> list[str]:
+        """Names of the queues that have a consumer group."""
+        with translate_errors(self.url):
+            return sorted(m.decode() for m in self.redis.smembers(self.keys.queues()))
+
+    def workers(self) -> list[WorkerHeartbeat]:
+        """Live workers' latest heartbeats; expired ones are removed from the registry."""
+        with translate_errors(self.url):
+            worker_ids = [m.decode() for m in self.redis.zrange(self.keys.workers(), 0, -1)]
+            pipe = self.redis.pipeline(transaction=False)
+            for worker_id in worker_ids:
+                pipe.hgetall(self.keys.worker(worker_id))
+            hashes = pipe.execute()
+            live, dead = parse_heartbeats(worker_ids, hashes)
+            if dead:
+                self.redis.zrem(self.keys.workers(), *dead)
+        return live
+
+    def dead_letters(self, queue: str | None = None, *, count: int = 100) -> list[DeadLetterEntry]:
+        """The oldest `count` dead letters of a queue."""
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            entries = self.redis.xrange(self.keys.dlq(queue), count=count)
+        return parse_dead_letters(entries)
+
+    def retry_dead_letter(self, dlq_entry_id: str, *, queue: str | None = None) -> str:
+        """Queue a dead letter's original request again and drop it from the DLQ; the new entry id.
+
+        The request keeps its id when its payload has one (else the new entry id is its id).
+        """
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            entries = self.redis.xrange(self.keys.dlq(queue), dlq_entry_id, dlq_entry_id)
+            entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.keys.queue(queue), entry.payload)
+            pipe.xdel(self.keys.dlq(queue), dlq_entry_id)
+            new_id, _ = pipe.execute()
+        return new_id.decode()
+
+    def purge_dead_letters(self, queue: str | None = None) -> int:
+        """Delete every dead letter of a queue; how many there were."""
+        queue = self._queue(queue)
+        with translate_errors(self.url):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xlen(self.keys.dlq(queue))
+            pipe.delete(self.keys.dlq(queue))
+            count, _ = pipe.execute()
+        return int(count)

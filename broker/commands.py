@@ -1,0 +1,207 @@
+"""The Redis commands behind the producer API, built and parsed without doing any IO.
+
+The sync client (client.py) and the asyncio client (aio.py) differ only in how they send these;
+what they send and how they read the replies lives here once. The worker uses `queue_event()` to
+write result events the way the producer expects to read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError
+from llmq.broker.keys import GROUP, Keys
+from llmq.broker.protocol import (
+    DeadLetter,
+    Encoding,
+    Event,
+    WorkerHeartbeat,
+    decode_dead_letter,
+    decode_heartbeat,
+    encode_event,
+    parse_request,
+)
+
+__all__ = [
+    "CANCEL_STREAM_MAXLEN",
+    "DEFAULT_REQUEST_TTL",
+    "READ_SLICE_MS",
+    "SUBMIT_SCRIPT",
+    "DeadLetterEntry",
+    "QueueStats",
+    "Submission",
+    "block_ms",
+    "build_submission",
+    "dead_letter_to_retry",
+    "parse_dead_letters",
+    "parse_heartbeats",
+    "parse_queue_stats",
+    "queue_event",
+    "stream_entries",
+]
+
+logger = logging.getLogger(__name__)
+
+# How long the broker remembers a request id: the idempotency marker and the cancel flag.
+DEFAULT_REQUEST_TTL = 24 * 3600
+# NOTE: XREAD BLOCK in slices well under the client's socket timeout, so a slow result never looks
+# like a dead server.
+READ_SLICE_MS = 5_000
+CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
+
+# Idempotent submit for a caller-given request id. One script, so the marker and the entry are
+# written together or not at all: a retry after an ambiguous failure (reply lost) finds the marker
+# and gets the first entry's id back instead of queueing the request twice.
+#   KEYS[1] request stream   KEYS[2] marker llmq:id:<request_id>
+#   ARGV[1] field (json|msgpack)   ARGV[2] payload   ARGV[3] marker TTL in seconds
+# Returns {1, entry_id} when queued, {0, first_entry_id} for a duplicate.
+SUBMIT_SCRIPT = """
+local first = redis.call('GET', KEYS[2])
+if first then return {0, first} end
+local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], entry, 'EX', ARGV[3])
+return {1, entry}
+"""
+
+_encoders = {"json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A validated request, ready to send."""
+
+    request_id: str | None  # None: the entry id will be the request id
+    encoding: Encoding
+    payload: bytes
+
+
+def build_submission(params: Mapping[str, Any], encoding: Encoding = "json") -> Submission:
+    """Validate a request object (wire field names) exactly as a worker will; InvalidRequest if not.
+
+    Keys whose value is None are dropped, so Python callers can pass "unset" for any field.
+    """
+    body = {k: v for k, v in params.items() if v is not None}
+    try:
+        payload = _encoders[encoding].encode(body)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise InvalidRequest(f"request cannot be encoded as {encoding}: {exc}") from None
+    # NOTE: the worker's own decoder, on the very bytes that will be sent: what passes here
+    # passes there (the worker adds only model-specific checks such as the context length).
+    request = parse_request(payload, encoding)
+    return Submission(request.id, encoding, payload)
+
+
+def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    """The entries of an XREAD reply for one stream, in RESP2 (list) or RESP3 (dict) shape."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        (batches,) = reply.values()
+        return list(batches[0]) if batches and isinstance(batches[0], list) else list(batches)
+    return list(reply[0][1])
+
+
+def block_ms(deadline: float | None) -> int:
+    """The BLOCK argument for the next read slice; 0 when the deadline has passed."""
+    if deadline is None:
+        return READ_SLICE_MS
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return 0
+    return max(1, min(READ_SLICE_MS, math.ceil(remaining * 1000)))
+
+
+def queue_event(pipe: Any, keys: Keys, event: Event, encoding: Encoding, *,
+                result_ttl: int, result_maxlen: int) -> None:
+    """Queue one event's writes on a (sync or asyncio) pipeline: XADD capped, then EXPIRE.
+
+    EXPIRE on every write makes the stream live `result_ttl` after its last event, and lets one
+    that no worker ever finishes expire too.
+    """
+    key = keys.result(event.request_id)
+    pipe.xadd(key, encode_event(event, encoding), maxlen=result_maxlen, approximate=True)
+    pipe.expire(key, result_ttl)
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queue: str
+    length: int  # entries in the request stream (unread + pending, plus acked ones not deleted)
+    lag: int | None  # entries no worker has read yet; None when Redis cannot tell (after XDEL)
+    pending: int  # read by a worker and not yet acked: running, or waiting to be reclaimed
+    dead_letters: int
+    consumers: int  # consumers the group knows, live or not (see `Client.workers()` for live)
+    group_exists: bool
+
+
+def _field(info: Mapping[Any, Any], name: str) -> Any:
+    return info.get(name, info.get(name.encode()))
+
+
+def _decode(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -> QueueStats:
+    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError) and the DLQ's XLEN."""
+    if isinstance(groups, Exception):
+        if "no such key" not in str(groups).lower():
+            raise groups
+        groups = []
+    for info in groups:
+        if _decode(_field(info, "name")) == GROUP:
+            lag = _field(info, "lag")
+            return QueueStats(queue, int(length), None if lag is None else int(lag),
+                              int(_field(info, "pending") or 0), int(dead_letters),
+                              int(_field(info, "consumers") or 0), True)
+    # NOTE: without a group every entry is unread, so the lag is the length.
+    return QueueStats(queue, int(length), int(length), 0, int(dead_letters), 0, False)
+
+
+@dataclass(frozen=True)
+class DeadLetterEntry:
+    dlq_entry_id: str  # the entry's id on the dead-letter stream
+    dead_letter: DeadLetter  # why it was dead-lettered
+    payload: dict[str, bytes]  # the original request fields ({} when not kept)
+
+
+def parse_dead_letters(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[DeadLetterEntry]:
+    """DLQ entries from XRANGE; ProtocolError for an entry that is not a dead letter."""
+    parsed = []
+    for entry_id, fields in entries:
+        dead_letter, payload = decode_dead_letter(fields)
+        parsed.append(DeadLetterEntry(_decode(entry_id), dead_letter, payload))
+    return parsed
+
+
+def dead_letter_to_retry(entries: list[tuple[bytes, dict[bytes, bytes]]], dlq_entry_id: str,
+                         queue: str) -> DeadLetterEntry:
+    """The one dead letter XRANGE found for a retry; LLMQError when missing or without payload."""
+    if not entries:
+        raise LLMQError(f"no dead letter {dlq_entry_id} in queue {queue}")
+    (entry,) = parse_dead_letters(entries)
+    if not entry.payload:
+        raise LLMQError(f"dead letter {dlq_entry_id} kept no payload to retry "
+                        f"({entry.dead_letter.code}: {entry.dead_letter.message})")
+    return entry
+
+
+def parse_heartbeats(worker_ids: list[str], hashes: list[dict[bytes, bytes]]
+                     ) -> tuple[list[WorkerHeartbeat], list[str]]:
+    """(live heartbeats, ids whose hash has expired) from the registry and HGETALL replies."""
+    live, dead = [], []
+    for worker_id, fields in zip(worker_ids, hashes, strict=True):
+        if not fields:
+            dead.append(worker_id)
+            continue
+        try:
+            live.append(decode_heartbeat(fields))
+        except ProtocolError as exc:
+            logger.warning("skipping the heartbeat of worker %s: %s", worker_id, exc)
+    return live, dead

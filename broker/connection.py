@@ -1,0 +1,135 @@
+"""Which Redis to talk to, how to connect, and how its failures read to a person.
+
+`resolve_redis_url()` decides the URL: an explicit one, else `LLMQ_REDIS_URL`, else the embedded
+server `llmq up` recorded under the run folder. `connect()` / `connect_async()` open clients with
+timeouts that fail fast. `translate_errors()` turns redis-py's exceptions into `BrokerUnavailable`
+and `BrokerError`, whose one-line messages say what to do, so the CLI never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+from llmq.broker.embedded import EmbeddedServer
+from llmq.broker.errors import BrokerError, BrokerUnavailable
+
+__all__ = [
+    "connect",
+    "connect_async",
+    "describe_connection",
+    "redact_url",
+    "resolve_redis_url",
+    "translate_errors",
+]
+
+_FIX = "start one with `llmq up`, or point LLMQ_REDIS_URL / --redis-url at a running server"
+# NOTE: blocking reads (XREAD BLOCK) are issued in slices shorter than this, so a socket timeout
+# only fires when the server itself stops answering.
+SOCKET_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 5.0
+
+
+def resolve_redis_url(url: str | None = None, *, run_dir: str | os.PathLike[str] | None = None
+                      ) -> str:
+    """The Redis URL to use: `url`, else LLMQ_REDIS_URL, else the running embedded server's.
+
+    Raises BrokerUnavailable when none of them gives one.
+    """
+    if url:
+        return url
+    if env_url := os.environ.get("LLMQ_REDIS_URL", "").strip():
+        return env_url
+    if embedded_url := EmbeddedServer(run_dir).running_url():
+        return embedded_url
+    raise BrokerUnavailable(f"no Redis server configured and no embedded server running: {_FIX}")
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.rpartition("@")[2]
+        user = f"{parts.username}:***@" if parts.username else "***@"
+        return urlunsplit(parts._replace(netloc=user + netloc))
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def describe_connection(client: redis.Redis | redis.asyncio.Redis) -> str:
+    """A URL-like description of a client made elsewhere, for error messages."""
+    kwargs = client.connection_pool.connection_kwargs
+    if path := kwargs.get("path"):
+        return f"unix://{path}"
+    scheme = "rediss" if "SSL" in client.connection_pool.connection_class.__name__ else "redis"
+    host, port = kwargs.get("host", "localhost"), kwargs.get("port", 6379)
+    return f"{scheme}://{host}:{port}/{kwargs.get('db', 0)}"
+
+
+def _client_options(overrides: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": SOCKET_TIMEOUT,
+        "health_check_interval": 30,
+    }
+    options.update(overrides)
+    return options
+
+
+def connect(url: str | None = None, **options: Any) -> redis.Redis:
+    """A redis-py client for `resolve_redis_url(url)`; bytes replies (msgpack needs them)."""
+    url = resolve_redis_url(url)
+    try:
+        return redis.Redis.from_url(url, **_client_options(options))
+    except ValueError as exc:  # redis-py's complaint about a malformed URL
+        raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+
+
+def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis:
+    """The asyncio counterpart of `connect()`."""
+    url = resolve_redis_url(url)
+    try:
+        return redis.asyncio.Redis.from_url(url, **_client_options(options))
+    except ValueError as exc:
+        raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    # redis-py says "Error 111 connecting to host:port. Connection refused." - keep the cause.
+    text = str(exc).strip().rstrip(".")
+    return text.rpartition(". ")[2] or type(exc).__name__
+
+
+@contextmanager
+def translate_errors(url: str) -> Iterator[None]:
+    """Re-raise redis-py errors met inside the block as BrokerUnavailable / BrokerError."""
+    shown = redact_url(url)
+    try:
+        yield
+    except redis.AuthenticationError as exc:
+        raise BrokerUnavailable(
+            f"Redis at {shown} refused the credentials ({exc}): check the user name and "
+            "password in the URL") from None
+    except redis.TimeoutError:
+        raise BrokerUnavailable(
+            f"Redis at {shown} did not answer within {SOCKET_TIMEOUT:g}s: is it overloaded or "
+            "paused?") from None
+    except redis.ConnectionError as exc:
+        raise BrokerUnavailable(f"no Redis server at {shown} ({_reason(exc)}): {_FIX}") from None
+    except redis.ResponseError as exc:
+        text = str(exc)
+        if text.startswith("OOM"):
+            raise BrokerError(
+                f"Redis at {shown} is out of memory and refuses writes ({text}): let the workers "
+                "drain the queue, or raise its maxmemory") from None
+        if text.startswith("NOPERM"):
+            raise BrokerError(f"Redis at {shown} denied the command ({text}): check the ACL "
+                              "user's permissions") from None
+        raise BrokerError(f"Redis at {shown} returned an error: {text}") from None

@@ -1,0 +1,115 @@
+"""Every Redis key llmq uses, built in one place (after arq's `constants.py`).
+
+Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
+
+    llmq:q:<queue>          stream    requests; consumer group `workers` (created at id 0, so
+                                      entries added before the first worker are still delivered)
+    llmq:r:<request_id>     stream    one request's events (start, delta, done, error), capped with
+                                      MAXLEN and expired `result_ttl` seconds after the last write
+    llmq:dlq:<queue>        stream    dead letters: the original payload plus a `dead_letter` field
+    llmq:cancel:<queue>     stream    cancellations every worker of the queue follows (XREAD `$`)
+    llmq:x:<request_id>     string    cancel flag with TTL, checked when a worker admits a request
+    llmq:id:<request_id>    string    idempotency marker set by the producer's submit script: the
+                                      entry id of the first submission, with TTL
+    llmq:w:<worker_id>      hash      worker heartbeat with TTL (model, running, waiting, KV use...)
+    llmq:workers            zset      worker registry: worker_id -> last heartbeat (unix ms); a
+                                      member whose `llmq:w:` hash has expired is dead and is
+                                      removed by whoever notices
+    llmq:queues             set       queue names that have a consumer group (for `llmq status`)
+
+Queue names, request ids and worker ids must match `[A-Za-z0-9_.:-]{1,128}`: no spaces, braces,
+globs or newlines, so nothing taken from a payload can add a Cluster hash tag (`{}`), widen a
+SCAN pattern (`*`) or break a log line. The prefix may be a hash tag itself (`{llmq}`) to put every
+key in one Redis Cluster slot, which the producer's submit script needs there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "DEFAULT_QUEUE",
+    "GROUP",
+    "NAME_PATTERN",
+    "InvalidName",
+    "Keys",
+    "is_valid_name",
+    "validate_name",
+]
+
+DEFAULT_PREFIX = "llmq"
+DEFAULT_QUEUE = "default"
+GROUP = "workers"  # the one consumer group on every request stream
+
+NAME_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
+_NAME_RE = re.compile(NAME_PATTERN)
+# NOTE: a prefix is configuration, not payload, so it alone may carry a whole Cluster hash tag.
+_PREFIX_RE = re.compile(r"\{[A-Za-z0-9_.:-]{1,62}\}|[A-Za-z0-9_.:-]{1,64}")
+
+
+class InvalidName(ValueError):
+    """A queue name, request id, worker id or prefix that may not become part of a key."""
+
+
+def is_valid_name(value: object) -> bool:
+    # fullmatch, not match: `$` would let a trailing newline through.
+    return isinstance(value, str) and _NAME_RE.fullmatch(value) is not None
+
+
+def validate_name(kind: str, value: object) -> str:
+    """`value` if it is a valid `kind` (queue, request_id, worker_id); InvalidName if not."""
+    if is_valid_name(value):
+        return value  # type: ignore[return-value]
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise InvalidName(f"invalid {kind} {shown}: must match {NAME_PATTERN}")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one prefix; every method validates the name it puts into the key."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not _PREFIX_RE.fullmatch(self.prefix):
+            raise InvalidName(
+                f"invalid prefix {self.prefix!r}: must match [A-Za-z0-9_.:-]{{1,64}} "
+                "or be one hash tag such as {llmq}")
+
+    def queue(self, queue: str) -> str:
+        """Request stream of `queue` (consumer group `GROUP`)."""
+        return f"{self.prefix}:q:{validate_name('queue', queue)}"
+
+    def dlq(self, queue: str) -> str:
+        """Dead-letter stream of `queue`."""
+        return f"{self.prefix}:dlq:{validate_name('queue', queue)}"
+
+    def cancel(self, queue: str) -> str:
+        """Cancellation stream every worker of `queue` follows."""
+        return f"{self.prefix}:cancel:{validate_name('queue', queue)}"
+
+    def result(self, request_id: str) -> str:
+        """Event stream of one request."""
+        return f"{self.prefix}:r:{validate_name('request_id', request_id)}"
+
+    def cancel_flag(self, request_id: str) -> str:
+        """Cancel flag of one request (a string with TTL)."""
+        return f"{self.prefix}:x:{validate_name('request_id', request_id)}"
+
+    def idempotency(self, request_id: str) -> str:
+        """Marker of a submitted request id: the entry id of its first submission."""
+        return f"{self.prefix}:id:{validate_name('request_id', request_id)}"
+
+    def worker(self, worker_id: str) -> str:
+        """Heartbeat hash of one worker."""
+        return f"{self.prefix}:w:{validate_name('worker_id', worker_id)}"
+
+    def workers(self) -> str:
+        """Registry of workers: sorted set worker_id -> last heartbeat in unix ms."""
+        return f"{self.prefix}:workers"
+
+    def queues(self) -> str:
+        """Set of queue names that have a consumer group."""
+        return f"{self.prefix}:queues"

@@ -1,0 +1,104 @@
+"""Key names: the schema of broker/keys.py, and names that must never become part of a key."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmq.broker.keys import GROUP, InvalidName, Keys, validate_name
+from llmq.broker.settings import BrokerSettings
+
+BAD_NAMES = [
+    "",
+    "a{b}",
+    "{tag}",
+    "a*",
+    "a?b",
+    "a[b]",
+    "with space",
+    "line\nbreak",
+    "trailing\n",
+    "tab\t",
+    "nul\x00",
+    "slash/",
+    "ünïcode",
+    "x" * 129,
+    "x" * 10_000,
+]
+
+
+def test_default_schema_matches_the_design() -> None:
+    # Given the default prefix
+    keys = Keys()
+    # Then every key is named as DESIGN.md section 3 says
+    assert keys.queue("default") == "llmq:q:default"
+    assert keys.result("req-1") == "llmq:r:req-1"
+    assert keys.dlq("default") == "llmq:dlq:default"
+    assert keys.cancel("default") == "llmq:cancel:default"
+    assert keys.cancel_flag("req-1") == "llmq:x:req-1"
+    assert keys.worker("w1") == "llmq:w:w1"
+    assert keys.idempotency("req-1") == "llmq:id:req-1"
+    assert keys.workers() == "llmq:workers"
+    assert keys.queues() == "llmq:queues"
+    assert GROUP == "workers"
+
+
+def test_prefix_is_configurable_including_a_cluster_hash_tag() -> None:
+    assert Keys("tenant-a").result("r") == "tenant-a:r:r"
+    assert Keys("{llmq}").queue("q") == "{llmq}:q:q"
+
+
+@pytest.mark.parametrize("prefix", ["", "a b", "{a}{b}", "{a", "a}", "x*", "x" * 65, "p\n"])
+def test_bad_prefixes_are_refused(prefix: str) -> None:
+    with pytest.raises(InvalidName, match="invalid prefix"):
+        Keys(prefix)
+
+
+@pytest.mark.parametrize("name", ["default", "a", "req_1.2:3-x", "1796013460689-0", "x" * 128])
+def test_valid_names_pass_unchanged(name: str) -> None:
+    assert validate_name("request_id", name) == name
+    assert Keys().result(name).endswith(":" + name)
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=lambda n: repr(n)[:20])
+@pytest.mark.parametrize("build", ["queue", "dlq", "cancel", "result", "cancel_flag",
+                                   "idempotency", "worker"])
+def test_bad_names_never_become_keys(build: str, name: str) -> None:
+    # Given a name with a hash tag, a glob, a newline, or 10k characters
+    # When any key is built from it
+    # Then it is refused, naming the rule, and no key comes out
+    with pytest.raises(InvalidName, match=r"must match \[A-Za-z0-9_\.:-\]\{1,128\}"):
+        getattr(Keys(), build)(name)
+
+
+@pytest.mark.parametrize("value", [None, 5, b"bytes", ["a"]])
+def test_non_strings_are_refused(value: object) -> None:
+    with pytest.raises(InvalidName):
+        validate_name("queue", value)
+
+
+def test_refusal_message_shows_a_long_name_shortened() -> None:
+    with pytest.raises(InvalidName) as info:
+        Keys().result("x" * 10_000)
+    assert len(str(info.value)) < 200
+
+
+def test_settings_come_from_the_environment() -> None:
+    # Given the deployment's environment variables
+    env = {"LLMQ_REDIS_URL": "redis://r:6379/1", "LLMQ_PREFIX": "{llmq}", "LLMQ_QUEUE": "big",
+           "LLMQ_RESULT_TTL": "60", "LLMQ_RESULT_MAXLEN": "500"}
+    # When settings are read, with one override
+    settings = BrokerSettings.from_env(env, queue="small")
+    # Then each variable lands in its field and the explicit value wins
+    assert settings == BrokerSettings("redis://r:6379/1", "{llmq}", "small", 60, 500)
+    assert settings.keys.queue(settings.queue) == "{llmq}:q:small"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LLMQ_RESULT_TTL": "soon"}, "LLMQ_RESULT_TTL must be an integer"),
+    ({"LLMQ_RESULT_MAXLEN": "0"}, "result_maxlen must be >= 1"),
+    ({"LLMQ_QUEUE": "a b"}, "invalid queue"),
+    ({"LLMQ_PREFIX": "a*"}, "invalid prefix"),
+])
+def test_bad_settings_are_refused_with_the_reason(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BrokerSettings.from_env(env)

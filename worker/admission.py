@@ -1,0 +1,233 @@
+"""Admission: stream entries this worker now owns -> requests in the engine, or a final answer.
+
+Shared by the stream reader (new entries, attempt 1) and the lease keeper (entries reclaimed
+from a dead peer, attempt = delivery count), after vLLM v1's input thread, which decodes and
+validates off the busy loop. Per entry, in order:
+
+1. record it in the in-flight table (from here on the lease keeper renews it, and a cancel that
+   arrives while it is being admitted is not lost); past `max_deliveries` (it keeps killing
+   workers) it goes to the dead-letter stream with `error{poison}`;
+2. decode with the broker's decoder, which never raises: an entry with a usable request id gets
+   `error{invalid_request}` on its result stream, one without goes to the dead-letter stream;
+3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
+   `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
+4. cancel flag `llmq:x:<request_id>` (a cancel sent before a worker read the request);
+5. tokenize and check against the model (InputProcessor): `error{code}` without running;
+6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
+
+Steps 2-5 end the entry with one terminal event and an XACK, written by the result writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from llmq.broker import protocol
+from llmq.broker.keys import Keys
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.faults import Faults
+from llmq.worker.inflight_table import InFlight, InFlightTable
+from llmq.worker.input_processor import InputProcessor, InputRejected
+from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.scheduler import RequestRejected
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AddRequest:
+    """Busy-loop inbox item: put this request into the engine."""
+
+    entry_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    priority: int
+    arrival_time: float  # engine clock (monotonic), back-dated to the entry's XADD
+
+
+@dataclass
+class AbortRequests:
+    """Busy-loop inbox item: abort these engine requests (cancel, or lease lost)."""
+
+    entry_ids: list[str]
+
+
+class Admission:
+    def __init__(self, *, keys: Keys, queue_name: str, worker_id: str, model_name: str,
+                 table: InFlightTable, processor: InputProcessor, writer: ResultWriter,
+                 inbox: queue.SimpleQueue, faults: Faults, max_deliveries: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.keys = keys
+        self.queue_name = queue_name
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.table = table
+        self.processor = processor
+        self.writer = writer
+        self.inbox = inbox
+        self.faults = faults
+        self.max_deliveries = max_deliveries
+        self.clock = clock
+
+    def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
+              attempts: dict[str, int] | None = None) -> int:
+        """Admit entries this worker owns (in its PEL). Returns how many were new to it.
+
+        Makes one round trip (TIME + cancel flags), retried through `backoff` while Redis is
+        away; if the worker stops meanwhile the entries stay in the table and are handed back.
+        """
+        fresh = []
+        for raw_id, fields in entries:
+            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            attempt = (attempts or {}).get(entry_id, 1)
+            decoded = protocol.decode_request_entry(entry_id, fields)
+            entry = _entry_for(decoded, attempt)
+            if not self.table.add(entry):
+                # Already ours and running: XAUTOCLAIM handed back our own entry after a stall.
+                continue
+            fresh.append((entry, decoded, fields))
+        if not fresh:
+            return 0
+        flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)]
+        while True:
+            try:
+                pipe = client.pipeline(transaction=False)
+                pipe.time()
+                for e in flagged:
+                    pipe.exists(self.keys.cancel_flag(e.request_id))
+                results = pipe.execute()
+                backoff.succeeded()
+                break
+            except TRANSIENT_ERRORS as e:
+                if backoff.stop is not None and backoff.stop.is_set():
+                    return len(fresh)
+                backoff.failed(e)
+        seconds, micros = results[0]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, results[1:], strict=True)}
+        return self._admit_all(fresh, now_ms, cancel_flags)
+
+    def _admit_all(self, fresh: list[tuple[InFlight, Any, Any]], now_ms: int,
+                   cancel_flags: dict[str, bool]) -> int:
+        for entry, decoded, fields in fresh:
+            if entry.fenced:
+                self.table.pop(entry.entry_id)  # a peer took it while we waited for Redis
+                continue
+            try:
+                self._admit_one(entry, decoded, fields, now_ms,
+                                cancel_flags.get(entry.entry_id, False))
+            except Exception:  # noqa: BLE001 - one bad request must never stop admission
+                logger.exception("admitting entry %s failed", entry.entry_id)
+                self._fail(entry, protocol.ErrorCode.ENGINE_ERROR.value,
+                           "the worker failed to admit this request")
+        return len(fresh)
+
+    def _admit_one(self, entry: InFlight, decoded: Any, fields: Any, now_ms: int,
+                   cancel_flag: bool) -> None:
+        if entry.attempt > self.max_deliveries:
+            self._poison(entry, decoded, fields)
+            return
+        if isinstance(decoded, protocol.RejectedEntry):
+            self._reject(entry, decoded, fields)
+            return
+        request = decoded.request
+        entry_ms = protocol.entry_time_ms(entry.entry_id)
+        waited_ms = max(0, now_ms - entry_ms)
+        if request.deadline_ms is not None and waited_ms > request.deadline_ms:
+            self._fail(entry, protocol.ErrorCode.DEADLINE_EXCEEDED.value,
+                       f"deadline_ms: the request waited {waited_ms} ms in the queue, past its "
+                       f"deadline of {request.deadline_ms} ms")
+            return
+        if cancel_flag or entry.cancel_requested:
+            self._cancelled(entry, waited_ms)
+            return
+        try:
+            processed = self.processor.process(request)
+        except RequestRejected as e:
+            self._fail(entry, e.code, e.message,
+                       e.details if isinstance(e, InputRejected) else None)
+            return
+        entry.prompt_tokens = len(processed.prompt_token_ids)
+        entry.admitted_ms = now_ms
+        entry.poison = self.faults.is_poison(processed.prompt_texts)
+        start = protocol.Start(request_id=entry.request_id, attempt=entry.attempt,
+                               worker=self.worker_id, prompt_tokens=entry.prompt_tokens,
+                               model=self.model_name)
+        # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
+        # in the writer's FIFO.
+        self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
+        self.inbox.put(AddRequest(entry.entry_id, processed.prompt_token_ids,
+                                  processed.sampling_params, processed.priority,
+                                  arrival_time=self.clock() - waited_ms / 1000.0))
+
+    def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Any) -> None:
+        if rejected.request_id is not None:
+            logger.info("entry %s rejected (%s): %s", entry.entry_id, rejected.code,
+                        rejected.message)
+            self._fail(entry, rejected.code, rejected.message)
+            return
+        # No usable request id, so no result stream to answer on: keep the payload for people.
+        logger.warning("entry %s dead-lettered (%s): %s", entry.entry_id, rejected.code,
+                       rejected.message)
+        self.writer.put(EntryWrite(
+            entry.entry_id, None, "json", [], ack=True,
+            dead_letter=self.dead_letter(entry.entry_id, None, rejected.code, rejected.message,
+                                         entry.attempt, fields)))
+
+    def _poison(self, entry: InFlight, decoded: Any, fields: Any) -> None:
+        """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""
+        message = (f"the request was delivered {entry.attempt} times (max_deliveries="
+                   f"{self.max_deliveries}) without finishing: moved to the dead-letter stream")
+        logger.warning("entry %s is poison (%d deliveries): dead-lettered", entry.entry_id,
+                       entry.attempt)
+        code = protocol.ErrorCode.POISON.value
+        request_id = decoded.request_id  # None when the payload gave no usable id
+        events: list[protocol.Event] = []
+        if request_id is not None:
+            events.append(protocol.Error(request_id=request_id, attempt=entry.attempt, code=code,
+                                         message=message, metadata=entry.metadata))
+        self.writer.put(EntryWrite(
+            entry.entry_id, request_id, entry.encoding, events, ack=True,
+            dead_letter=self.dead_letter(entry.entry_id, request_id, code, message,
+                                         entry.attempt, fields)))
+
+    def _fail(self, entry: InFlight, code: str, message: str,
+              details: dict[str, Any] | None = None) -> None:
+        error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt, code=code,
+                               message=message, details=details, metadata=entry.metadata)
+        self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
+                                   ack=True))
+
+    def _cancelled(self, entry: InFlight, waited_ms: int) -> None:
+        waited = waited_ms / 1000.0
+        done = protocol.Done(request_id=entry.request_id, attempt=entry.attempt,
+                             finish_reason="cancelled", text="", usage=protocol.Usage(0, 0, 0),
+                             timings=protocol.Timings(waited, None, waited, None),
+                             metadata=entry.metadata)
+        self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [done],
+                                   ack=True))
+
+    def dead_letter(self, entry_id: str, request_id: str | None, code: str, message: str,
+                    deliveries: int, fields: Any) -> dict[str, bytes]:
+        letter = protocol.DeadLetter(queue=self.queue_name, entry_id=entry_id,
+                                     request_id=request_id, code=code, message=message,
+                                     deliveries=deliveries, worker=self.worker_id,
+                                     at_ms=int(time.time() * 1000))
+        return protocol.encode_dead_letter(letter, fields)
+
+
+def _entry_for(decoded: Any, attempt: int) -> InFlight:
+    if isinstance(decoded, protocol.DecodedRequest):
+        request = decoded.request
+        return InFlight(decoded.entry_id, decoded.request_id, attempt, decoded.encoding,
+                        metadata=request.metadata, stream=request.stream)
+    # A rejected entry still sits in the table until its error or dead letter is acked.
+    return InFlight(decoded.entry_id, decoded.request_id or decoded.entry_id, attempt,
+                    decoded.encoding or "json")

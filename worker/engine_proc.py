@@ -1,0 +1,391 @@
+"""Worker: one EngineCore in a busy loop, with IO threads around it, serving one Redis queue.
+
+After vLLM v1's `EngineCoreProc` (v1/engine/core.py): the main thread owns the engine and only
+steps it; input and output IO run on other threads and meet the loop at FIFO queues, so Redis
+round trips never stall a forward pass. Threads:
+
+    StreamReader   XREADGROUP what fits -> Admission -> inbox          (worker/stream_reader.py)
+    LeaseKeeper    renew + fence, XAUTOCLAIM dead peers' work, beat    (worker/lease_keeper.py)
+    CancelListener cancel stream -> abort                              (worker/cancel_listener.py)
+    busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
+    ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
+
+Delivery is at-least-once (dramatiq/arq: ack only after the result is written). Lifecycle:
+
+- SIGTERM/SIGINT: stop reading at once, let the engine finish in-flight work for up to
+  `drain_timeout`, then hand the rest back (XCLAIM IDLE <huge>: a peer's XAUTOCLAIM takes it
+  immediately; no ack, no terminal event) and exit 0. A second signal exits at once.
+- An exception from `engine.step()` is engine-fatal: log it, hand every in-flight entry back,
+  exit non-zero so peers (and the restarted pod) take the work. Per-request problems never get
+  this far: they are refused at admission or finish that request alone with an `error`.
+- Redis loss: every thread retries with capped backoff; readiness is false meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from llmq.broker import protocol
+from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, GROUP, Keys, validate_name
+from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
+from llmq.worker.admission import AbortRequests, AddRequest, Admission
+from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState, connect_redis
+from llmq.worker.cancel_listener import CancelListener
+from llmq.worker.faults import Faults, InjectedFault
+from llmq.worker.inflight_table import InFlightTable
+from llmq.worker.input_processor import InputProcessor
+from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
+from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.scheduler import RequestRejected
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ENGINE_FATAL = 70  # EX_SOFTWARE
+
+
+@dataclass
+class WorkerConfig:
+    """Every knob of the worker process around the engine; `llmq worker` flags map 1:1."""
+
+    redis_url: str | None = None  # None: LLMQ_REDIS_URL, else the embedded server of `llmq up`
+    prefix: str = DEFAULT_PREFIX
+    queue: str = DEFAULT_QUEUE
+    worker_id: str = field(default_factory=default_worker_id)  # the consumer name
+    lease_timeout: float = 30.0  # s without renewal before peers reclaim an entry
+    renew_interval: float | None = None  # s between lease renewals; None: lease_timeout / 3
+    claim_interval: float | None = None  # s between reclaim scans; None: renew_interval
+    drain_timeout: float = 20.0  # s to finish in-flight work after SIGTERM
+    max_deliveries: int = 3  # deliveries before an entry is dead-lettered as poison
+    result_ttl: int = DEFAULT_RESULT_TTL  # s a result stream lives after its last event
+    result_maxlen: int = DEFAULT_RESULT_MAXLEN  # approximate cap of each result stream
+    metrics_port: int = 0  # /metrics /healthz /readyz; 0: off
+    read_block_ms: int = 500  # XREADGROUP / XREAD BLOCK slice
+    flush_timeout: float = 5.0  # s to keep trying to write the last events when stopping
+
+    def __post_init__(self) -> None:
+        Keys(self.prefix)
+        validate_name("queue", self.queue)
+        validate_name("worker_id", self.worker_id)
+        if self.lease_timeout <= 0:
+            raise ValueError(f"lease_timeout must be > 0 s, got {self.lease_timeout}")
+        if self.renew_interval is None:
+            self.renew_interval = self.lease_timeout / 3
+        if not 0 < self.renew_interval < self.lease_timeout:
+            raise ValueError(f"renew_interval must be in (0, lease_timeout="
+                             f"{self.lease_timeout}), got {self.renew_interval}")
+        if self.claim_interval is None:
+            self.claim_interval = self.renew_interval
+        if self.claim_interval <= 0:
+            raise ValueError(f"claim_interval must be > 0 s, got {self.claim_interval}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 s, got {self.drain_timeout}")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        if self.result_ttl < 1 or self.result_maxlen < 1:
+            raise ValueError("result_ttl and result_maxlen must be >= 1")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.read_block_ms < 1:
+            raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: Any, *, model_name: str = "",
+                 faults: Faults | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.model_name = model_name
+        self.faults = faults if faults is not None else Faults.from_env()
+        self.keys = Keys(config.prefix)
+        self.queue_key = self.keys.queue(config.queue)
+        self.table = InFlightTable()
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.state = ConnectionState(pending=("stream reader",))
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.metrics, self.health = self._start_health()
+        timeout = config.read_block_ms / 1000.0 + 10.0
+        url = config.redis_url
+        self.writer = ResultWriter(
+            connect_redis(url, socket_timeout=timeout), self.keys, config.queue, config.worker_id,
+            self.table, result_ttl=config.result_ttl, result_maxlen=config.result_maxlen,
+            state=self.state, faults=self.faults, metrics=self.metrics)
+        scheduler = getattr(engine, "scheduler", None)
+        max_model_len = getattr(scheduler, "max_model_len", None) or engine.config.max_model_len
+        self.processor = InputProcessor(engine.tokenizer, max_model_len, engine.arch.vocab_size)
+        self.admission = Admission(
+            keys=self.keys, queue_name=config.queue, worker_id=config.worker_id,
+            model_name=model_name, table=self.table, processor=self.processor,
+            writer=self.writer, inbox=self.inbox, faults=self.faults,
+            max_deliveries=config.max_deliveries, clock=engine.clock)
+        self._admin = connect_redis(url, socket_timeout=timeout)
+        self.keeper = LeaseKeeper(
+            connect_redis(url, socket_timeout=timeout), self.keys, config.queue,
+            config.worker_id, self.table, self.admission, self.writer, self.inbox,
+            lease_timeout=config.lease_timeout, renew_interval=config.renew_interval,
+            claim_interval=config.claim_interval, max_num_seqs=self.max_num_seqs,
+            state=self.state, heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
+            metrics=self.metrics)
+        self.reader = StreamReader_(self, timeout)
+        self.cancels = CancelListener(
+            connect_redis(url, socket_timeout=timeout), self.keys.cancel(config.queue),
+            self.table, self.inbox, block_ms=config.read_block_ms, state=self.state)
+        self.started_ms = int(time.time() * 1000)
+        self.draining = False
+        self._drain_deadline = 0.0
+        self._signals = 0
+        self._poison_ids: set[str] = set()
+        self._num_generated = 0
+        self._rate = (time.monotonic(), 0)
+        self._stats: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def run(self, install_signal_handlers: bool = True) -> int:
+        """Serve until stopped; returns the process exit code."""
+        if install_signal_handlers:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        logger.info("worker %s serving %s (lease %.1f s, renew %.1f s, max_deliveries %d)",
+                    self.config.worker_id, self.queue_key, self.config.lease_timeout,
+                    self.config.renew_interval, self.config.max_deliveries)
+        self.writer.start()
+        self.keeper.start()
+        self.cancels.start()
+        self.reader.start()
+        exit_code = self._busy_loop()
+        self._shutdown(exit_code)
+        return exit_code
+
+    def request_stop(self) -> None:
+        """What SIGTERM does: stop reading, drain for up to drain_timeout, hand back, exit."""
+        if self.draining:
+            return
+        self.draining = True
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout
+        self.reader.stop()
+        self.keeper.reclaiming = False
+        if self.health is not None:
+            self.health.set_draining()
+        logger.warning("stopping: no new reads; draining %d in-flight request(s) for up to "
+                       "%.1f s", self.table.running_count(), self.config.drain_timeout)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            logger.error("second signal (%s): exiting now", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        self.request_stop()
+
+    def ensure_group(self) -> None:
+        """Create the consumer group (at id 0, with the stream) if it does not exist."""
+        # NOTE: the group is gone with every entry we held (a Redis restart without
+        # persistence): those entries have no lease to renew any more, but still run.
+        self.table.orphan_all()
+        try:
+            self._admin.xgroup_create(self.queue_key, GROUP, id="0", mkstream=True)
+            logger.warning("created consumer group %s on %s", GROUP, self.queue_key)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._admin.sadd(self.keys.queues(), self.config.queue)
+
+    # -- the busy loop ----------------------------------------------------------------------------
+
+    def _busy_loop(self) -> int:
+        engine = self.engine
+        need_step = False  # an abort's `cancelled` output comes from the next step
+        next_stats = 0.0
+        while True:
+            busy = engine.has_unfinished_requests() or need_step
+            need_step |= self._drain_inbox(block=0.0 if busy else 0.05)
+            now = time.monotonic()
+            if now >= next_stats:
+                next_stats = now + 0.25
+                self._publish_stats()
+            if self.draining and self._drained(now):
+                return EXIT_OK
+            if engine.has_unfinished_requests() or need_step:
+                need_step = False
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - engine-fatal: peers must take the work
+                    logger.exception("engine step failed: handing in-flight work back and "
+                                     "exiting")
+                    return EXIT_ENGINE_FATAL
+
+    def _drained(self, now: float) -> bool:
+        if now >= self._drain_deadline:
+            left = self.table.running_count()
+            if left:
+                logger.warning("drain budget of %.1f s spent: handing back %d unfinished "
+                               "request(s)", self.config.drain_timeout, left)
+            return True
+        return (not self.engine.has_unfinished_requests() and self.inbox.empty()
+                and not self.reader.is_alive() and self.table.running_count() == 0)
+
+    def _step(self) -> None:
+        faults = self.faults
+        if faults.active:
+            if faults.slow_step_s:
+                time.sleep(faults.slow_step_s)
+            if faults.raise_in_step or self._poison_ids:
+                raise InjectedFault("TEST-ONLY fault hook raise_in_step")
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - started
+        if not outputs:
+            return
+        num_tokens = 0
+        for output in outputs:
+            num_tokens += len(output.new_token_ids)
+            if output.finished:
+                self._poison_ids.discard(output.request_id)
+        self._num_generated += num_tokens
+        self.writer.put_step(outputs)
+        if self.metrics is not None:
+            self.metrics.observe_step(elapsed, num_tokens)
+
+    def _drain_inbox(self, block: float) -> bool:
+        """Feed queued adds and aborts to the engine; True when an abort needs a step."""
+        aborted = False
+        try:
+            item = self.inbox.get(timeout=block) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while item is not None:
+            if isinstance(item, AddRequest):
+                aborted |= self._add(item)
+            elif isinstance(item, AbortRequests):
+                self.engine.abort(item.entry_ids)
+                aborted = True
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        return aborted
+
+    def _add(self, item: AddRequest) -> bool:
+        entry = self.table.get(item.entry_id)
+        if entry is None or entry.fenced:
+            self.table.pop(item.entry_id)
+            return False
+        try:
+            self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
+                                    priority=item.priority, arrival_time=item.arrival_time)
+        except RequestRejected as e:
+            error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt,
+                                   code=e.code, message=e.message, metadata=entry.metadata)
+            entry.terminal = True
+            self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
+                                       ack=True))
+            return False
+        if entry.poison:
+            self._poison_ids.add(item.entry_id)
+        if entry.cancel_requested:
+            # The cancel arrived while the request was being admitted.
+            self.engine.abort([item.entry_id])
+            return True
+        return False
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def _shutdown(self, exit_code: int) -> None:
+        self.reader.stop()
+        self.keeper.reclaiming = False
+        self.cancels.stop()
+        self.reader.join(self.config.read_block_ms / 1000.0 + 1.0)
+        flushed = self.writer.stop(self.config.flush_timeout)
+        # NOTE: renewals stop before the hand-back, or one could reset the huge IDLE to 0.
+        self.keeper.stop()
+        left = self.table.live_entry_ids()
+        if left:
+            self._hand_back(left)
+        self._unregister()
+        if self.health is not None:
+            self.health.stop()
+        logger.warning("worker %s stopped (exit %d, %d entr%s handed back, events %s)",
+                       self.config.worker_id, exit_code, len(left),
+                       "y" if len(left) == 1 else "ies", "flushed" if flushed else "NOT flushed")
+
+    def _hand_back(self, entry_ids: list[str]) -> None:
+        for attempt in range(3):
+            try:
+                n = self.keeper.hand_back(entry_ids)
+                logger.warning("handed back %d in-flight entr%s for peers to take now", n,
+                               "y" if n == 1 else "ies")
+                return
+            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
+                logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
+                time.sleep(0.2 * (attempt + 1))
+        logger.error("could not hand back %d entries: peers reclaim them after the %.1f s lease",
+                     len(entry_ids), self.config.lease_timeout)
+
+    def _unregister(self) -> None:
+        try:
+            pipe = self._admin.pipeline(transaction=False)
+            pipe.delete(self.keys.worker(self.config.worker_id))
+            pipe.zrem(self.keys.workers(), self.config.worker_id)
+            pipe.execute()
+        except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+            pass  # the heartbeat expires by itself
+
+    # -- observability ----------------------------------------------------------------------------
+
+    def _start_health(self) -> tuple[Any, Any]:
+        if not self.config.metrics_port:
+            return None, None
+        from llmq.worker.health_server import HealthServer
+        from llmq.worker.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(self.model_name or "default", self.config.queue)
+        return metrics, HealthServer(self.config.metrics_port, metrics)
+
+    def _publish_stats(self) -> None:
+        """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
+        self._stats = self.engine.stats()
+        if self.health is None:
+            return
+        self.health.beat()
+        s = self._stats
+        self.metrics.set_engine_state(s.num_running, s.num_waiting, s.kv_cache_usage,
+                                      s.prefix_cache_hit_rate, s.num_preemptions)
+        down = self.state.down()
+        self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
+                              if down else "ready")
+
+    def _heartbeat_fields(self) -> dict[str, Any]:
+        """Called by the lease keeper every renewal."""
+        now = time.monotonic()
+        last_t, last_n = self._rate
+        generated = self._num_generated
+        rate = (generated - last_n) / (now - last_t) if now > last_t else 0.0
+        self._rate = (now, generated)
+        s = self._stats
+        heartbeat = protocol.WorkerHeartbeat(
+            worker_id=self.config.worker_id, queue=self.config.queue, model=self.model_name,
+            pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
+            heartbeat_ms=int(time.time() * 1000),
+            running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
+            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2))
+        return protocol.encode_heartbeat(heartbeat)
+
+
+def StreamReader_(worker: Worker, timeout: float) -> Any:  # noqa: N802
+    from llmq.worker.stream_reader import StreamReader
+
+    config = worker.config
+    return StreamReader(
+        connect_redis(config.redis_url, socket_timeout=timeout), worker.queue_key,
+        config.worker_id, worker.table, worker.admission, max_num_seqs=worker.max_num_seqs,
+        block_ms=config.read_block_ms, state=worker.state, ensure_group=worker.ensure_group,
+        hand_back=worker.keeper.hand_back)

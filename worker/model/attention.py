@@ -1,0 +1,256 @@
+"""Paged attention over a block KV cache, plus the contiguous-cache path kept as its oracle.
+
+References: vLLM v1 (`AttentionMetadata`, slot mapping, block tables, decodes ordered before
+prefills), nano-vllm (`attention.py`, `store_kvcache`), gpt-fast (a preallocated cache and
+plain `scaled_dot_product_attention`).
+
+Cache layout, one tensor per layer: `[2, num_kv_heads, num_blocks, block_size, head_dim]`.
+Heads come before blocks so that gathering a batch's blocks along dim 2 gives
+`[num_kv_heads, num_seqs, context, head_dim]` directly: the attention matmuls then run on it
+without a transpose copy, and one `index_select` fetches K and V of every head at once.
+
+Every per-step tensor (positions, slot mapping, gather indices, masks) is built once by
+`AttentionMetadata.build` and reused by all layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence of the step that is not a single-token decode."""
+
+    token_start: int  # first row of its tokens in the flat batch
+    query_len: int
+    seq_len: int  # context after this step: cached + new
+    block_ids: torch.Tensor  # [num_blocks_needed] its blocks, only when it has cached context
+    mask: torch.Tensor | None  # [query_len, seq_len] True = may attend; None: plain causal
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - self.query_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention of one step needs, for all layers.
+
+    Sequences are ordered decodes (query_len == 1) first, then prefills / prefill chunks.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    positions: torch.Tensor  # [num_tokens] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot each new token's K/V goes to
+    query_start_loc: torch.Tensor  # [num_seqs + 1] first row of each sequence, then num_tokens
+    seq_lens_tensor: torch.Tensor  # [num_seqs]
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] padded with block 0
+    num_decodes: int  # the leading sequences with query_len == 1
+    max_decode_seq_len: int
+    decode_block_ids: torch.Tensor  # [num_decodes * decode_num_blocks] blocks to gather, row-major
+    decode_num_blocks: int  # blocks per decode sequence in the gather (the longest one's)
+    decode_pad_mask: torch.Tensor  # [num_decodes, decode_num_blocks * block_size] True = past seq_len
+    prefills: list[PrefillSeq]
+    _decode_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def decode_bias(self, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """[num_kv_heads * num_decodes, 1, ctx]: 0 where a decode may attend, -inf past its
+        seq_len. Built on the first layer's call, then shared by the others."""
+        key = (num_kv_heads, dtype)
+        if key not in self._decode_biases:
+            bias = torch.zeros(self.decode_pad_mask.shape, dtype=dtype).masked_fill_(
+                self.decode_pad_mask, float("-inf"))  # [num_decodes, ctx]
+            self._decode_biases[key] = bias.repeat(num_kv_heads, 1)[:, None, :]
+        return self._decode_biases[key]
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int) -> AttentionMetadata:
+        """Vectorised over tokens: the runner calls this every step with up to max_num_seqs."""
+        num_seqs = len(query_lens)
+        if not (num_seqs == len(seq_lens) == len(block_tables)) or num_seqs == 0:
+            raise ValueError(
+                f"need one query_len, seq_len and block table per sequence, got "
+                f"{len(query_lens)}, {len(seq_lens)}, {len(block_tables)}")
+        q_lens = np.asarray(query_lens, dtype=np.int64)  # [num_seqs]
+        s_lens = np.asarray(seq_lens, dtype=np.int64)  # [num_seqs]
+        ctx_lens = s_lens - q_lens  # [num_seqs] tokens already in the cache
+        if (q_lens < 1).any() or (ctx_lens < 0).any():
+            raise ValueError(f"bad query_lens {query_lens} for seq_lens {seq_lens}")
+        num_blocks_needed = -(-s_lens // block_size)  # [num_seqs] ceil
+        table_lens = np.fromiter((len(t) for t in block_tables), np.int64, num_seqs)
+        if (table_lens < num_blocks_needed).any():
+            i = int(np.argmax(table_lens < num_blocks_needed))
+            raise ValueError(
+                f"sequence {i} has {table_lens[i]} blocks, needs {num_blocks_needed[i]} "
+                f"for seq_len {seq_lens[i]}")
+        max_num_blocks = int(num_blocks_needed.max())
+        tables = np.zeros((num_seqs, max_num_blocks), dtype=np.int64)  # pad: block 0, masked
+        for i, table in enumerate(block_tables):  # NOTE: per sequence, not per token
+            n = int(num_blocks_needed[i])
+            tables[i, :n] = table[:n]
+
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)  # [num_seqs + 1]
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [num_tokens]
+        positions = (np.arange(num_tokens) - query_start_loc[:-1][seq_of_token]
+                     + ctx_lens[seq_of_token])  # [num_tokens]
+        slot_mapping = (tables[seq_of_token, positions // block_size] * block_size
+                        + positions % block_size)  # [num_tokens]
+
+        # NOTE: decodes lead; a later query_len == 1 sequence (a 1-token prefill chunk) is
+        # still correct on the prefill path, so only the leading run is batched.
+        num_decodes = num_seqs if (q_lens == 1).all() else int(np.argmax(q_lens != 1))
+        block_tables_t = torch.from_numpy(tables)
+        if num_decodes:
+            max_decode_seq_len = int(s_lens[:num_decodes].max())
+            decode_num_blocks = -(-max_decode_seq_len // block_size)
+            decode_block_ids = block_tables_t[:num_decodes, :decode_num_blocks].reshape(-1)
+            decode_pad_mask = (torch.arange(decode_num_blocks * block_size)[None, :]
+                               >= torch.from_numpy(s_lens[:num_decodes])[:, None])  # [nd, ctx]
+        else:
+            max_decode_seq_len = decode_num_blocks = 0
+            decode_block_ids = torch.empty(0, dtype=torch.long)
+            decode_pad_mask = torch.empty(0, 0, dtype=torch.bool)
+
+        prefills = []
+        for i in range(num_decodes, num_seqs):
+            q_len, s_len, ctx_len = int(q_lens[i]), int(s_lens[i]), int(ctx_lens[i])
+            if ctx_len == 0:  # all its keys are this step's: no gather, plain causal
+                block_ids, mask = block_tables_t[i, :0], None
+            else:
+                block_ids = block_tables_t[i, :int(num_blocks_needed[i])]
+                # query row r sits at position ctx_len + r and sees keys 0..ctx_len + r
+                mask = (torch.arange(s_len)[None, :]
+                        <= torch.arange(ctx_len, s_len)[:, None])  # [q_len, s_len]
+            prefills.append(PrefillSeq(int(query_start_loc[i]), q_len, s_len, block_ids, mask))
+
+        return cls(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            block_size=block_size,
+            query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            seq_lens_tensor=torch.from_numpy(s_lens),
+            block_tables=block_tables_t,
+            num_decodes=num_decodes,
+            max_decode_seq_len=max_decode_seq_len,
+            decode_block_ids=decode_block_ids,
+            decode_num_blocks=decode_num_blocks,
+            decode_pad_mask=decode_pad_mask,
+            prefills=prefills,
+        )
+
+
+class PagedAttention:
+    """Attention of one step over the paged cache; owns a reusable gather buffer.
+
+    One instance serves every layer of a model: layers run one after another, so they share
+    the buffer, which also keeps it warm in cache from layer to layer.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        self._buffer = torch.empty(0)
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of `block_ids`, in order: [2, num_kv_heads, len(block_ids) * block_size, hd]."""
+        _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        n = block_ids.numel()
+        numel = 2 * kv_heads * n * block_size * head_dim
+        if self._buffer.numel() < numel or self._buffer.dtype != kv_cache.dtype:
+            # NOTE: grown, never shrunk: fresh multi-MB allocations page-fault on every step.
+            self._buffer = torch.empty(max(numel, 2 * self._buffer.numel()), dtype=kv_cache.dtype)
+        out = self._buffer[:numel].view(2 * kv_heads, n, block_size * head_dim)
+        torch.index_select(kv_cache.view(2 * kv_heads, num_blocks, block_size * head_dim),
+                           1, block_ids, out=out)
+        return out.view(2, kv_heads, n * block_size, head_dim)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [num_tokens, num_heads, hd], k/v [num_tokens, num_kv_heads, hd] -> [num_tokens,
+        num_heads * hd]. Writes the step's K/V into `kv_cache` first."""
+        num_tokens = q.shape[0]
+        kv_heads, group, head_dim = self.num_kv_heads, self.group, self.head_dim
+        slots = kv_cache.view(2 * kv_heads, -1, head_dim)  # [2 * kv_heads, num_slots, hd]
+        new_kv = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * kv_heads, num_tokens, hd]
+        slots.index_copy_(1, meta.slot_mapping, new_kv)
+
+        out = q.new_empty(num_tokens, self.num_heads, head_dim)  # [num_tokens, num_heads, hd]
+        nd = meta.num_decodes
+        if nd:
+            kv = self._gather(kv_cache, meta.decode_block_ids)
+            kv = kv.view(2, kv_heads * nd, -1, head_dim)  # [2, kv_heads * nd, ctx, hd]
+            # [kv_heads * nd, group, hd]: each (kv head, sequence) is one small matmul batch,
+            # so the query heads of a group share their K/V without repeating it.
+            qd = q[:nd].view(nd, kv_heads, group, head_dim).transpose(0, 1).reshape(
+                kv_heads * nd, group, head_dim)
+            scores = torch.baddbmm(meta.decode_bias(kv_heads, q.dtype), qd,
+                                   kv[0].transpose(1, 2), alpha=self.scale)  # [kh*nd, group, ctx]
+            # NOTE: the CPU softmax accumulates in float32 whatever the dtype, like HF's upcast.
+            probs = torch.softmax(scores, dim=-1)
+            od = torch.bmm(probs, kv[1])  # [kv_heads * nd, group, hd]
+            out[:nd] = od.view(kv_heads, nd, group, head_dim).transpose(0, 1).reshape(
+                nd, self.num_heads, head_dim)
+
+        for seq in meta.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.query_len)
+            # [kv_heads, group, query_len, hd]: GQA through a stride-0 expand of K/V, which
+            # SDPA's CPU kernel reads without materialising the repeat.
+            qp = q[rows].transpose(0, 1).reshape(kv_heads, group, seq.query_len, head_dim)
+            if seq.mask is None:
+                kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kv_heads, q_len, hd]
+            else:
+                kv = self._gather(kv_cache, seq.block_ids)[:, :, :seq.seq_len]
+                kp, vp = kv[0], kv[1]  # [kv_heads, seq_len, hd]
+            shape = (kv_heads, group, kp.shape[1], head_dim)
+            op = F.scaled_dot_product_attention(
+                qp, kp[:, None].expand(shape), vp[:, None].expand(shape),
+                attn_mask=seq.mask, is_causal=seq.mask is None)  # [kv_heads, group, q_len, hd]
+            out[rows] = op.reshape(self.num_heads, seq.query_len, head_dim).transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * head_dim)
+
+
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cache: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """The oracle: one sequence, cache [2, num_kv_heads, max_len, hd], plain causal SDPA.
+
+    q [T, num_heads, hd], k/v [T, num_kv_heads, hd] at positions start_pos..start_pos+T-1.
+    Returns [T, num_heads * hd]. Kept deliberately simple: K/V heads are repeated outright.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    end = start_pos + num_tokens
+    if end > cache.shape[2]:
+        raise ValueError(f"contiguous cache holds {cache.shape[2]} positions, need {end}")
+    cache[0, :, start_pos:end] = k.transpose(0, 1)
+    cache[1, :, start_pos:end] = v.transpose(0, 1)
+    group = num_heads // cache.shape[1]
+    keys = cache[0, :, :end].repeat_interleave(group, dim=0)  # [num_heads, end, hd]
+    values = cache[1, :, :end].repeat_interleave(group, dim=0)  # [num_heads, end, hd]
+    mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [T, end]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+    return out.transpose(0, 1).reshape(num_tokens, num_heads * head_dim)  # [T, num_heads * hd]

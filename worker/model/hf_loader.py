@@ -1,0 +1,42 @@
+"""Hugging Face folder weights (config.json + *.safetensors) -> named tensors.
+
+References: transformers' safetensors checkpoints (`model.safetensors` or sharded
+`model-0000x-of-0000y.safetensors` with an index), vLLM `model_loader/weight_utils.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .arch import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_arch(path: str | Path) -> ModelArchConfig:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path} is not a Hugging Face model folder: no config.json")
+    return ModelArchConfig.from_hf_config(json.loads(config_path.read_text()))
+
+
+def iter_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every *.safetensors file of the folder, in file order."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                yield name, f.get_tensor(name)

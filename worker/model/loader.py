@@ -1,0 +1,62 @@
+"""load_model: a .gguf file or a Hugging Face folder -> model, tokenizer and arch, together.
+
+References: vLLM `model_loader` (one entry point dispatching on the checkpoint format),
+llama.cpp (model and tokenizer from the one GGUF file).
+
+The GGUF reader is opened once and shared with the tokenizer: opening it builds Python
+objects for every token string (~3 s for a 49k vocabulary), more than dequantizing the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from .arch import ModelArchConfig
+from .gguf_loader import check_tensor_types, iter_gguf_weights
+from .hf_loader import iter_hf_weights, read_hf_arch
+from .llama import DTYPES, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any  # llmq.worker.model.tokenizer.Tokenizer
+    arch: ModelArchConfig
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+    """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors +
+    tokenizer.json). Unsupported architectures, quant types or dtypes raise ValueError."""
+    # NOTE: imported here, not at the top, so the model loads stay importable on their own.
+    from .tokenizer import Tokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path = Path(path)
+    start = time.perf_counter()
+    if path.is_file() and path.suffix == ".gguf":
+        reader = gguf.GGUFReader(path)
+        arch = ModelArchConfig.from_gguf(reader)
+        check_tensor_types(reader)  # before the slow parts, so a bad file fails fast
+        model = LlamaForCausalLM(arch, dtype)
+        model.load_weights(iter_gguf_weights(reader, arch))
+        tokenizer = Tokenizer.from_gguf(reader)
+    elif path.is_dir():
+        arch = read_hf_arch(path)
+        model = LlamaForCausalLM(arch, dtype)
+        model.load_weights(iter_hf_weights(path))
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
+    model.eval()
+    logger.info("loaded %s (%s, %d layers, %s) in %.2f s", path.name, arch.architecture,
+                arch.num_layers, dtype, time.perf_counter() - start)
+    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch)

@@ -1,0 +1,368 @@
+"""Scheduler: which requests run each step with how many tokens, and what their tokens mean.
+
+After vLLM v1's `v1/core/sched/scheduler.py` and nano-vllm's `engine/scheduler.py`. One step
+is `schedule()` -> model runner -> `update_from_output()`; both ends are plain data
+(`SchedulerOutput`, `ModelRunnerOutput`, `EngineCoreOutput`). No torch, no Redis.
+
+- Token budget: each step computes at most `max_num_batched_tokens` tokens over at most
+  `max_num_seqs` running requests. Running requests go first (decodes and unfinished prompt
+  chunks), then waiting ones, so a long prompt is prefilled in chunks alongside decodes.
+- Order: `running` is kept sorted by the policy (fcfs: arrival; priority: lower value, then
+  arrival), so the request preempted when blocks run out, the last one, is always the least
+  important and never one already scheduled in this step.
+- Preemption is by recompute: the victim's blocks are freed (full ones stay in the prefix cache)
+  and it goes back to the front of the waiting queue, keeping its output tokens and text.
+- Requests finished outside `update_from_output` (aborts, the preemption cap) leave a terminal
+  output that the next `update_from_output` or `take_finished_outputs` returns.
+- `SchedulerOutput.finished_request_ids`: requests finished, aborted or preempted since the
+  previous `schedule()`. The runner must drop those before adding new requests, and ignore ids
+  it does not hold.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from llmq.worker import stop_checker
+from llmq.worker.config import EngineConfig
+from llmq.worker.kv_cache_manager import KVCacheManager
+from llmq.worker.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    Timings,
+    Usage,
+)
+from llmq.worker.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(Exception):
+    """A request the engine can never serve, refused at `add_request` (code: prompt_too_long,
+    empty_prompt, duplicate_request_id)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.kv_capacity_tokens = self.kv_cache_manager.num_usable_blocks * config.block_size
+        # NOTE: a request never stores its last token's KV, so a cache of C tokens can carry one
+        # request to C + 1 tokens. Capping max_model_len there means a request running alone
+        # always fits, and preemption always makes progress.
+        self.max_model_len = min(config.max_model_len or self.kv_capacity_tokens + 1,
+                                 self.kv_capacity_tokens + 1)
+        if config.max_model_len and self.max_model_len < config.max_model_len:
+            logger.warning("KV cache holds %d tokens: max_model_len capped from %d to %d",
+                           self.kv_capacity_tokens, config.max_model_len, self.max_model_len)
+        self.by_priority = config.scheduling_policy == "priority"
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # WAITING and PREEMPTED, next to admit first
+        self.running: list[Request] = []  # sorted by _order_key
+        self._order_keys: dict[str, tuple[float, float, int]] = {}
+        self._arrivals = itertools.count()
+        self._finished_request_ids: set[str] = set()
+        self._finished_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0  # total, for metrics
+
+    # -- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected if it could never be served."""
+        num_prompt = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise RequestRejected("duplicate_request_id",
+                                  f"request {request.request_id!r} is already in the engine")
+        if num_prompt == 0:
+            raise RequestRejected("empty_prompt", "the prompt has no tokens; at least 1 needed")
+        limit = self.config.max_model_len
+        if limit is not None and num_prompt + 1 > limit:
+            raise RequestRejected(
+                "prompt_too_long",
+                f"prompt has {num_prompt} tokens but max_model_len is {limit}: at most "
+                f"{limit - 1} prompt tokens leave room for one output token")
+        if num_prompt + 1 > self.max_model_len:
+            raise RequestRejected(
+                "prompt_too_long",
+                f"prompt has {num_prompt} tokens but the KV cache holds at most "
+                f"{self.kv_capacity_tokens} ({self.kv_cache_manager.num_usable_blocks} blocks "
+                f"of {self.config.block_size} tokens)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._order_keys[request.request_id] = (
+            request.priority if self.by_priority else 0, request.arrival_time,
+            next(self._arrivals))
+        self._enqueue_waiting(request, front=False)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish (by default abort) requests wherever they are; unknown ids are ignored.
+
+        Blocks are freed now; each request's terminal output comes from the next
+        `update_from_output` or `take_finished_outputs`.
+        """
+        assert status.is_finished, status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                self._finished_outputs.append(self._make_output(request, [], []))
+
+    def take_finished_outputs(self) -> list[EngineCoreOutput]:
+        """Terminal outputs of requests finished outside a step (aborts, preemption cap); the
+        engine calls this when it has nothing to schedule, so an abort while idle is answered."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        return outputs
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        cached_reqs = CachedRequestData.make_empty()
+        new_reqs: list[NewRequestData] = []
+        preempted = False
+
+        # Running requests: one decode token each, or the next chunk of their prompt.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if block_ids is None:
+                break  # it preempted itself, being the last running request
+            cached_reqs.request_ids.append(request.request_id)
+            cached_reqs.new_block_ids.append(block_ids)
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # Waiting requests, in queue order, while they fit.
+        # NOTE: not after a preemption: the cache was just found full, and admitting now would
+        # only preempt again next step.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._order_key)
+            new_reqs.append(NewRequestData(
+                request.request_id, list(request.prompt_token_ids),
+                list(request.output_token_ids), request.sampling_params,
+                list(request.block_ids), num_hit))
+            num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        finished_ids, self._finished_request_ids = self._finished_request_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled_tokens,
+                               self.config.max_num_batched_tokens - budget, finished_ids)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance the scheduled requests; one output per request with something new."""
+        outputs = self.take_finished_outputs()
+        runner = model_runner_output
+        sampled = dict(zip(runner.request_ids, runner.sampled_token_ids, strict=True))
+        logprobs = dict(zip(runner.request_ids, runner.logprobs, strict=False))
+        now = self.clock()
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            if request_id in runner.errors:
+                self._finish(request, RequestStatus.FINISHED_ERROR, "numerical",
+                             f"the model produced invalid logits: {runner.errors[request_id]}")
+                outputs.append(self._make_output(request, [], []))
+                continue
+            # NOTE: a token is only sampled once every token so far is computed; anything the
+            # runner returns in the middle of a prompt is not a real sample.
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            new_token_ids: list[int] = []
+            status = None
+            for token_id in sampled.get(request_id, []):
+                new_token_ids.append(token_id)
+                if (status := self._append_token(request, token_id)) is not None:
+                    break
+            if not new_token_ids:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if status is not None:
+                self._finish(request, status)
+            token_logprobs = logprobs.get(request_id)
+            outputs.append(self._make_output(
+                request, new_token_ids, [token_logprobs] if token_logprobs else []))
+        return outputs
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.kv_cache_manager.prefix_cache_hit_rate
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _order_key(self, request: Request) -> tuple[float, float, int]:
+        return self._order_keys[request.request_id]
+
+    def _enqueue_waiting(self, request: Request, front: bool) -> None:
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=self._order_key)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._finished_request_ids.add(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        if request.num_preemptions > self.config.max_num_preemptions:
+            self._finish(request, RequestStatus.FINISHED_ERROR, "preempted",
+                         f"preempted {request.num_preemptions} times for lack of KV cache "
+                         f"(max_num_preemptions={self.config.max_num_preemptions}); retry "
+                         f"when the worker is less busy, or with fewer tokens")
+            self._finished_outputs.append(self._make_output(request, [], []))
+            return
+        logger.debug("preempted %s (%d times)", request.request_id, request.num_preemptions)
+        self._enqueue_waiting(request, front=True)
+
+    def _append_token(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Append one sampled token and apply the stop conditions in order."""
+        request.append_output_token_ids([token_id])
+        params = request.sampling_params
+        # NOTE: the text of an EOS / stop token is never added to the output.
+        if stop_checker.check_stop_token(request, token_id):
+            return RequestStatus.FINISHED_STOPPED
+        if request.detokenizer is not None:
+            text = request.detokenizer.update([token_id])
+            request.output_text += text
+            if text and params.stop and request.num_output_tokens >= params.min_tokens:
+                match = stop_checker.find_stop_string(request.output_text, len(text),
+                                                      params.stop,
+                                                      params.include_stop_str_in_output)
+                if match is not None:
+                    request.stop_reason, cut = match
+                    request.output_text = request.output_text[:cut]
+                    return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, error_code: str | None = None,
+                error_message: str | None = None) -> None:
+        """Take a request out of the engine for good; its blocks are free on return."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.error_code = error_code
+        request.error_message = error_message
+        request.finished_time = self.clock()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        del self._order_keys[request.request_id]
+        self._finished_request_ids.add(request.request_id)
+        # NOTE: after a stop string the held-back text lies past the cut; otherwise flush it.
+        if request.detokenizer is not None and not isinstance(request.stop_reason, str):
+            request.output_text += request.detokenizer.finish()
+
+    def _make_output(self, request: Request, new_token_ids: list[int],
+                     new_logprobs: list) -> EngineCoreOutput:
+        """The request's delta since its last output; with the totals when it is finished."""
+        text = request.output_text
+        if request.is_finished:
+            end = len(text)
+        else:
+            held_back = stop_checker.num_held_back_chars(request.sampling_params)
+            end = max(len(text) - held_back, request.num_text_sent)
+        output = EngineCoreOutput(request.request_id, new_token_ids,
+                                  text[request.num_text_sent:end], new_logprobs)
+        request.num_text_sent = end
+        if not request.is_finished:
+            return output
+        output.finish_reason = request.status.finish_reason
+        output.stop_reason = request.stop_reason
+        output.error_code = request.error_code
+        output.error_message = request.error_message
+        output.text = text
+        output.usage = Usage(request.num_prompt_tokens, request.num_output_tokens,
+                             max(request.num_cached_tokens, 0))
+        output.timings = self._timings(request)
+        return output
+
+    def _timings(self, request: Request) -> Timings:
+        # NOTE: a request that never got that far counts the missing stage up to its finish.
+        end = request.finished_time
+        assert end is not None
+        first_scheduled, first_token = (
+            end if t is None else t
+            for t in (request.first_scheduled_time, request.first_token_time))
+        num_gaps = request.num_output_tokens - 1
+        return Timings(queue=first_scheduled - request.arrival_time,
+                       ttft=first_token - request.arrival_time,
+                       e2e=end - request.arrival_time,
+                       per_token=(end - first_token) / num_gaps if num_gaps > 0 else 0.0)

@@ -1,0 +1,106 @@
+"""StreamReader: the worker's input thread; new requests from the consumer group.
+
+After vLLM v1's EngineCoreProc input thread (socket -> decode -> queue for the busy loop) on a
+Redis consumer group:
+
+    XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:<queue> >
+
+where room = max_num_seqs - entries in flight. With no room it reads nothing, so unread work
+stays with the group for other workers and the group's lag is a true scaling signal (KEDA's
+redis-streams scaler reads it). What it reads goes through `Admission`.
+
+On NOGROUP (a fresh queue, or Redis restarted without persistence) it creates the group with
+MKSTREAM at id 0 (so entries a producer added before any worker existed are delivered) and goes
+on. After `stop()` it issues no new XREADGROUP; entries a read already in flight returns after the
+signal are handed straight back (XCLAIM with a huge IDLE) for a peer to take.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import redis
+
+from llmq.broker.keys import GROUP
+from llmq.worker.admission import Admission
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
+from llmq.worker.inflight_table import InFlightTable
+
+logger = logging.getLogger(__name__)
+
+
+class StreamReader:
+    def __init__(self, client: redis.Redis, queue_key: str, worker_id: str, table: InFlightTable,
+                 admission: Admission, *, max_num_seqs: int, block_ms: int,
+                 state: ConnectionState, ensure_group: Callable[[], None],
+                 hand_back: Callable[[list[str]], int]) -> None:
+        self.client = client
+        self.queue_key = queue_key
+        self.worker_id = worker_id
+        self.table = table
+        self.admission = admission
+        self.max_num_seqs = max_num_seqs
+        self.block_ms = block_ms
+        self.ensure_group = ensure_group
+        self.hand_back = hand_back
+        self.stop_event = threading.Event()
+        self.backoff = Backoff("stream reader", state, stop=self.stop_event)
+        self.num_read = 0
+        self._thread = threading.Thread(target=self._run, name="llmq-stream-reader", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No XREADGROUP is issued after this returns (one already blocking may still return)."""
+        self.stop_event.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            room = self.max_num_seqs - len(self.table)
+            if room <= 0:
+                self.table.wait_for_room(self.max_num_seqs, timeout=0.5)
+                continue
+            try:
+                reply = self.client.xreadgroup(GROUP, self.worker_id, {self.queue_key: ">"},
+                                               count=room, block=self.block_ms)
+                self.backoff.succeeded()
+            except TRANSIENT_ERRORS as e:
+                self.backoff.failed(e)
+                continue
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    logger.error("XREADGROUP refused: %s", e)
+                    self.backoff.failed(e)
+                    continue
+                try:
+                    self.ensure_group()
+                except (redis.RedisError, *TRANSIENT_ERRORS) as e2:  # type: ignore[misc]
+                    self.backoff.failed(e2)
+                continue
+            entries = [entry for _stream, stream_entries in (reply or [])
+                       for entry in stream_entries]
+            if not entries:
+                continue
+            if self.stop_event.is_set():
+                self._hand_back_late(entries)
+                return
+            self.num_read += len(entries)
+            self.admission.admit(self.client, entries, self.backoff)
+
+    def _hand_back_late(self, entries: list) -> None:
+        ids = [i.decode() if isinstance(i, bytes) else i for i, _ in entries]
+        for _ in range(3):
+            try:
+                self.hand_back(ids)
+                logger.info("handed back %d entries read after the stop signal", len(ids))
+                return
+            except TRANSIENT_ERRORS as e:
+                self.backoff.failed(e)
+        logger.warning("could not hand back %d entries: peers reclaim them after the lease",
+                       len(ids))
