@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+import redis.exceptions
 from llmq.broker.embedded import EmbeddedServer
 from llmq.broker.errors import BrokerError, BrokerUnavailable
 
@@ -123,13 +124,12 @@ def translate_errors(url: str) -> Iterator[None]:
             "paused?") from None
     except redis.ConnectionError as exc:
         raise BrokerUnavailable(f"no Redis server at {shown} ({_reason(exc)}): {_FIX}") from None
+    except redis.exceptions.OutOfMemoryError as exc:
+        raise BrokerError(
+            f"Redis at {shown} is out of memory and refuses writes ({exc}): let the workers "
+            "drain the queue, or raise its maxmemory") from None
+    except redis.exceptions.NoPermissionError as exc:
+        raise BrokerError(f"Redis at {shown} denied the command ({exc}): check the ACL "
+                          "user's permissions") from None
     except redis.ResponseError as exc:
-        text = str(exc)
-        if text.startswith("OOM"):
-            raise BrokerError(
-                f"Redis at {shown} is out of memory and refuses writes ({text}): let the workers "
-                "drain the queue, or raise its maxmemory") from None
-        if text.startswith("NOPERM"):
-            raise BrokerError(f"Redis at {shown} denied the command ({text}): check the ACL "
-                              "user's permissions") from None
-        raise BrokerError(f"Redis at {shown} returned an error: {text}") from None
+        raise BrokerError(f"Redis at {shown} returned an error: {exc}") from None

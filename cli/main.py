@@ -7,6 +7,7 @@ import logging
 import click
 
 from llmq.cli.generate import generate
+from llmq.cli.worker import worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,3 +20,8 @@ def cli(log_level: str) -> None:
 
 
 cli.add_command(generate)
+cli.add_command(worker)
+
+
+if __name__ == "__main__":
+    cli()

@@ -176,6 +176,7 @@ class Admission:
         # No usable request id, so no result stream to answer on: keep the payload for people.
         logger.warning("entry %s dead-lettered (%s): %s", entry.entry_id, rejected.code,
                        rejected.message)
+        entry.terminal = True
         self.writer.put(EntryWrite(
             entry.entry_id, None, "json", [], ack=True,
             dead_letter=self.dead_letter(entry.entry_id, None, rejected.code, rejected.message,
@@ -189,6 +190,7 @@ class Admission:
                        entry.attempt)
         code = protocol.ErrorCode.POISON.value
         request_id = decoded.request_id  # None when the payload gave no usable id
+        entry.terminal = True
         events: list[protocol.Event] = []
         if request_id is not None:
             events.append(protocol.Error(request_id=request_id, attempt=entry.attempt, code=code,
@@ -202,6 +204,7 @@ class Admission:
               details: dict[str, Any] | None = None) -> None:
         error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt, code=code,
                                message=message, details=details, metadata=entry.metadata)
+        entry.terminal = True
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
                                    ack=True))
 
@@ -211,6 +214,7 @@ class Admission:
                              finish_reason="cancelled", text="", usage=protocol.Usage(0, 0, 0),
                              timings=protocol.Timings(waited, None, waited, None),
                              metadata=entry.metadata)
+        entry.terminal = True
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [done],
                                    ack=True))
 

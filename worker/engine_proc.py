@@ -27,7 +27,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +45,7 @@ from llmq.worker.input_processor import InputProcessor
 from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.scheduler import RequestRejected
+from llmq.worker.stream_reader import StreamReader
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,11 @@ class Worker:
             claim_interval=config.claim_interval, max_num_seqs=self.max_num_seqs,
             state=self.state, heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
             metrics=self.metrics)
-        self.reader = StreamReader_(self, timeout)
+        self.reader = StreamReader(
+            connect_redis(url, socket_timeout=timeout), self.queue_key, config.worker_id,
+            self.table, self.admission, max_num_seqs=self.max_num_seqs,
+            block_ms=config.read_block_ms, state=self.state, ensure_group=self.ensure_group,
+            hand_back=self.keeper.hand_back)
         self.cancels = CancelListener(
             connect_redis(url, socket_timeout=timeout), self.keys.cancel(config.queue),
             self.table, self.inbox, block_ms=config.read_block_ms, state=self.state)
@@ -379,13 +383,3 @@ class Worker:
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2))
         return protocol.encode_heartbeat(heartbeat)
 
-
-def StreamReader_(worker: Worker, timeout: float) -> Any:  # noqa: N802
-    from llmq.worker.stream_reader import StreamReader
-
-    config = worker.config
-    return StreamReader(
-        connect_redis(config.redis_url, socket_timeout=timeout), worker.queue_key,
-        config.worker_id, worker.table, worker.admission, max_num_seqs=worker.max_num_seqs,
-        block_ms=config.read_block_ms, state=worker.state, ensure_group=worker.ensure_group,
-        hand_back=worker.keeper.hand_back)

@@ -23,9 +23,8 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
 from llmq.worker.metrics import WorkerMetrics
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 __all__ = ["HealthServer"]
 

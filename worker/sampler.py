@@ -8,7 +8,8 @@ References:
   more on CPU), `model_executor/layers/utils.py::apply_penalties`.
 - gpt-fast `generate.py`: sampling with no host sync. Every decision about which rows use which
   feature is made on the host from the params in `SamplingMetadata.build`; the sampler itself
-  only runs tensor ops and ends with one `.tolist()` (top-p adds one host check, see there).
+  only runs tensor ops and ends with one `.tolist()` (top-p adds a host check when some row's
+  nucleus lies beyond its 256 most likely tokens, see `_top_p_threshold`).
 - Penalties: repetition as in HF `RepetitionPenaltyLogitsProcessor` / vLLM (over prompt and
   output tokens: positive logits divided, negative ones multiplied); presence and frequency as
   in OpenAI's API (over output tokens only: `logit - count * frequency - (count > 0) * presence`).
@@ -23,8 +24,9 @@ from the sampler's shared `torch.Generator`. Every tensor op works row by row, s
 never depends on the other rows.
 
 Logprobs are computed from `log_softmax` of the penalised logits, before temperature and the
-top-k / top-p / min-p masks (the contract of `TokenLogprobs`). NOTE: vLLM v1's default
-"raw_logprobs" mode is taken before penalties too; the two agree whenever no penalty is set.
+top-k / top-p / min-p masks (the contract of `TokenLogprobs`). This is vLLM v1's default
+"raw_logprobs" mode except that vLLM takes it before penalties as well: the two agree whenever
+a request sets no penalty.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import math
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from llmq.worker.outputs import TokenLogprobs
@@ -106,36 +109,37 @@ class SamplingMetadata:
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         all_greedy = all(greedy)
         all_random = not any(greedy)
-        random_rows = [i for i, g in enumerate(greedy) if not g]
+        # Random rows only; greedy rows get the neutral value of each field.
+        rand = [p for p, g in zip(params, greedy, strict=True) if not g]
+        both = list(zip(params, greedy, strict=True))
 
         temperature = top_k = top_p = log_min_p = seeded_u = unseeded = None
         max_top_k = 0
-        if random_rows:
-            rand = [params[i] for i in random_rows]
+        if rand:
             if any(p.temperature != 1.0 for p in rand):
                 temperature = torch.tensor(
-                    [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                    [1.0 if g else p.temperature for p, g in both],
                     dtype=torch.float32).unsqueeze(1)
             ks = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size)
-                  for p, g in zip(params, greedy)]
+                  for p, g in both]
             enabled_ks = [k for k in ks if k < vocab_size]
             if enabled_ks:
                 top_k = torch.tensor(ks, dtype=torch.long).unsqueeze(1)
                 max_top_k = max(enabled_ks)
             if any(p.top_p < 1.0 for p in rand):
-                top_p = torch.tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)],
+                top_p = torch.tensor([1.0 if g else p.top_p for p, g in both],
                                      dtype=torch.float32).unsqueeze(1)
             if any(p.min_p > 0.0 for p in rand):
                 log_min_p = torch.tensor(
                     [math.log(p.min_p) if not g and p.min_p > 0.0 else -math.inf
-                     for p, g in zip(params, greedy)], dtype=torch.float32).unsqueeze(1)
+                     for p, g in both], dtype=torch.float32).unsqueeze(1)
             if any(p.seed is not None for p in rand):
                 seeded_u = torch.tensor(
                     [seeded_uniform(p.seed, len(out)) if not g and p.seed is not None else 0.0
-                     for p, g, out in zip(params, greedy, output_token_ids)],
+                     for p, g, out in zip(params, greedy, output_token_ids, strict=True)],
                     dtype=torch.float64)
             if any(p.seed is None for p in rand):
-                unseeded = torch.tensor([not g and p.seed is None for p, g in zip(params, greedy)])
+                unseeded = torch.tensor([not g and p.seed is None for p, g in both])
 
         penalty_fields = cls._build_penalties(params, prompt_token_ids, output_token_ids,
                                               vocab_size)
@@ -180,36 +184,44 @@ class SamplingMetadata:
         if not rows:
             return none
         pen = [params[i] for i in rows]
-        outputs = [output_token_ids[i] for i in rows]
-        # NOTE: one flat index list per kind, so each dense tensor is filled by a single
-        # index_put_ instead of one op per row.
-        out_rows = torch.repeat_interleave(  # [num_output_tokens]
-            torch.arange(len(rows)), torch.tensor([len(o) for o in outputs], dtype=torch.long))
-        out_ids = torch.tensor(list(chain.from_iterable(outputs)), dtype=torch.long)
+        num_cells = len(rows) * vocab_size
+        output_cells = _cell_ids([output_token_ids[i] for i in rows], vocab_size)
 
         fields = dict(none, has_penalties=True)
         if len(rows) < len(params):
             fields["penalty_rows"] = torch.tensor(rows, dtype=torch.long)
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in pen):
-            counts = torch.zeros(len(rows), vocab_size)  # [num_penalty_rows, vocab]
-            counts.index_put_((out_rows, out_ids), torch.ones(len(out_ids)), accumulate=True)
-            fields["output_token_counts"] = counts
+            counts = np.bincount(output_cells, minlength=num_cells).astype(np.float32)
+            fields["output_token_counts"] = torch.from_numpy(  # [num_penalty_rows, vocab]
+                counts.reshape(len(rows), vocab_size))
             fields["presence_penalties"] = torch.tensor(
                 [p.presence_penalty for p in pen], dtype=torch.float32).unsqueeze(1)
             fields["frequency_penalties"] = torch.tensor(
                 [p.frequency_penalty for p in pen], dtype=torch.float32).unsqueeze(1)
         if any(p.repetition_penalty != 1.0 for p in pen):
-            prompts = [prompt_token_ids[i] for i in rows]
-            prompt_rows = torch.repeat_interleave(  # [num_prompt_tokens]
-                torch.arange(len(rows)), torch.tensor([len(p) for p in prompts], dtype=torch.long))
-            prompt_ids = torch.tensor(list(chain.from_iterable(prompts)), dtype=torch.long)
-            seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool)  # [num_penalty_rows, vocab]
-            seen[prompt_rows, prompt_ids] = True
-            seen[out_rows, out_ids] = True
-            fields["seen_token_mask"] = seen
+            seen = np.zeros(num_cells, dtype=np.bool_)
+            seen[_cell_ids([prompt_token_ids[i] for i in rows], vocab_size)] = True
+            seen[output_cells] = True
+            fields["seen_token_mask"] = torch.from_numpy(  # [num_penalty_rows, vocab]
+                seen.reshape(len(rows), vocab_size))
             fields["repetition_penalties"] = torch.tensor(
                 [p.repetition_penalty for p in pen], dtype=torch.float32).unsqueeze(1)
         return fields
+
+
+def _cell_ids(token_ids: list[list[int]], vocab_size: int) -> np.ndarray:
+    """`row * vocab_size + token_id` for every token of every row, as one flat int64 array.
+
+    NOTE: numpy, not torch, because `np.fromiter` reads a long Python list ~4x faster than
+    `torch.tensor`, and a flat index fills a dense [rows, vocab] array in one pass: with 64
+    prompts of 8k tokens this is ~10 ms instead of ~70 ms."""
+    lengths = [len(ids) for ids in token_ids]
+    cells = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=sum(lengths))
+    if cells.size and (cells.min() < 0 or cells.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}) for penalties, got "
+                         f"{int(cells.min())}..{int(cells.max())}")
+    cells += np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab_size, lengths)
+    return cells
 
 
 def _nucleus_threshold(sorted_probs: torch.Tensor,
@@ -324,7 +336,8 @@ class Sampler:
         offset += num_logprob_rows
         top_ids_flat = flat[offset:offset + num_logprob_rows * n]
         top_lps_flat = flat[offset + num_logprob_rows * n:]
-        for j, (row, k) in enumerate(zip(metadata.logprob_rows, metadata.num_logprobs)):
+        rows_and_ns = zip(metadata.logprob_rows, metadata.num_logprobs, strict=True)
+        for j, (row, k) in enumerate(rows_and_ns):
             if row in bad_rows:
                 continue
             start = j * n
@@ -344,14 +357,15 @@ class Sampler:
             return logits
         rows = metadata.penalty_rows
         sub = logits if rows is None else logits[rows]  # [num_penalty_rows, vocab]
-        if metadata.repetition_penalties is not None:
-            penalty = torch.where(metadata.seen_token_mask,  # [num_penalty_rows, vocab]
-                                  metadata.repetition_penalties, 1.0)
+        seen, repetition = metadata.seen_token_mask, metadata.repetition_penalties
+        if seen is not None and repetition is not None:
+            penalty = torch.where(seen, repetition, 1.0)  # [num_penalty_rows, vocab]
             sub = torch.where(sub > 0, sub / penalty, sub * penalty)
-        if metadata.output_token_counts is not None:
-            counts = metadata.output_token_counts  # [num_penalty_rows, vocab]
-            sub = sub - metadata.frequency_penalties * counts
-            sub = sub - metadata.presence_penalties * (counts > 0)
+        counts = metadata.output_token_counts  # [num_penalty_rows, vocab]
+        frequency, presence = metadata.frequency_penalties, metadata.presence_penalties
+        if counts is not None and frequency is not None and presence is not None:
+            sub = sub - frequency * counts
+            sub = sub - presence * (counts > 0)
         if rows is None:
             return sub
         return logits.index_copy(0, rows, sub)  # [num_rows, vocab], a copy: the input is kept

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from llmq.broker.protocol import ErrorCode
 from llmq.worker import stop_checker
 from llmq.worker.config import EngineConfig
 from llmq.worker.kv_cache_manager import KVCacheManager
@@ -45,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 
 class RequestRejected(Exception):
-    """A request the engine can never serve, refused at `add_request` (code: prompt_too_long,
-    empty_prompt, duplicate_request_id)."""
+    """A request the engine can never serve, refused at `add_request`; `code` is an
+    `ErrorCode` (prompt_too_long, invalid_request)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -87,19 +88,19 @@ class Scheduler:
         """Queue a request, or raise RequestRejected if it could never be served."""
         num_prompt = request.num_prompt_tokens
         if request.request_id in self.requests:
-            raise RequestRejected("duplicate_request_id",
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                   f"request {request.request_id!r} is already in the engine")
         if num_prompt == 0:
-            raise RequestRejected("empty_prompt", "the prompt has no tokens; at least 1 needed")
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
         limit = self.config.max_model_len
         if limit is not None and num_prompt + 1 > limit:
             raise RequestRejected(
-                "prompt_too_long",
+                ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {num_prompt} tokens but max_model_len is {limit}: at most "
                 f"{limit - 1} prompt tokens leave room for one output token")
         if num_prompt + 1 > self.max_model_len:
             raise RequestRejected(
-                "prompt_too_long",
+                ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {num_prompt} tokens but the KV cache holds at most "
                 f"{self.kv_capacity_tokens} ({self.kv_cache_manager.num_usable_blocks} blocks "
                 f"of {self.config.block_size} tokens)")
@@ -208,7 +209,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
             if request_id in runner.errors:
-                self._finish(request, RequestStatus.FINISHED_ERROR, "numerical",
+                self._finish(request, RequestStatus.FINISHED_ERROR, ErrorCode.NUMERICAL,
                              f"the model produced invalid logits: {runner.errors[request_id]}")
                 outputs.append(self._make_output(request, [], []))
                 continue
@@ -279,7 +280,7 @@ class Scheduler:
         self._finished_request_ids.add(request.request_id)
         request.status = RequestStatus.PREEMPTED
         if request.num_preemptions > self.config.max_num_preemptions:
-            self._finish(request, RequestStatus.FINISHED_ERROR, "preempted",
+            self._finish(request, RequestStatus.FINISHED_ERROR, ErrorCode.PREEMPTED,
                          f"preempted {request.num_preemptions} times for lack of KV cache "
                          f"(max_num_preemptions={self.config.max_num_preemptions}); retry "
                          f"when the worker is less busy, or with fewer tokens")

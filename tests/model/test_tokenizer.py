@@ -246,6 +246,24 @@ def test_sentencepiece_gguf_merges_by_score_and_falls_back_to_bytes(spm_tokenize
     assert tok.decode(emoji_ids) == "hello 😀"
     assert tok.decode(ids) == tok.backend.decode(ids)
     assert tok.eos_token_ids == frozenset({2})
+    # and text after a special token gets its space prefix again, as in llama.cpp
+    ids = tok.encode("hello</s>hello", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ids] == ["▁hello", "</s>", "▁hello"]
+
+
+def test_sentencepiece_hugging_face_folder(spm_tokenizer, tmp_path: Path) -> None:
+    # Given a SentencePiece-style tokenizer.json (byte fallback, "▁" decoder, strip)
+    spm_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
+    # When llmq loads the folder
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    # Then it encodes, decodes and streams like the GGUF it came from
+    for text in ["hello world", "hello 😀 world", " hello"]:
+        assert tok.encode(text) == spm_tokenizer.encode(text)
+        assert tok.decode(tok.encode(text)) == spm_tokenizer.decode(spm_tokenizer.encode(text))
+    assert tok.add_bos and tok.strip_leading_space
+    assert tok.eos_token_ids == frozenset({2})
 
 
 def test_sentencepiece_gguf_without_bos(write_spm_gguf, tmp_path: Path) -> None:

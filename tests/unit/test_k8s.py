@@ -15,14 +15,13 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from llmq.broker.keys import DEFAULT_QUEUE, GROUP, Keys
+
 from tests.unit.worker_settings import ROOT, worker_settings
 
 K8S_VERSION = "1.33"  # a Kubernetes release in support; the manifests use only GA APIs
@@ -131,7 +130,8 @@ def test_keda_watches_the_stream_and_group_the_workers_consume(overlay, request)
         assert trigger["metadata"]["stream"] == keys.queue(queue)
         assert trigger["metadata"]["consumerGroup"] == GROUP
     # And it scales the worker Deployment, from zero, on lag plus in-flight work
-    assert scaled["spec"]["scaleTargetRef"]["name"] == one(objects, "Deployment")["metadata"]["name"]
+    deployment = one(objects, "Deployment")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert scaled["spec"]["minReplicaCount"] == 0
     assert scaled["spec"]["maxReplicaCount"] >= 1
     modes = {tuple(sorted(k for k in ("lagCount", "pendingEntriesCount") if k in t["metadata"]))

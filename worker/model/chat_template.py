@@ -63,6 +63,16 @@ class _TemplateNamespace(jinja2.utils.Namespace):
                 f"chat templates cannot store underscore-prefixed attributes, got {name!r}")
 
 
+class _TemplateDict:
+    # NOTE: templates get `dict(...)` and `dict.fromkeys(...)` but not the type itself, so they
+    # cannot reach type machinery through it (transformers' TemplateDict).
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -85,7 +95,7 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = dict
+    env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env
 

@@ -254,10 +254,11 @@ class Tokenizer:
         unk = tokens[unknown_id] if unknown_id is not None and unknown_id < len(tokens) else None
         backend = _Backend(models.BPE(vocab, [(r[3], r[4]) for r in ranked], unk_token=unk,
                                       fuse_unk=True, byte_fallback=True))
-        steps = [normalizers.Replace(" ", "\u2581")]
-        if add_space_prefix:
-            steps.insert(0, normalizers.Prepend("\u2581"))
-        backend.normalizer = normalizers.Sequence(steps)
+        # NOTE: tokenizers normalizes each stretch of text between special tokens on its own, so
+        # the "▁" is prepended after every special token too, as llama.cpp does (is_prev_special).
+        escape = normalizers.Replace(" ", "\u2581")
+        backend.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), escape])
+                              if add_space_prefix else escape)
         backend.decoder = decoders.Sequence([
             decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
             *([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])])
@@ -393,8 +394,9 @@ def _decoder_kind(decoder: dict[str, Any] | None) -> tuple[str, bool]:
         default_scheme = "always" if step.get("add_prefix_space", True) else "never"
         scheme = step.get("prepend_scheme", default_scheme)
         return "spm", scheme != "never"
-    if "ByteFallback" in kinds or any(s.get("type") == "Replace" and "\u2581" in json.dumps(s)
-                                      for s in steps):
+    if "ByteFallback" in kinds or any(
+            s.get("type") == "Replace" and "\u2581" in json.dumps(s, ensure_ascii=False)
+            for s in steps):
         strip = any(s.get("type") == "Strip" and s.get("start", 0) >= 1 for s in steps)
         return "spm", strip
     raise ValueError(f"unsupported tokenizer.json decoder {sorted(k for k in kinds if k)}; "

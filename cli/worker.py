@@ -1,0 +1,78 @@
+"""`llmq worker`: serve one queue with an engine core (the worker process of the pool).
+
+Flags map 1:1 onto `WorkerConfig` and `EngineConfig` fields, each with its `LLMQ_*` variable.
+torch and the engine are imported inside the command only, so `llmq --help` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from llmq.cli.options import engine_config_kwargs, engine_options
+
+
+@click.command()
+@click.option("--redis-url", envvar="LLMQ_REDIS_URL", default=None,
+              help="redis://, rediss:// or unix:// URL (default: the server of `llmq up`).")
+@click.option("--prefix", envvar="LLMQ_PREFIX", default="llmq", show_default=True,
+              help="Key prefix.")
+@click.option("--queue", envvar="LLMQ_QUEUE", default="default", show_default=True,
+              help="Queue to serve (stream llmq:q:<queue>).")
+@click.option("--worker-id", envvar="LLMQ_WORKER_ID", default=None,
+              help="Consumer name (default: host-pid-random).")
+@click.option("--lease-timeout", envvar="LLMQ_LEASE_TIMEOUT", type=click.FloatRange(min=0,
+              min_open=True), default=30.0, show_default=True,
+              help="Seconds without renewal before peers reclaim a request.")
+@click.option("--renew-interval", envvar="LLMQ_RENEW_INTERVAL",
+              type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds between lease renewals (default: lease timeout / 3).")
+@click.option("--claim-interval", envvar="LLMQ_CLAIM_INTERVAL",
+              type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds between scans for dead workers' requests (default: renew interval).")
+@click.option("--drain-timeout", envvar="LLMQ_DRAIN_TIMEOUT", type=click.FloatRange(min=0),
+              default=20.0, show_default=True,
+              help="Seconds to finish in-flight requests after SIGTERM before handing them back.")
+@click.option("--max-deliveries", envvar="LLMQ_MAX_DELIVERIES", type=click.IntRange(min=1),
+              default=3, show_default=True,
+              help="Deliveries before a request is dead-lettered as poison.")
+@click.option("--result-ttl", envvar="LLMQ_RESULT_TTL", type=click.IntRange(min=1),
+              default=24 * 3600, show_default=True,
+              help="Seconds a result stream lives after its last event.")
+@click.option("--result-maxlen", envvar="LLMQ_RESULT_MAXLEN", type=click.IntRange(min=1),
+              default=10_000, show_default=True, help="Approximate cap of each result stream.")
+@click.option("--metrics-port", envvar="LLMQ_METRICS_PORT", type=click.IntRange(0, 65535),
+              default=0, show_default=True, help="/metrics /healthz /readyz port (0: off).")
+@engine_options
+def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None,
+           lease_timeout: float, renew_interval: float | None, claim_interval: float | None,
+           drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
+           metrics_port: int, **kwargs) -> None:
+    """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
+    from llmq.broker.connection import resolve_redis_url
+    from llmq.broker.errors import LLMQError
+    from llmq.worker.config import EngineConfig
+    from llmq.worker.engine_proc import WorkerConfig
+    from llmq.worker.lease_keeper import default_worker_id
+
+    try:
+        engine_config = EngineConfig(**engine_config_kwargs(kwargs))
+        config = WorkerConfig(
+            redis_url=resolve_redis_url(redis_url), prefix=prefix, queue=queue,
+            worker_id=worker_id or default_worker_id(), lease_timeout=lease_timeout,
+            renew_interval=renew_interval, claim_interval=claim_interval,
+            drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
+            result_maxlen=result_maxlen, metrics_port=metrics_port)
+    except LLMQError as e:
+        raise click.ClickException(str(e)) from None
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+    from llmq.worker.engine_core import EngineCore
+    from llmq.worker.engine_proc import Worker
+
+    engine = EngineCore(engine_config)
+    model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
+    sys.exit(Worker(config, engine, model_name=model_name).run())
