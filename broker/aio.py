@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+
 from llmq.broker.client import _READ_COUNT, _ClientBase
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
@@ -25,6 +26,7 @@ from llmq.broker.commands import (
     SUBMIT_SCRIPT,
     DeadLetterEntry,
     QueueStats,
+    as_str,
     block_ms,
     build_submission,
     dead_letter_to_retry,
@@ -154,12 +156,16 @@ class AsyncClient(_ClientBase):
         transcript = Transcript(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last_id: bytes | str = "0-0"
+        first_read = True
         with translate_errors(self.url):
             while True:
                 block = block_ms(deadline)
-                if block == 0:
+                if block == 0 and not first_read:
                     raise ResultTimeout(request_id, timeout or 0.0)
-                reply = await self.redis.xread({key: last_id}, count=_READ_COUNT, block=block)
+                # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
+                reply = await self.redis.xread({key: last_id}, count=_READ_COUNT,
+                                            block=block or None)
+                first_read = False
                 for entry_id, fields in stream_entries(reply):
                     last_id = entry_id
                     event = self._decode_entry(request_id, entry_id, fields)
@@ -201,11 +207,11 @@ class AsyncClient(_ClientBase):
 
     async def queues(self) -> list[str]:
         with translate_errors(self.url):
-            return sorted(m.decode() for m in await self.redis.smembers(self.keys.queues()))
+            return sorted(as_str(m) for m in await self.redis.smembers(self.keys.queues()))
 
     async def workers(self) -> list[WorkerHeartbeat]:
         with translate_errors(self.url):
-            worker_ids = [m.decode() for m in await self.redis.zrange(self.keys.workers(), 0, -1)]
+            worker_ids = [as_str(m) for m in await self.redis.zrange(self.keys.workers(), 0, -1)]
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in worker_ids:
                 pipe.hgetall(self.keys.worker(worker_id))
@@ -231,7 +237,7 @@ class AsyncClient(_ClientBase):
             pipe.xadd(self.keys.queue(queue), entry.payload)
             pipe.xdel(self.keys.dlq(queue), dlq_entry_id)
             new_id, _ = await pipe.execute()
-        return new_id.decode()
+        return as_str(new_id)
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:
         queue = self._queue(queue)

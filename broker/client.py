@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 import redis
+
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
@@ -29,6 +30,7 @@ from llmq.broker.commands import (
     DeadLetterEntry,
     QueueStats,
     Submission,
+    as_str,
     block_ms,
     build_submission,
     dead_letter_to_retry,
@@ -44,7 +46,7 @@ from llmq.broker.connection import (
     translate_errors,
 )
 from llmq.broker.errors import InvalidRequest, ProtocolError, RequestFailed, ResultTimeout
-from llmq.broker.keys import GROUP, Keys, validate_name
+from llmq.broker.keys import GROUP, NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.protocol import (
     Done,
     Encoding,
@@ -93,6 +95,9 @@ class _ClientBase:
                     request_id: str | None, params: Mapping[str, Any]) -> Submission:
         if "id" in params:
             raise InvalidRequest("pass the request id as `request_id=`")
+        if request_id is not None and not is_valid_name(request_id):
+            raise InvalidRequest(f"invalid request_id {request_id!r:.60}: must match "
+                                 f"{NAME_PATTERN}")
         body = {"id": request_id, "prompt": prompt, "messages": messages,
                 "prompt_token_ids": prompt_token_ids, **params}
         return build_submission(body, self.encoding)
@@ -106,7 +111,7 @@ class _ClientBase:
     def _submitted_id(submission: Submission, reply: Any) -> str:
         """The request id, from an XADD reply (entry id) or the submit script's reply."""
         if submission.request_id is None:
-            return reply.decode() if isinstance(reply, bytes) else str(reply)
+            return as_str(reply)
         if not int(reply[0]):
             logger.debug("request %s was already submitted; not queued again",
                          submission.request_id)
@@ -261,12 +266,16 @@ class Client(_ClientBase):
         transcript = Transcript(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last_id: bytes | str = "0-0"
+        first_read = True
         with translate_errors(self.url):
             while True:
                 block = block_ms(deadline)
-                if block == 0:
+                if block == 0 and not first_read:
                     raise ResultTimeout(request_id, timeout or 0.0)
-                reply = self.redis.xread({key: last_id}, count=_READ_COUNT, block=block)
+                # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
+                reply = self.redis.xread({key: last_id}, count=_READ_COUNT,
+                                            block=block or None)
+                first_read = False
                 for entry_id, fields in stream_entries(reply):
                     last_id = entry_id
                     event = self._decode_entry(request_id, entry_id, fields)
@@ -322,12 +331,12 @@ class Client(_ClientBase):
     def queues(self) -> list[str]:
         """Names of the queues that have a consumer group."""
         with translate_errors(self.url):
-            return sorted(m.decode() for m in self.redis.smembers(self.keys.queues()))
+            return sorted(as_str(m) for m in self.redis.smembers(self.keys.queues()))
 
     def workers(self) -> list[WorkerHeartbeat]:
         """Live workers' latest heartbeats; expired ones are removed from the registry."""
         with translate_errors(self.url):
-            worker_ids = [m.decode() for m in self.redis.zrange(self.keys.workers(), 0, -1)]
+            worker_ids = [as_str(m) for m in self.redis.zrange(self.keys.workers(), 0, -1)]
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in worker_ids:
                 pipe.hgetall(self.keys.worker(worker_id))
@@ -357,7 +366,7 @@ class Client(_ClientBase):
             pipe.xadd(self.keys.queue(queue), entry.payload)
             pipe.xdel(self.keys.dlq(queue), dlq_entry_id)
             new_id, _ = pipe.execute()
-        return new_id.decode()
+        return as_str(new_id)
 
     def purge_dead_letters(self, queue: str | None = None) -> int:
         """Delete every dead letter of a queue; how many there were."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
 from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import (
@@ -36,6 +37,7 @@ __all__ = [
     "DeadLetterEntry",
     "QueueStats",
     "Submission",
+    "as_str",
     "block_ms",
     "build_submission",
     "dead_letter_to_retry",
@@ -69,7 +71,8 @@ redis.call('SET', KEYS[2], entry, 'EX', ARGV[3])
 return {1, entry}
 """
 
-_encoders = {"json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
+_encoders: dict[str, msgspec.json.Encoder | msgspec.msgpack.Encoder] = {
+    "json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
 
 
 @dataclass(frozen=True)
@@ -144,8 +147,9 @@ def _field(info: Mapping[Any, Any], name: str) -> Any:
     return info.get(name, info.get(name.encode()))
 
 
-def _decode(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
+def as_str(value: Any) -> str:
+    """A reply value (bytes, from a client that does not decode responses) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -> QueueStats:
@@ -155,7 +159,7 @@ def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -
             raise groups
         groups = []
     for info in groups:
-        if _decode(_field(info, "name")) == GROUP:
+        if as_str(_field(info, "name")) == GROUP:
             lag = _field(info, "lag")
             return QueueStats(queue, int(length), None if lag is None else int(lag),
                               int(_field(info, "pending") or 0), int(dead_letters),
@@ -176,7 +180,7 @@ def parse_dead_letters(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[
     parsed = []
     for entry_id, fields in entries:
         dead_letter, payload = decode_dead_letter(fields)
-        parsed.append(DeadLetterEntry(_decode(entry_id), dead_letter, payload))
+        parsed.append(DeadLetterEntry(as_str(entry_id), dead_letter, payload))
     return parsed
 
 

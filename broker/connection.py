@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 import redis.exceptions
+
 from llmq.broker.embedded import EmbeddedServer
 from llmq.broker.errors import BrokerError, BrokerUnavailable
 

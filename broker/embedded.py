@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import redis
+
 from llmq.broker.errors import ServerStartError
 
 __all__ = [

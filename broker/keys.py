@@ -28,6 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from llmq.broker.errors import LLMQError
+
 __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_QUEUE",
@@ -49,7 +51,7 @@ _NAME_RE = re.compile(NAME_PATTERN)
 _PREFIX_RE = re.compile(r"\{[A-Za-z0-9_.:-]{1,62}\}|[A-Za-z0-9_.:-]{1,64}")
 
 
-class InvalidName(ValueError):
+class InvalidName(LLMQError, ValueError):
     """A queue name, request id, worker id or prefix that may not become part of a key."""
 
 

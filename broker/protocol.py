@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta, Struct
+
 from llmq.broker.errors import InvalidRequest, ProtocolError
 from llmq.broker.keys import NAME_PATTERN, is_valid_name
-from msgspec import Meta, Struct
 
 __all__ = [
     "DEAD_LETTER_FIELD",
@@ -286,10 +287,12 @@ def is_terminal(event: Event) -> bool:
 # --- Long-lived codecs ---------------------------------------------------------------------------
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
-_encoders = {"json": _json_encoder, "msgpack": _msgpack_encoder}
-_request_decoders = {"json": msgspec.json.Decoder(Request),
-                     "msgpack": msgspec.msgpack.Decoder(Request)}
-_event_decoders = {"json": msgspec.json.Decoder(Event), "msgpack": msgspec.msgpack.Decoder(Event)}
+_encoders: dict[str, msgspec.json.Encoder | msgspec.msgpack.Encoder] = {
+    "json": _json_encoder, "msgpack": _msgpack_encoder}
+_request_decoders: dict[str, msgspec.json.Decoder[Request] | msgspec.msgpack.Decoder[Request]] = {
+    "json": msgspec.json.Decoder(Request), "msgpack": msgspec.msgpack.Decoder(Request)}
+_event_decoders: dict[str, msgspec.json.Decoder[Event] | msgspec.msgpack.Decoder[Event]] = {
+    "json": msgspec.json.Decoder(Event), "msgpack": msgspec.msgpack.Decoder(Event)}
 
 
 class _IdProbe(Struct):
@@ -298,7 +301,8 @@ class _IdProbe(Struct):
     id: Any = None
 
 
-_id_probes = {"json": msgspec.json.Decoder(_IdProbe), "msgpack": msgspec.msgpack.Decoder(_IdProbe)}
+_id_probes: dict[str, msgspec.json.Decoder[_IdProbe] | msgspec.msgpack.Decoder[_IdProbe]] = {
+    "json": msgspec.json.Decoder(_IdProbe), "msgpack": msgspec.msgpack.Decoder(_IdProbe)}
 
 
 def _text(value: bytes | str) -> str:

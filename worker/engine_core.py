@@ -55,11 +55,13 @@ class EngineCore:
         max_model_len = config.max_model_len or min(
             loaded.arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
         self.config = dataclasses.replace(config, max_model_len=max_model_len)
+        # NOTE: at least 2: block 0 is the padding block block tables are filled with.
         num_kv_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // loaded.model.kv_cache_bytes_per_block(
+            2, config.kv_cache_memory_bytes // loaded.model.kv_cache_bytes_per_block(
                 config.block_size))
         self.clock = clock
-        self.runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, config.threads)
+        self.runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, config.threads,
+                                  eos_token_ids=self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)

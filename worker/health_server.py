@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from llmq.worker.metrics import WorkerMetrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from llmq.worker.metrics import WorkerMetrics
 
 __all__ = ["HealthServer"]
 

@@ -38,7 +38,8 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, model, num_kv_blocks: int, block_size: int, threads: int) -> None:
+    def __init__(self, model, num_kv_blocks: int, block_size: int, threads: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         # NOTE: set explicitly: torch's default (one thread per core) collapses 5-30x on this
         # kind of machine whenever a neighbour is busy; one worker process per core is the plan.
         torch.set_num_threads(threads)
@@ -48,6 +49,7 @@ class ModelRunner:
         self.vocab_size = model.arch.vocab_size
         self.kv_caches = model.make_kv_caches(num_kv_blocks, block_size)
         self.sampler = Sampler()
+        self.eos_token_ids = sorted(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -97,6 +99,7 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[logits_indices])  # [num_samples, vocab]
             sampling_states = [states[i] for i in sample_rows]
+            self._suppress_stop_tokens_before_min_tokens(logits, sampling_states)
             sampling_metadata = SamplingMetadata.build(
                 [s.sampling_params for s in sampling_states],
                 [s.prompt_token_ids for s in sampling_states],
@@ -113,3 +116,17 @@ class ModelRunner:
                 sampled[i] = [token_id]
                 logprobs[i] = out.logprobs[row]
         return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors)
+
+    def _suppress_stop_tokens_before_min_tokens(
+            self, logits: torch.Tensor, states: list[CachedRequestState]) -> None:
+        # NOTE: like vLLM's min_tokens logits processor: until min_tokens are out, EOS and the
+        # stop token ids cannot be sampled at all (rather than sampled and then ignored).
+        for row, state in enumerate(states):
+            params = state.sampling_params
+            if len(state.output_token_ids) >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += self.eos_token_ids
+            if banned:
+                logits[row, banned] = float("-inf")  # [vocab] row of [num_samples, vocab]

@@ -10,9 +10,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from llmq.worker.health_server import HealthServer
 from llmq.worker.metrics import WorkerMetrics
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUEUE = "default"

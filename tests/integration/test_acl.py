@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+
 from llmq.broker.client import Client
 from llmq.broker.commands import SUBMIT_SCRIPT, queue_event
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
-
 from tests.fixtures.redis_servers import SERVER_KINDS, require_binary
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -377,7 +377,9 @@ def test_the_redis_cli_producer_in_the_docs_works(redis_server: Any,
 
 def test_the_plain_redis_py_producer_in_the_docs_works(redis_server: Any,
                                                        redis_client: redis.Redis) -> None:
-    # Given the docs' producer written in plain redis-py, running in its own process
+    # Given a worker's group (so the producer meets BUSYGROUP) and the docs' producer written in
+    # plain redis-py, running in its own process
+    redis_client.xgroup_create(KEYS.queue("default"), GROUP, id="0", mkstream=True)
     env = {**os.environ, "LLMQ_REDIS_URL": redis_server.url}
     producer = subprocess.Popen([sys.executable, "-c", _docs_block("## 11.", "python")],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

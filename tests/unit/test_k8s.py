@@ -20,8 +20,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from llmq.broker.keys import DEFAULT_QUEUE, GROUP, Keys
 
+from llmq.broker.keys import DEFAULT_QUEUE, GROUP, Keys
 from tests.unit.worker_settings import ROOT, worker_settings
 
 K8S_VERSION = "1.33"  # a Kubernetes release in support; the manifests use only GA APIs

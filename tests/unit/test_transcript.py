@@ -12,7 +12,8 @@ def _done(attempt: int, text: str) -> Done:
 
 def test_deltas_assemble_the_text_and_done_ends_it() -> None:
     transcript = Transcript("r")
-    for event in [Start("r", 1, "w1", 3), Delta("r", 1, 0, "Hel", [1]), Delta("r", 1, 1, "lo", [2])]:
+    events = [Start("r", 1, "w1", 3), Delta("r", 1, 0, "Hel", [1]), Delta("r", 1, 1, "lo", [2])]
+    for event in events:
         assert transcript.apply(event) is Fold.ACCEPTED
     assert transcript.text == "Hello" and not transcript.finished
     assert transcript.apply(_done(1, "Hello")) is Fold.ACCEPTED
