@@ -186,3 +186,14 @@ def test_a_killed_test_server_restarts_with_its_data(tmp_path: Path) -> None:
         client.close()
         process.stop()
     assert not _alive(new_pid)
+
+
+def test_a_missing_server_binary_skips_locally_and_fails_under_ci(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tests.fixtures.redis_servers.redis_server_binary", lambda: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="required under CI=true"):
+        require_binary("redis7")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="make redis-server"):
+        require_binary("redis7")

@@ -234,6 +234,15 @@ def test_result_of_a_failed_request_raises_its_code_and_message(
     assert "at `$.top_p`" in info.value.message
 
 
+def test_a_zero_timeout_reads_what_is_already_there(client: Client,
+                                                   redis_client: redis.Redis) -> None:
+    request_id = client.submit("Hi")
+    with pytest.raises(ResultTimeout):
+        client.result(request_id, timeout=0)
+    answer(redis_client, ["Hey"])
+    assert client.result(request_id, timeout=0).text == "Hey"
+
+
 def test_result_times_out_when_nothing_answers(client: Client) -> None:
     request_id = client.submit("nobody is listening")
     started = time.monotonic()
@@ -453,7 +462,8 @@ def test_the_async_client_does_what_the_sync_one_does(redis_server: Any,
             # submit (idempotent), late events, result
             request_id = await client.submit("Hello", request_id="a1", max_tokens=4)
             assert await client.submit("Hello", request_id="a1") == "a1"
-            assert (await client.submit_many([{"prompt": "b"}]))[0]
+            many = await client.submit_many([{"prompt": "b"}, {"id": "a1", "prompt": "dup"}])
+            assert many[1] == "a1" and redis_client.xlen(KEYS.queue("default")) == 2
             await asyncio.to_thread(answer, redis_client, ["Hi", "!"])
             events = [e async for e in client.events(request_id, timeout=5)]
             assert [type(e) for e in events] == [Start, Delta, Delta, Done]

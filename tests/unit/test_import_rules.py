@@ -23,6 +23,8 @@ RULES = {
     "llmq.worker.kv_cache_manager": ("torch", "redis"),
     "llmq.worker.scheduler": ("torch", "redis"),
     "llmq.worker.detokenizer": ("torch", "redis"),
+    "llmq.worker.metrics": ("torch", "redis"),
+    "llmq.worker.health_server": ("torch", "redis"),
     "llmq.worker.model_runner": ("redis", "llmq.broker"),
     "llmq.worker.sampler": ("redis", "llmq.broker"),
     "llmq.worker.model.llama": ("redis", "llmq.broker"),

@@ -293,7 +293,8 @@ EVENTS = st.one_of(
               st.none() | st.integers(0, 10**6) | st.text(max_size=5), _metadata),
     st.builds(Error, _ids, _attempt, st.sampled_from([c.value for c in protocol.ErrorCode]),
               st.text(max_size=50), st.none() | st.dictionaries(st.text(max_size=5),
-                                                                st.integers()), _metadata),
+                                                                st.integers(-(2**53), 2**53)),
+              _metadata),
 )
 
 
