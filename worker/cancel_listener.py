@@ -74,8 +74,9 @@ class CancelListener:
                 self.backoff.failed(e)
                 continue
             except redis.ResponseError as e:
-                logger.error("cancel stream read refused: %s", e)
-                self.backoff.failed(e)
+                if "UNBLOCKED" not in str(e):  # not just "the stream was deleted meanwhile"
+                    logger.error("cancel stream read refused: %s", e)
+                    self.stop_event.wait(1.0)
                 continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:

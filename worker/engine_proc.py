@@ -151,6 +151,7 @@ class Worker:
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
         self._stats: Any = None
+        self._group_seen = False  # a group existed once: recreating it later is news
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -197,11 +198,13 @@ class Worker:
         self.table.orphan_all()
         try:
             self._admin.xgroup_create(self.queue_key, GROUP, id="0", mkstream=True)
-            logger.warning("created consumer group %s on %s", GROUP, self.queue_key)
+            logger.log(logging.WARNING if self._group_seen else logging.INFO,
+                       "created consumer group %s on %s", GROUP, self.queue_key)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
         self._admin.sadd(self.keys.queues(), self.config.queue)
+        self._group_seen = True
 
     # -- the busy loop ----------------------------------------------------------------------------
 

@@ -253,7 +253,8 @@ class LeaseKeeper:
     def _on_nogroup(self) -> None:
         # The group is gone (Redis restarted without persistence, or someone destroyed it): our
         # entries went with it, so nobody can take them from us; keep running and recreate it.
-        logger.warning("consumer group %s on %s is gone: recreating it", GROUP, self.queue_key)
+        logger.log(logging.WARNING if len(self.table) else logging.INFO,
+                   "consumer group %s on %s is missing: creating it", GROUP, self.queue_key)
         try:
             self.ensure_group()
         except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]

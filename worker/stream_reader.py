@@ -77,9 +77,11 @@ class StreamReader:
                 self.backoff.failed(e)
                 continue
             except redis.ResponseError as e:
-                if "NOGROUP" not in str(e):
+                # NOGROUP: no group (yet, or any more). UNBLOCKED: the stream was deleted while
+                # we waited on it (Redis 7 wakes blocked readers with this error).
+                if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
                     logger.error("XREADGROUP refused: %s", e)
-                    self.backoff.failed(e)
+                    self.stop_event.wait(1.0)
                     continue
                 try:
                     self.ensure_group()
