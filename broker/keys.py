@@ -16,6 +16,10 @@ Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
                                       member whose `llmq:w:` hash has expired is dead and is
                                       removed by whoever notices
     llmq:queues             set       queue names that have a consumer group (for `llmq status`)
+    llmq:batch:<batch_id>:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
+    llmq:batch:<batch_id>:output   list    its output lines in input order, written by the rq job
+    llmq:batch:<batch_id>:errors   list    its error lines (failed validation or generation)
+    llmq:batch:<batch_id>:cancel   string  cancel flag the batch job checks, TTL
 
 Queue names, request ids and worker ids must match `[A-Za-z0-9_.:-]{1,128}`: no spaces, braces,
 globs or newlines, so nothing taken from a payload can add a Cluster hash tag (`{}`), widen a
@@ -115,3 +119,19 @@ class Keys:
     def queues(self) -> str:
         """Set of queue names that have a consumer group."""
         return f"{self.prefix}:queues"
+
+    def batch_input(self, batch_id: str) -> str:
+        """Input file of an `llmq batch` job (the OpenAI batch JSONL as submitted)."""
+        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:input"
+
+    def batch_output(self, batch_id: str) -> str:
+        """Output lines of a batch job (a list, in input order)."""
+        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:output"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Error lines of a batch job (a list, in input order)."""
+        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:errors"
+
+    def batch_cancel(self, batch_id: str) -> str:
+        """Cancel flag of a batch job."""
+        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:cancel"

@@ -1,16 +1,41 @@
-"""The `llmq` command: one click group, commands registered from one module each."""
+"""The `llmq` command: one click group, commands registered from one module each.
+
+Every error llmq raises on purpose (`LLMQError`: no server, bad request, unknown id...) is shown
+as one `Error: ...` line with exit code 1, never a traceback; the group does that once for all
+commands, so no command can forget it.
+"""
 
 from __future__ import annotations
 
 import logging
 
 import click
+import redis
 
+from llmq.broker.errors import LLMQError
+from llmq.cli.batch import batch, batch_worker
+from llmq.cli.bench import bench
+from llmq.cli.dlq import dlq
 from llmq.cli.generate import generate
+from llmq.cli.result import cancel, result
+from llmq.cli.status import status
+from llmq.cli.submit import submit
+from llmq.cli.up import down, up
 from llmq.cli.worker import worker
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LLMQGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except LLMQError as exc:
+            raise click.ClickException(str(exc)) from None
+        except redis.RedisError as exc:
+            # NOTE: the broker translates its own calls; this catches the rest (rq's, mostly).
+            raise click.ClickException(f"Redis error: {exc}") from None
+
+
+@click.group(cls=LLMQGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--log-level", envvar="LLMQ_LOG_LEVEL", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(log_level: str) -> None:
@@ -19,8 +44,9 @@ def cli(log_level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-cli.add_command(generate)
-cli.add_command(worker)
+for command in (up, down, submit, result, cancel, status, dlq, batch, batch_worker, bench,
+                worker, generate):
+    cli.add_command(command)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Option groups shared by several commands, each flag with its `LLMQ_*` environment variable.
 
-Engine flags map 1:1 onto `EngineConfig` fields and sampling flags onto `SamplingParams`, so a
-flag, its variable and its field always share one name.
+Connection flags map onto `BrokerSettings` fields, engine flags 1:1 onto `EngineConfig` fields and
+sampling flags onto `SamplingParams`, so a flag, its variable and its field always share one name.
 """
 
 from __future__ import annotations
@@ -17,6 +17,27 @@ def _apply(options: list[Callable]) -> Callable:
             fn = option(fn)
         return fn
     return decorate
+
+
+redis_url_option = click.option(
+    "--redis-url", envvar="LLMQ_REDIS_URL", default=None, metavar="URL",
+    help="redis://, rediss:// (TLS) or unix:// URL, user:password@ for ACL users "
+         "(default: the server `llmq up` started).")
+
+connection_options = _apply([
+    redis_url_option,
+    click.option("--prefix", envvar="LLMQ_PREFIX", default="llmq", show_default=True,
+                 help="Key prefix."),
+    click.option("--queue", envvar="LLMQ_QUEUE", default="default", show_default=True,
+                 help="Queue (the stream <prefix>:q:<queue>)."),
+])
+
+CONNECTION_FIELDS = ("redis_url", "prefix", "queue")
+
+
+def connection_kwargs(kwargs: dict) -> dict:
+    """Pop the connection flags out of a command's kwargs, ready for Client(**...)."""
+    return {name: kwargs.pop(name) for name in CONNECTION_FIELDS}
 
 
 engine_options = _apply([

@@ -11,16 +11,11 @@ import sys
 
 import click
 
-from llmq.cli.options import engine_config_kwargs, engine_options
+from llmq.cli.options import connection_options, engine_config_kwargs, engine_options
 
 
 @click.command()
-@click.option("--redis-url", envvar="LLMQ_REDIS_URL", default=None,
-              help="redis://, rediss:// or unix:// URL (default: the server of `llmq up`).")
-@click.option("--prefix", envvar="LLMQ_PREFIX", default="llmq", show_default=True,
-              help="Key prefix.")
-@click.option("--queue", envvar="LLMQ_QUEUE", default="default", show_default=True,
-              help="Queue to serve (stream llmq:q:<queue>).")
+@connection_options
 @click.option("--worker-id", envvar="LLMQ_WORKER_ID", default=None,
               help="Consumer name (default: host-pid-random).")
 @click.option("--lease-timeout", envvar="LLMQ_LEASE_TIMEOUT", type=click.FloatRange(min=0,

@@ -116,27 +116,36 @@ class Admission:
 
     def _admit_all(self, fresh: list[tuple[InFlight, Any, Any]], now_ms: int,
                    cancel_flags: dict[str, bool]) -> int:
+        adds: list[AddRequest] = []
         for entry, decoded, fields in fresh:
             if entry.fenced:
                 self.table.pop(entry.entry_id)  # a peer took it while we waited for Redis
                 continue
             try:
-                self._admit_one(entry, decoded, fields, now_ms,
-                                cancel_flags.get(entry.entry_id, False))
+                add = self._admit_one(entry, decoded, fields, now_ms,
+                                      cancel_flags.get(entry.entry_id, False))
             except Exception:  # noqa: BLE001 - one bad request must never stop admission
                 logger.exception("admitting entry %s failed", entry.entry_id)
                 self._fail(entry, protocol.ErrorCode.ENGINE_ERROR.value,
                            "the worker failed to admit this request")
+                continue
+            if add is not None:
+                adds.append(add)
+        if adds:
+            # NOTE: one inbox item per read, so the engine's next step sees the whole read
+            # (prefills batched together, as if the requests had been added in-process).
+            self.inbox.put(adds)
         return len(fresh)
 
     def _admit_one(self, entry: InFlight, decoded: Any, fields: Any, now_ms: int,
-                   cancel_flag: bool) -> None:
+                   cancel_flag: bool) -> AddRequest | None:
+        """The request for the engine, or None when the entry was answered here."""
         if entry.attempt > self.max_deliveries:
             self._poison(entry, decoded, fields)
-            return
+            return None
         if isinstance(decoded, protocol.RejectedEntry):
             self._reject(entry, decoded, fields)
-            return
+            return None
         request = decoded.request
         entry_ms = protocol.entry_time_ms(entry.entry_id)
         waited_ms = max(0, now_ms - entry_ms)
@@ -144,16 +153,16 @@ class Admission:
             self._fail(entry, protocol.ErrorCode.DEADLINE_EXCEEDED.value,
                        f"deadline_ms: the request waited {waited_ms} ms in the queue, past its "
                        f"deadline of {request.deadline_ms} ms")
-            return
+            return None
         if cancel_flag or entry.cancel_requested:
             self._cancelled(entry, waited_ms)
-            return
+            return None
         try:
             processed = self.processor.process(request)
         except RequestRejected as e:
             self._fail(entry, e.code, e.message,
                        e.details if isinstance(e, InputRejected) else None)
-            return
+            return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         entry.admitted_ms = now_ms
         entry.poison = self.faults.is_poison(processed.prompt_texts)
@@ -163,9 +172,8 @@ class Admission:
         # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
-        self.inbox.put(AddRequest(entry.entry_id, processed.prompt_token_ids,
-                                  processed.sampling_params, processed.priority,
-                                  arrival_time=self.clock() - waited_ms / 1000.0))
+        return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
+                          processed.priority, arrival_time=self.clock() - waited_ms / 1000.0)
 
     def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Any) -> None:
         if rejected.request_id is not None:

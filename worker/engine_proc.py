@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,7 +178,10 @@ class Worker:
             return
         self.draining = True
         self._drain_deadline = time.monotonic() + self.config.drain_timeout
-        self.reader.stop()
+        # NOTE: on a thread: this runs in a signal handler, which must not wait on Redis.
+        threading.Thread(target=self.reader.stop, args=(self._admin,), daemon=True,
+                         name="llmq-stop-reader").start()
+        self.reader.stop_event.set()
         self.keeper.reclaiming = False
         if self.health is not None:
             self.health.set_draining()
@@ -270,7 +274,10 @@ class Worker:
         except queue.Empty:
             return False
         while item is not None:
-            if isinstance(item, AddRequest):
+            if isinstance(item, list):  # one read's requests, added before the next step
+                for add in item:
+                    aborted |= self._add(add)
+            elif isinstance(item, AddRequest):
                 aborted |= self._add(item)
             elif isinstance(item, AbortRequests):
                 self.engine.abort(item.entry_ids)

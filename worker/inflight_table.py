@@ -12,7 +12,7 @@ entries carry the same wire `id` (a resubmission), so their attempts never mix.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -37,7 +37,6 @@ class InFlight:
     # Set once the terminal event is queued for writing: the entry is done in the engine.
     terminal: bool = False
     poison: bool = False  # TEST-ONLY fault hook: a step raises while this request runs
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class InFlightTable:

@@ -231,17 +231,22 @@ class ResultWriter:
             logger.warning("XACK failed (%s): entries stay pending", results[-1])
 
     def _acks_landed(self, ack_ids: list[str]) -> bool:
-        """After an ambiguous failure: True when none of the acked entries is pending any more."""
+        """After an ambiguous failure: True when every acked entry is still in the stream but no
+        longer pending, i.e. the transaction ran. When the entries are gone altogether (Redis
+        came back without its data) nothing can be known: write again, a duplicate beats a loss.
+        """
         try:
             pipe = self.client.pipeline(transaction=False)
             for entry_id in ack_ids:
                 pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+                pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
             results = pipe.execute(raise_on_error=False)
         except TRANSIENT_ERRORS:
             return False
         if any(isinstance(r, Exception) for r in results):
             return False  # NOGROUP: the group is gone, so write the events again to be sure
-        return all(not r for r in results)
+        pending, present = results[0::2], results[1::2]
+        return all(not p for p in pending) and all(present)
 
     def _after_write(self, batch: _Batch) -> None:
         for entry_id in batch.pop_ids:

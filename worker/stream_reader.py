@@ -11,8 +11,9 @@ redis-streams scaler reads it). What it reads goes through `Admission`.
 
 On NOGROUP (a fresh queue, or Redis restarted without persistence) it creates the group with
 MKSTREAM at id 0 (so entries a producer added before any worker existed are delivered) and goes
-on. After `stop()` it issues no new XREADGROUP; entries a read already in flight returns after the
-signal are handed straight back (XCLAIM with a huge IDLE) for a peer to take.
+on. After `stop()` it issues no new XREADGROUP and a read blocking at that moment is woken
+(CLIENT UNBLOCK); entries a racing read still returns are handed straight back (XCLAIM with a
+huge IDLE) for a peer to take.
 """
 
 from __future__ import annotations
@@ -48,14 +49,23 @@ class StreamReader:
         self.stop_event = threading.Event()
         self.backoff = Backoff("stream reader", state, stop=self.stop_event)
         self.num_read = 0
+        self._client_id: int | None = None
         self._thread = threading.Thread(target=self._run, name="llmq-stream-reader", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """No XREADGROUP is issued after this returns (one already blocking may still return)."""
+    def stop(self, admin: redis.Redis | None = None) -> None:
+        """No XREADGROUP is issued after this returns. With `admin` (another connection), one
+        that is blocking right now is woken with CLIENT UNBLOCK, so it cannot take entries a
+        peer should get; entries a racing read still returns are handed back."""
         self.stop_event.set()
+        client_id = self._client_id
+        if admin is not None and client_id is not None:
+            try:
+                admin.client_unblock(client_id)
+            except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+                pass
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -70,10 +80,15 @@ class StreamReader:
                 self.table.wait_for_room(self.max_num_seqs, timeout=0.5)
                 continue
             try:
+                if self._client_id is None:
+                    # NOTE: only this thread uses this client, so its pool holds one connection
+                    # and this id is the one the XREADGROUP below blocks on.
+                    self._client_id = self.client.client_id()
                 reply = self.client.xreadgroup(GROUP, self.worker_id, {self.queue_key: ">"},
                                                count=room, block=self.block_ms)
                 self.backoff.succeeded()
             except TRANSIENT_ERRORS as e:
+                self._client_id = None  # a new connection comes with a new id
                 self.backoff.failed(e)
                 continue
             except redis.ResponseError as e:

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from tests.fixtures.models import greedy_contiguous, greedy_paged
+from llmq.worker.model.attention import AttentionMetadata
+from tests.fixtures.models import greedy_contiguous, greedy_paged, interleaved_block_tables
 
 pytestmark = pytest.mark.model
 
@@ -49,13 +50,15 @@ def prompts(default_model_f32) -> list[list[int]]:
             + [tok.encode_chat(messages, add_generation_prompt=True) for messages in CHATS])
 
 
-def hf_greedy(hf_model, ids: list[int]) -> list[int]:
-    """transformers' greedy continuation; it stops after its EOS, which it keeps."""
+def hf_greedy(hf_model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation (it stops after its EOS, which it keeps) and the raw
+    logits of each step [num_new_tokens, vocab]."""
     x = torch.tensor([ids])
     with torch.no_grad():
         out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                                do_sample=False, pad_token_id=2)
-    return out[0, len(ids):].tolist()
+                                do_sample=False, pad_token_id=2, output_logits=True,
+                                return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)
 
 
 def cut_after_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
@@ -74,13 +77,17 @@ def test_logits_match_transformers_at_every_position(default_model_f32, hf_model
         expected = hf_model(torch.tensor([ids])).logits[0]  # [len(ids), vocab]
 
     # When our model prefills it through the contiguous cache and through the paged one
+    # (blocks of 16 scattered over the cache)
     contiguous = model.compute_logits(
         model.forward_contiguous(torch.tensor(ids), 0, model.make_contiguous_cache(len(ids))))
-    _, paged_steps = greedy_paged(model, [ids], 1)
+    tables, num_blocks = interleaved_block_tables([len(ids)] * 3, 16)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], tables[2:], 16)
+    paged = model.compute_logits(
+        model(torch.tensor(ids), meta, model.make_kv_caches(num_blocks, 16)))
 
-    # Then the logits agree within 1e-3 everywhere
+    # Then the logits agree within 1e-3 at every position
     assert (contiguous - expected).abs().max() < 1e-3
-    assert (paged_steps[0][0] - expected[-1]).abs().max() < 1e-3
+    assert (paged - expected).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("which", range(len(RAW_PROMPTS) + len(CHATS)))
@@ -88,7 +95,7 @@ def test_greedy_continuation_matches_transformers(default_model_f32, hf_model, p
     # Given a prompt and transformers' greedy 32-token continuation of it
     model = default_model_f32.model
     ids = prompts[which]
-    expected = hf_greedy(hf_model, ids)
+    expected, expected_logits = hf_greedy(hf_model, ids)
     eos_ids = set(hf_model.generation_config.eos_token_id
                   if isinstance(hf_model.generation_config.eos_token_id, list)
                   else [hf_model.generation_config.eos_token_id])
@@ -98,10 +105,12 @@ def test_greedy_continuation_matches_transformers(default_model_f32, hf_model, p
     paged, paged_logits = greedy_paged(model, [ids], NEW_TOKENS)
     contiguous, _ = greedy_contiguous(model, ids, NEW_TOKENS)
 
-    # Then all three continuations are identical (up to and including transformers' EOS)
+    # Then all three continuations are identical (up to and including transformers' EOS),
+    # and so are the logits of every decode step
     assert cut_after_eos(paged[0], eos_ids) == expected
     assert cut_after_eos(contiguous, eos_ids) == expected
-    assert len(paged_logits) == NEW_TOKENS
+    ours = torch.cat(paged_logits)[:len(expected)]  # [num_new_tokens, vocab]
+    assert (ours - expected_logits).abs().max() < 1e-3
 
 
 def test_chat_continuations_end_their_turn(default_model_f32, prompts):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import gguf
 import pytest
@@ -35,12 +34,10 @@ def transformers_logits(path, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0]
 
 
-def test_the_tiny_gguf_loads_and_runs_in_milliseconds(tiny_model_path):
+def test_the_tiny_gguf_loads_and_runs(tiny_model_path):
     # When the tiny model is loaded and prefills a prompt
-    start = time.perf_counter()
     loaded = load_model(tiny_model_path)
     logits = prompt_logits(loaded)
-    elapsed = time.perf_counter() - start
 
     # Then it is the model that was written, with its tokenizer, and it answers at once
     arch = loaded.arch
@@ -50,8 +47,6 @@ def test_the_tiny_gguf_loads_and_runs_in_milliseconds(tiny_model_path):
     assert loaded.tokenizer.eos_token_id == 2
     assert logits.shape == (len(loaded.tokenizer.encode(PROMPT)), 512)
     assert torch.isfinite(logits).all()
-    # NOTE: not a benchmark; a guard that the fixture stays tiny (measured ~50 ms).
-    assert elapsed < 2.0
 
 
 @pytest.mark.parametrize(("architecture", "tied", "weight_type", "hidden"), [
@@ -160,7 +155,8 @@ def test_bfloat16_load_keeps_weights_and_cache_in_bfloat16(tiny_model_path, tiny
 
     assert loaded.model.embed_tokens.dtype == torch.bfloat16
     assert loaded.model.make_kv_caches(2, 16)[0].dtype == torch.bfloat16
-    assert loaded.model.kv_cache_bytes_per_block(16) * 2 == tiny_model.model.kv_cache_bytes_per_block(16)
+    f32_bytes = tiny_model.model.kv_cache_bytes_per_block(16)
+    assert loaded.model.kv_cache_bytes_per_block(16) * 2 == f32_bytes
     ours, reference = prompt_logits(loaded), prompt_logits(tiny_model)
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 

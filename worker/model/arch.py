@@ -79,10 +79,9 @@ class ModelArchConfig:
         _reject_gguf_rope_scaling(reader, arch, tensor_names)
         hidden = int(key("embedding_length"))
         num_heads = int(key("attention.head_count"))
-        tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
-        vocab = _gguf_value(reader, f"{arch}.vocab_size")
-        if vocab is None:  # older converters only write the token list
-            vocab = len(tokens) if tokens is not None else _embedding_rows(reader)
+        # NOTE: the embedding's rows, not the token list: some files pad the embedding, and
+        # the model's logits are as wide as its head.
+        vocab = _embedding_rows(reader)
         head_dim = int(_gguf_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
         rope_dim = _gguf_value(reader, f"{arch}.rope.dimension_count", head_dim)
         if rope_dim != head_dim:
@@ -113,6 +112,8 @@ class ModelArchConfig:
             raise ValueError(
                 f"unsupported model_type {arch!r} in config.json; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        if config.get("use_sliding_window"):
+            raise ValueError("unsupported sliding-window attention (use_sliding_window: true)")
         rope_scaling = config.get("rope_scaling")
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
             raise ValueError(f"unsupported rope_scaling {rope_scaling!r}")
@@ -145,7 +146,7 @@ def _embedding_rows(reader: gguf.GGUFReader) -> int:
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
             return int(tensor.shape[-1])  # GGUF lists dims innermost first: [hidden, vocab]
-    raise ValueError("GGUF file has neither tokenizer.ggml.tokens nor token_embd.weight")
+    raise ValueError("GGUF file has no token_embd.weight")
 
 
 def _reject_gguf_rope_scaling(reader: gguf.GGUFReader, arch: str, tensor_names: set[str]) -> None:

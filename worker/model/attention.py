@@ -35,10 +35,6 @@ class PrefillSeq:
     block_ids: torch.Tensor  # [num_blocks_needed] its blocks, only when it has cached context
     mask: torch.Tensor | None  # [query_len, seq_len] True = may attend; None: plain causal
 
-    @property
-    def context_len(self) -> int:
-        return self.seq_len - self.query_len
-
 
 @dataclass
 class AttentionMetadata:
@@ -61,7 +57,8 @@ class AttentionMetadata:
     max_decode_seq_len: int
     decode_block_ids: torch.Tensor  # [num_decodes * decode_num_blocks] blocks to gather, row-major
     decode_num_blocks: int  # blocks per decode sequence in the gather (the longest one's)
-    decode_pad_mask: torch.Tensor  # [num_decodes, decode_num_blocks * block_size] True = past seq_len
+    # [num_decodes, decode_num_blocks * block_size]: True past the sequence's seq_len
+    decode_pad_mask: torch.Tensor
     prefills: list[PrefillSeq]
     _decode_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 

@@ -42,10 +42,11 @@ def _onednn_available() -> bool:
 class Linear(nn.Module):
     """y = x W^T (+ b), with W prepacked for oneDNN once the weights are loaded.
 
-    NOTE: measured on this machine (AMD Zen, one thread): torch's default float32 GEMM (MKL)
-    runs 2-2.5x slower than oneDNN on a prepacked weight, and bfloat16 F.linear re-packs the
-    weight into oneDNN's blocked layout on every call, which dominates single-token decode.
-    These are the ops torch.compile's CPU freezing pass emits; F.linear is the fallback.
+    NOTE: measured on this machine (AMD Zen 5, one thread): torch's default float32 GEMM
+    (MKL) runs 2-2.5x slower than oneDNN on a prepacked weight (whole-model float32 prefill
+    ~2x faster), and bfloat16 F.linear re-packs the weight into oneDNN's blocked layout on
+    every call (up to 4x slower for a one-token GEMM). These are the ops torch.compile's CPU
+    freezing pass emits; F.linear is the fallback when oneDNN is missing.
     """
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype
@@ -55,9 +56,14 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._packed: torch.Tensor | None = None
 
-    def pack(self, enabled: bool = True) -> None:
-        self._packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-                        if enabled and _onednn_available() else None)
+    def pack(self, keep_dense: bool = False) -> None:
+        """Pack the loaded weight for oneDNN and, unless it is shared (a tied head), free the
+        dense copy: the packed one replaces it, and keeping both doubles the weights' RSS."""
+        if self._packed is not None or not _onednn_available():
+            return
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if not keep_dense:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
@@ -96,6 +102,9 @@ class Rotary:
 
 
 class LlamaAttention(nn.Module):
+    qkv_proj: Linear
+    o_proj: Linear
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
@@ -122,6 +131,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    gate_up_proj: Linear
+    down_proj: Linear
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
@@ -135,9 +147,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    input_layernorm: nn.Parameter
+    self_attn: LlamaAttention
+    post_attention_layernorm: nn.Parameter
+    mlp: LlamaMLP
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.eps = arch.rms_norm_eps
         self.input_layernorm = _param(arch.hidden_size, dtype=dtype)
         self.self_attn = LlamaAttention(arch, dtype)
         self.post_attention_layernorm = _param(arch.hidden_size, dtype=dtype)
@@ -148,6 +164,10 @@ class LlamaForCausalLM(nn.Module):
     """The decoder. `forward` is the paged path the model runner drives; `forward_contiguous`
     is the one-sequence oracle."""
 
+    embed_tokens: nn.Parameter
+    norm: nn.Parameter
+    lm_head: Linear
+
     def __init__(self, arch: ModelArchConfig, dtype: str | torch.dtype = "float32") -> None:
         super().__init__()
         if isinstance(dtype, str):
@@ -157,7 +177,9 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        # typed list for the hot loop; the ModuleList registers the same layers
+        self._layers = [LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers)]
+        self.layers = nn.ModuleList(self._layers)
         self.norm = _param(arch.hidden_size, dtype=dtype)
         self.lm_head = Linear(arch.vocab_size, arch.hidden_size, False, dtype)
         if arch.tie_word_embeddings:
@@ -189,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         eps = self.arch.rms_norm_eps
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [num_tokens, 1, head_dim / 2]
         h = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_layernorm, eps)  # [num_tokens, hidden_size]
             q, k, v = layer.self_attn.qkv(x, cos, sin)
             if isinstance(attn, AttentionMetadata):
@@ -237,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy named tensors in Hugging Face layout and names (`model.layers.0.self_attn.
         q_proj.weight`, ...) into the fused parameters, converting dtype on the way.
 
-        Takes an iterator so a loader can dequantize one tensor at a time.
+        Takes an iterator so a loader can dequantize one tensor at a time. Call it once:
+        afterwards the projections are packed for oneDNN and their dense copies freed.
         """
         arch = self.arch
         q, kv = arch.q_size, arch.kv_size
@@ -250,16 +273,16 @@ class LlamaForCausalLM(nn.Module):
         qkv_parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv),
                      "v_proj": slice(q + kv, q + 2 * kv)}
         ffn = arch.intermediate_size
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             targets[p + "input_layernorm.weight"] = (layer.input_layernorm, None)
             targets[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None)
             targets[p + "self_attn.o_proj.weight"] = (attn.o_proj.weight, None)
-            for name, rows in qkv_parts.items():
-                targets[p + f"self_attn.{name}.weight"] = (attn.qkv_proj.weight, rows)
+            for proj, part in qkv_parts.items():
+                targets[p + f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, part)
                 if attn.qkv_proj.bias is not None:
-                    targets[p + f"self_attn.{name}.bias"] = (attn.qkv_proj.bias, rows)
+                    targets[p + f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, part)
             targets[p + "mlp.gate_proj.weight"] = (mlp.gate_up_proj.weight, slice(0, ffn))
             targets[p + "mlp.up_proj.weight"] = (mlp.gate_up_proj.weight, slice(ffn, 2 * ffn))
             targets[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
@@ -279,10 +302,8 @@ class LlamaForCausalLM(nn.Module):
         if targets:
             missing = sorted(targets)
             raise ValueError(f"missing {len(missing)} weights, e.g. {missing[:3]}")
-        self.pack_weights()
-
-    def pack_weights(self, enabled: bool = True) -> None:
-        """(Re)build the oneDNN-packed copies of every projection; False drops them."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(enabled and os.environ.get("LLMQ_ONEDNN_LINEAR", "1") != "0")
+        # NOTE: LLMQ_ONEDNN_LINEAR=0 keeps plain F.linear, for comparing the two.
+        if os.environ.get("LLMQ_ONEDNN_LINEAR", "1") != "0":
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack(keep_dense=module.weight is self.embed_tokens)

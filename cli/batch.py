@@ -1,0 +1,304 @@
+"""`llmq batch ...` and `llmq batch-worker`: whole OpenAI-format batch files as rq jobs.
+
+    llmq batch submit requests.jsonl          # prints the batch id
+    llmq batch status <id>                    # progress: completed / failed / total
+    llmq batch results <id> -o out.jsonl      # output lines; errors to out.errors.jsonl
+    llmq batch cancel <id>
+    llmq batch list
+    llmq batch-worker                         # runs the jobs (an rq worker on `llmq-batch`)
+
+Where the files live: `batch submit` stores the input file in Redis (`<prefix>:batch:<id>:input`),
+so a batch worker on any machine can run it; the job writes the output and error lines to Redis
+lists next to it, and `batch results` writes them to local files. Everything expires with the
+job (`--ttl`, 7 days by default, like OpenAI's batch files). The job itself is `batch_job.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from llmq.broker.client import Client
+from llmq.broker.connection import translate_errors
+from llmq.broker.errors import LLMQError
+from llmq.cli.batch_job import BATCH_QUEUE
+from llmq.cli.helpers import echo_json, note, open_client, table
+from llmq.cli.options import connection_kwargs, connection_options, redis_url_option
+
+_FINAL = ("completed", "cancelled", "failed")
+_DAY = 24 * 3600
+
+
+def _rq(client: Client) -> tuple[Any, Any]:
+    """rq's Queue for batch jobs and its JSON serializer (rq is imported only when used)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    return Queue(BATCH_QUEUE, connection=client.redis, serializer=JSONSerializer), JSONSerializer
+
+
+def _fetch(client: Client, batch_id: str) -> Any:
+    from rq.exceptions import NoSuchJobError
+    from rq.job import Job
+
+    _, serializer = _rq(client)
+    try:
+        with translate_errors(client.url):
+            return Job.fetch(batch_id, connection=client.redis, serializer=serializer)
+    except NoSuchJobError:
+        raise LLMQError(f"unknown batch {batch_id}: no such rq job (batches expire after their "
+                        "--ttl)") from None
+
+
+def batch_status(job: Any) -> str:
+    """OpenAI's batch status, from the job's meta and rq's own status."""
+    rq_status = job.get_status(refresh=False)
+    rq_status = getattr(rq_status, "value", rq_status)
+    status = job.meta.get("status", "queued")
+    if rq_status in ("failed", "stopped") and status not in _FINAL:
+        return "failed"
+    if rq_status == "canceled":
+        return "cancelled"
+    return status
+
+
+def batch_summary(job: Any) -> dict[str, Any]:
+    meta = job.meta
+    rq_status = job.get_status(refresh=False)
+    summary = {
+        "id": job.id, "object": "batch", "status": batch_status(job),
+        "rq_status": getattr(rq_status, "value", rq_status),
+        "input_file": meta.get("input_file"), "queue": meta.get("queue"),
+        "request_counts": {"total": meta.get("total", 0), "completed": meta.get("completed", 0),
+                           "failed": meta.get("failed", 0)},
+        "created_at": meta.get("created_at"), "in_progress_at": meta.get("in_progress_at"),
+        "completed_at": meta.get("completed_at"), "cancelled_at": meta.get("cancelled_at"),
+    }
+    if summary["status"] == "failed" and job.exc_info:
+        summary["error"] = job.exc_info.strip().splitlines()[-1]
+    return summary
+
+
+def _when(unix: int | None) -> str:
+    if not unix:
+        return "-"
+    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@click.group()
+def batch() -> None:
+    """Run OpenAI-format batch files as rq jobs (results in the OpenAI batch output format)."""
+
+
+@batch.command("submit")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Unfinished requests the job keeps in the queue at a time.")
+@click.option("--ttl", type=click.IntRange(min=60), default=7 * _DAY, show_default=True,
+              help="Seconds the batch (input, results, job) is kept.")
+@click.option("--timeout", type=click.IntRange(min=1), default=_DAY, show_default=True,
+              help="Seconds the job may run (OpenAI's completion window is 24h).")
+@connection_options
+def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs) -> None:
+    """Queue FILE (OpenAI batch input JSONL) as one rq job; prints the batch id."""
+    client = open_client(**connection_kwargs(kwargs))
+    with open(file, "rb") as f:
+        data = f.read()
+    num_lines = sum(1 for line in data.splitlines() if line.strip())
+    if not num_lines:
+        raise click.BadParameter("the file has no lines", param_hint="FILE")
+    queue, _ = _rq(client)
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    from llmq.cli.batch_job import run_batch
+
+    with translate_errors(client.url):
+        client.ensure_group()  # so `llmq status` shows the queue before any worker started
+        client.redis.set(client.keys.batch_input(batch_id), data, ex=ttl)
+        queue.enqueue_call(
+            run_batch, job_id=batch_id, timeout=timeout, result_ttl=ttl, failure_ttl=ttl,
+            description=f"llmq batch {os.path.basename(file)}",
+            kwargs={"batch_id": batch_id, "prefix": client.settings.prefix,
+                    "queue": client.settings.queue, "max_in_flight": max_in_flight, "ttl": ttl},
+            meta={"status": "queued", "input_file": os.path.basename(file), "total": num_lines,
+                  "completed": 0, "failed": 0, "queue": client.settings.queue,
+                  "created_at": int(time.time())})
+    click.echo(batch_id)
+    if not _batch_workers(client):
+        note("no batch worker is running: start one with `llmq batch-worker`")
+    note(f"{num_lines} requests queued as {batch_id}; follow with `llmq batch status {batch_id}`")
+
+
+def _batch_workers(client: Client) -> list[Any]:
+    from rq import Worker
+
+    queue, _ = _rq(client)
+    with translate_errors(client.url):
+        return Worker.all(queue=queue)
+
+
+@batch.command("status")
+@click.argument("batch_id")
+@click.option("--json", "as_json", is_flag=True, help="An OpenAI-style batch object.")
+@connection_options
+def status_batch(batch_id: str, as_json: bool, **kwargs) -> None:
+    """Show a batch's status and progress."""
+    client = open_client(**connection_kwargs(kwargs))
+    summary = batch_summary(_fetch(client, batch_id))
+    if as_json:
+        echo_json(summary)
+        return
+    counts = summary["request_counts"]
+    rows = [["batch", summary["id"]],
+            ["status", f"{summary['status']} (rq: {summary['rq_status']})"],
+            ["requests", f"{counts['completed']} completed, {counts['failed']} failed, "
+                         f"{counts['total']} total"],
+            ["file", summary["input_file"]], ["queue", summary["queue"]],
+            ["created", _when(summary["created_at"])]]
+    for name in ("completed_at", "cancelled_at"):
+        if summary[name]:
+            rows.append([name.removesuffix("_at"), _when(summary[name])])
+    if "error" in summary:
+        rows.append(["error", summary["error"]])
+    for name, value in rows:
+        click.echo(f"{name:<10} {value}")
+
+
+def _wait_final(client: Client, batch_id: str, timeout: float | None) -> Any:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        job = _fetch(client, batch_id)
+        status = batch_status(job)
+        if status in _FINAL:
+            return job
+        if deadline is not None and time.monotonic() > deadline:
+            raise LLMQError(f"batch {batch_id} is still {status} after {timeout:g}s")
+        time.sleep(0.5)
+
+
+@batch.command("results")
+@click.argument("batch_id")
+@click.option("-o", "--output", default="-", show_default=True,
+              type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              help="Output file (OpenAI batch output JSONL).")
+@click.option("--errors", "errors_path", default=None,
+              type=click.Path(dir_okay=False, writable=True, allow_dash=True),
+              help="Error file (default: <output>.errors.jsonl next to -o).")
+@click.option("--wait", is_flag=True, help="Wait until the batch has finished.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --wait: give up after this many seconds.")
+@connection_options
+def results_batch(batch_id: str, output: str, errors_path: str | None, wait: bool,
+                  timeout: float | None, **kwargs) -> None:
+    """Write a finished batch's output (and error) lines to files."""
+    client = open_client(**connection_kwargs(kwargs))
+    job = _wait_final(client, batch_id, timeout) if wait else _fetch(client, batch_id)
+    summary = batch_summary(job)
+    status = summary["status"]
+    if status == "failed":
+        raise LLMQError(f"batch {batch_id} failed: {summary.get('error', 'see its rq job')}")
+    if status not in _FINAL:
+        counts = summary["request_counts"]
+        raise LLMQError(f"batch {batch_id} is {status} ({counts['completed'] + counts['failed']}"
+                        f"/{counts['total']} done): wait for it, or add --wait")
+    with translate_errors(client.url):
+        outputs = client.redis.lrange(client.keys.batch_output(batch_id), 0, -1)
+        errors = client.redis.lrange(client.keys.batch_errors(batch_id), 0, -1)
+    if errors_path is None and output != "-" and errors:
+        stem = output[:-len(".jsonl")] if output.endswith(".jsonl") else output
+        errors_path = f"{stem}.errors.jsonl"
+    _write_lines(output, outputs)
+    if errors_path is not None:
+        _write_lines(errors_path, errors)
+    where = "" if output == "-" else f" to {output}"
+    error_note = (f", {len(errors)} error line(s) to {errors_path}" if errors_path
+                  else f", {len(errors)} error line(s) (write them with --errors FILE)"
+                  if errors else "")
+    note(f"batch {batch_id} {status}: {len(outputs)} result line(s){where}{error_note}")
+
+
+def _write_lines(path: str, lines: list[bytes]) -> None:
+    with click.open_file(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line.decode() + "\n")
+
+
+@batch.command("cancel")
+@click.argument("batch_id")
+@click.option("--wait", is_flag=True, help="Wait until the job has stopped.")
+@connection_options
+def cancel_batch(batch_id: str, wait: bool, **kwargs) -> None:
+    """Stop a batch: no more requests are submitted, unfinished ones are cancelled."""
+    client = open_client(**connection_kwargs(kwargs))
+    job = _fetch(client, batch_id)
+    status = batch_status(job)
+    if status in _FINAL:
+        note(f"batch {batch_id} is already {status}: nothing to cancel")
+        return
+    with translate_errors(client.url):
+        client.redis.set(client.keys.batch_cancel(batch_id), b"1",
+                         ex=int(job.result_ttl or 7 * _DAY))
+        if job.get_status() in ("queued", "deferred", "scheduled"):
+            job.cancel()  # never started: rq drops it, nothing was submitted
+            job.meta.update(status="cancelled", cancelled_at=int(time.time()))
+            job.save_meta()
+            click.echo(f"cancelled batch {batch_id} (it had not started)")
+            return
+    click.echo(f"cancelling batch {batch_id}: no more requests are submitted and unfinished "
+               "ones are cancelled")
+    if wait:
+        job = _wait_final(client, batch_id, None)
+        counts = batch_summary(job)["request_counts"]
+        click.echo(f"batch {batch_id} {batch_status(job)}: {counts['completed']} completed, "
+                   f"{counts['failed']} failed or cancelled")
+
+
+@batch.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One batch object per line.")
+@connection_options
+def list_batches(as_json: bool, **kwargs) -> None:
+    """List the batches rq still keeps (queued, running and finished ones)."""
+    from rq.job import Job
+
+    client = open_client(**connection_kwargs(kwargs))
+    queue, serializer = _rq(client)
+    with translate_errors(client.url):
+        ids = list(queue.get_job_ids())
+        for registry in (queue.started_job_registry, queue.finished_job_registry,
+                         queue.failed_job_registry, queue.canceled_job_registry):
+            ids += registry.get_job_ids()
+        jobs = [j for j in Job.fetch_many(list(dict.fromkeys(ids)), connection=client.redis,
+                                          serializer=serializer) if j is not None]
+    summaries = sorted((batch_summary(j) for j in jobs),
+                       key=lambda s: s["created_at"] or 0, reverse=True)
+    if as_json:
+        for summary in summaries:
+            echo_json(summary)
+        return
+    if not summaries:
+        click.echo("no batches")
+        return
+    click.echo(table(["BATCH", "STATUS", "DONE", "FILE", "CREATED"], [
+        [s["id"], s["status"],
+         f"{s['request_counts']['completed'] + s['request_counts']['failed']}"
+         f"/{s['request_counts']['total']}", s["input_file"], _when(s["created_at"])]
+        for s in summaries]))
+
+
+@click.command("batch-worker")
+@click.option("--burst", is_flag=True, help="Exit once the batch queue is empty.")
+@click.option("--name", default=None, help="rq worker name (default: rq's).")
+@redis_url_option
+def batch_worker(burst: bool, name: str | None, redis_url: str | None) -> None:
+    """Run batch jobs: an rq worker on the rq queue `llmq-batch` (no model, no torch)."""
+    from rq import Worker
+
+    client = Client(redis_url)
+    client.ping()  # one clear line now, rather than rq's traceback later
+    queue, serializer = _rq(client)
+    worker = Worker([queue], connection=client.redis, serializer=serializer, name=name)
+    worker.work(burst=burst, logging_level="INFO")

@@ -1,0 +1,274 @@
+"""FileJob: `llmq submit -f requests.jsonl -o results.jsonl`, pipelined and resumable.
+
+Each input line is a request object in the wire format (docs/protocol.md); the sampling flags of
+the command fill the fields a line leaves out. Every line gets a request id: its `id` field, else
+a stable hash of the file's path, the line number and the line's text, so a rerun maps each line
+to the same id. All lines are validated, then submitted at once (one pipelined round trip per
+thousand), then followed together (`ResultGatherer`); results are written as JSONL in input order,
+one flushed line at a time, so a killed run leaves a valid prefix behind.
+
+Rerunning the same command resumes: results already in the output file are kept and their
+requests are not submitted again; the others are submitted with the same ids, which the broker's
+idempotent submit turns into "follow the request already queued" for any that an earlier run sent.
+A line that cannot be parsed or validated gets an error result (with its line number) and the
+rest go on.
+
+Result lines:
+
+    {"id": "...", "line": 3, "finish_reason": "stop", "text": "...", "usage": {...},
+     "timings": {...}, "metadata": {...}}
+    {"id": "...", "line": 4, "error": {"code": "invalid_request", "message": "..."}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import msgspec
+
+from llmq.broker.client import Client
+from llmq.broker.commands import build_submission
+from llmq.broker.errors import InvalidRequest
+from llmq.broker.keys import is_valid_name
+from llmq.broker.protocol import Done, Error
+from llmq.broker.transcript import Transcript
+from llmq.cli.gatherer import ResultGatherer
+from llmq.cli.helpers import note
+from llmq.cli.progress import Progress
+
+__all__ = ["FileJob", "FileLine", "derive_request_id", "read_lines"]
+
+_SUBMIT_CHUNK = 1000
+
+
+@dataclass
+class FileLine:
+    number: int  # 1-based line number in the input
+    request_id: str
+    body: dict[str, Any] | None  # the request to submit, None when the line failed
+    error: str | None = None  # why the line cannot be submitted
+
+
+def derive_request_id(path_key: str, number: int, text: str) -> str:
+    """A request id stable across reruns of the same file: line number + content hash."""
+    digest = hashlib.sha256(f"{path_key}\n{number}\n{text}".encode()).hexdigest()[:20]
+    return f"L{number}-{digest}"
+
+
+def read_lines(lines: list[str], path_key: str, defaults: dict[str, Any]) -> list[FileLine]:
+    """Parse and validate every non-blank line; failures become FileLines with an error."""
+    parsed: list[FileLine] = []
+    first_seen: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        text = raw.rstrip("\r\n")
+        if not text.strip():
+            continue
+        derived = derive_request_id(path_key, number, text)
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            parsed.append(FileLine(number, derived, None, f"line {number}: not JSON: {exc}"))
+            continue
+        if not isinstance(obj, dict):
+            parsed.append(FileLine(number, derived, None,
+                                   f"line {number}: not a JSON object (a request is {{...}})"))
+            continue
+        given = obj.get("id")
+        request_id = given if is_valid_name(given) else derived
+        if request_id in first_seen:
+            parsed.append(FileLine(number, derived, None,
+                                   f"line {number}: duplicate id {request_id!r} (first on line "
+                                   f"{first_seen[request_id]})"))
+            continue
+        first_seen[request_id] = number
+        body = {"stream": False, **defaults, **obj, "id": given if given is not None
+                else request_id}
+        try:
+            build_submission(body)  # the worker's own decoder: what passes here runs there
+        except InvalidRequest as exc:
+            parsed.append(FileLine(number, request_id, None, f"line {number}: {exc}"))
+            continue
+        parsed.append(FileLine(number, request_id, body))
+    return parsed
+
+
+def result_record(line: FileLine, final: Done | Error) -> dict[str, Any]:
+    if isinstance(final, Error):
+        return error_record(line, final.code, final.message)
+    record: dict[str, Any] = {
+        "id": line.request_id, "line": line.number, "finish_reason": final.finish_reason,
+        "text": final.text, "usage": msgspec.to_builtins(final.usage),
+        "timings": msgspec.to_builtins(final.timings)}
+    if final.metadata is not None:
+        record["metadata"] = final.metadata
+    return record
+
+
+def error_record(line: FileLine, code: str, message: str) -> dict[str, Any]:
+    return {"id": line.request_id, "line": line.number,
+            "error": {"code": code, "message": message}}
+
+
+class OutputFile:
+    """The results file: what an earlier run wrote, and appending in input order."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.existing: dict[str, dict[str, Any]] = {}  # request id -> result record
+        self._ids: list[str] = []  # ids of the complete lines, in file order
+        self._ends: list[int] = []  # byte offset after each complete line
+        if path != "-" and os.path.exists(path):
+            self._load()
+
+    def _load(self) -> None:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        offset = 0
+        for raw in data.splitlines(keepends=True):
+            offset += len(raw)
+            if not raw.endswith(b"\n"):
+                break  # a line cut short by a kill: rewritten below
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                break
+            if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+                break
+            self.existing[record["id"]] = record
+            self._ids.append(record["id"])
+            self._ends.append(offset)
+
+    def open_after_prefix(self, input_ids: list[str]) -> tuple[TextIO, int]:
+        """Keep the longest prefix of the file that matches the input order; open for append.
+
+        Returns (stream, number of input lines already written in place).
+        """
+        if self.path == "-":
+            return sys.stdout, 0
+        kept = 0
+        while (kept < len(self._ids) and kept < len(input_ids)
+               and self._ids[kept] == input_ids[kept]):
+            kept += 1
+        # NOTE: results after the kept prefix are remembered in `existing` and rewritten in input
+        # order, so the file always ends up in input order, whatever an earlier run left.
+        stream = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - closed by FileJob
+        stream.truncate(self._ends[kept - 1] if kept else 0)
+        stream.seek(0, os.SEEK_END)
+        return stream, kept
+
+
+class FileJob:
+    def __init__(self, client: Client, path: str, output: str, defaults: dict[str, Any], *,
+                 show_progress: bool | None = None, timeout: float | None = None) -> None:
+        self.client = client
+        self.path = path
+        self.output = output
+        self.defaults = defaults
+        self.show_progress = show_progress
+        self.timeout = timeout
+        self.num_skipped = 0  # lines whose results an earlier run wrote
+        self.num_failed = 0  # lines whose result is an error, this run's and earlier ones
+
+    def run(self) -> int:
+        """Submit, follow and write everything; the exit code (0: every line has its result)."""
+        if self.path == "-":
+            lines, path_key = sys.stdin.readlines(), "<stdin>"
+        else:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
+            path_key = os.path.abspath(self.path)
+        file_lines = read_lines(lines, path_key, self.defaults)
+        out = OutputFile(self.output)
+        stream, kept = out.open_after_prefix([line.request_id for line in file_lines])
+        try:
+            return self._run(file_lines, out, stream, kept)
+        finally:
+            if stream is not sys.stdout:
+                stream.close()
+
+    def _run(self, file_lines: list[FileLine], out: OutputFile, stream: TextIO, kept: int) -> int:
+        ready: dict[int, dict[str, Any]] = {}  # input index -> result record not yet written
+        to_submit: list[int] = []
+        for index in range(kept, len(file_lines)):
+            line = file_lines[index]
+            if line.request_id in out.existing:
+                ready[index] = {**out.existing[line.request_id], "line": line.number}
+            elif line.error is not None:
+                ready[index] = error_record(line, "invalid_request", line.error)
+            else:
+                to_submit.append(index)
+        reused = [i for i in ready if file_lines[i].request_id in out.existing]
+        self.num_skipped = kept + len(reused)
+        self.num_failed = sum("error" in out.existing[file_lines[i].request_id]
+                              for i in [*range(kept), *reused])
+        progress = Progress(len(file_lines), already_done=self.num_skipped,
+                            enabled=self.show_progress)
+        new_errors = len(ready) - len(reused)
+        self.num_failed += new_errors
+        progress.update(done=new_errors, failed=new_errors)
+        if to_submit:
+            from llmq.cli.submit import warn_if_unserved
+
+            warn_if_unserved(self.client)
+        index_of = {file_lines[i].request_id: i for i in to_submit}
+        gatherer = ResultGatherer(self.client)
+        for start in range(0, len(to_submit), _SUBMIT_CHUNK):
+            chunk = [file_lines[i].body for i in to_submit[start:start + _SUBMIT_CHUNK]]
+            gatherer.add(self.client.submit_many(chunk))  # type: ignore[arg-type]
+
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        next_index = kept
+        try:
+            while True:
+                next_index = self._write_ready(ready, next_index, stream)
+                if next_index == len(file_lines) or not gatherer:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    progress.close()
+                    note(f"timed out: {len(gatherer)} request(s) still queued or running; "
+                         "rerun the same command to collect them")
+                    return 1
+                for transcript in gatherer.poll(block_ms=250):
+                    index = index_of[transcript.request_id]
+                    ready[index] = self._record(file_lines[index], transcript, progress)
+        except KeyboardInterrupt:
+            progress.close()
+            note(f"interrupted: {next_index} of {len(file_lines)} results written; rerun the "
+                 "same command to resume (queued requests are not queued again)")
+            return 130
+        progress.close()
+        self._summary(progress, len(file_lines))
+        return 0
+
+    def _record(self, line: FileLine, transcript: Transcript, progress: Progress
+                ) -> dict[str, Any]:
+        final = transcript.final
+        assert final is not None
+        if isinstance(final, Done):
+            progress.update(done=1, tokens=final.usage.completion_tokens)
+        else:
+            self.num_failed += 1
+            progress.update(done=1, failed=1)
+        return result_record(line, final)
+
+    @staticmethod
+    def _write_ready(ready: dict[int, dict[str, Any]], next_index: int, stream: TextIO) -> int:
+        while next_index in ready:
+            record = ready.pop(next_index)
+            stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+            stream.flush()
+            next_index += 1
+        return next_index
+
+    def _summary(self, progress: Progress, total: int) -> None:
+        failed = self.num_failed
+        where = "" if self.output == "-" else f" -> {self.output}"
+        skipped = f" ({self.num_skipped} already done)" if self.num_skipped else ""
+        note(f"{total} requests: {total - failed} ok, {failed} failed{skipped}; "
+             f"{progress.tokens} tokens generated{where}")

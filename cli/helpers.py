@@ -1,0 +1,56 @@
+"""What the commands share: opening a client from the connection flags, tables, JSON lines.
+
+After rq's `cli/helpers.py`: small functions the command modules call, nothing stateful.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import click
+import msgspec
+
+from llmq.broker.client import Client
+
+_json = msgspec.json.Encoder()
+
+
+def open_client(redis_url: str | None, prefix: str, queue: str) -> Client:
+    """A Client for the connection flags; nothing is sent until the first command."""
+    return Client(redis_url, prefix=prefix, queue=queue)
+
+
+def to_json(value: Any) -> str:
+    """One JSON line (msgspec Structs, dataclasses and plain values alike)."""
+    return _json.encode(value).decode()
+
+
+def echo_json(value: Any) -> None:
+    click.echo(to_json(value))
+
+
+def note(message: str) -> None:
+    """A message for the person at the terminal, on stderr, so stdout stays the answer."""
+    click.echo(click.style("[llmq] ", dim=True) + message, err=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns separated by two spaces, like `docker ps`."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in cells)
+
+
+def ago(unix_ms: int, now: float | None = None) -> str:
+    """'3s ago' for a unix-ms timestamp."""
+    if not unix_ms:
+        return "never"
+    seconds = max(0.0, (time.time() if now is None else now) - unix_ms / 1000)
+    if seconds < 60:
+        return f"{seconds:.0f}s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"

