@@ -31,7 +31,7 @@ def percentiles(values: list[float], qs=(50, 90, 99)) -> str:
         return "n/a"
     ordered = sorted(values)
     picks = [ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in qs]
-    return " ".join(f"p{q}={v * 1000:.1f}ms" for q, v in zip(qs, picks))
+    return " ".join(f"p{q}={v * 1000:.1f}ms" for q, v in zip(qs, picks, strict=True))
 
 
 def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -127,8 +127,9 @@ def main() -> None:
 
     r = run_engine(engine, prompts, args.output_len)
     print(f"llmq engine  {args.num_requests} x {args.prompt_len}/{args.output_len}, "
-          f"max_num_seqs {args.max_num_seqs}: {r['elapsed']:.1f}s  output {r['output_tps']:.1f} tok/s"
-          f"  prompt {r['prompt_tps']:.1f} tok/s  total {r['total_tps']:.1f} tok/s")
+          f"max_num_seqs {args.max_num_seqs}: {r['elapsed']:.1f}s  "
+          f"output {r['output_tps']:.1f} tok/s  prompt {r['prompt_tps']:.1f} tok/s  "
+          f"total {r['total_tps']:.1f} tok/s")
     print(f"  TTFT {percentiles(r['ttft'])}   ITL {percentiles(r['itl'])}")
     stats = engine.stats()
     print(f"  preemptions {stats.num_preemptions}")

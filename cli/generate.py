@@ -11,9 +11,12 @@ from llmq.cli.options import engine_config_kwargs, engine_options, sampling_kwar
 
 @click.command()
 @click.argument("prompt", required=False)
-@click.option("--chat", "chat", metavar="TEXT", help="A user message, rendered with the model's chat template.")
-@click.option("-f", "--file", "file", type=click.File("r"), help="JSONL of requests in the wire format.")
-@click.option("-o", "--output", type=click.File("w"), default="-", help="Where -f results go (JSONL).")
+@click.option("--chat", "chat", metavar="TEXT",
+              help="A user message, rendered with the model's chat template.")
+@click.option("-f", "--file", "file", type=click.File("r"),
+              help="JSONL of requests in the wire format.")
+@click.option("-o", "--output", type=click.File("w"), default="-",
+              help="Where -f results go (JSONL).")
 @engine_options
 @sampling_options
 def generate(prompt: str | None, chat: str | None, file, output, **kwargs) -> None:

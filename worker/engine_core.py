@@ -72,15 +72,16 @@ class EngineCore:
         """Queue a request; raises RequestRejected (with a code) when it can never run."""
         vocab_size = self.arch.vocab_size
         for bad in (t for t in prompt_token_ids if not 0 <= t < vocab_size):
-            raise RequestRejected(
-                "invalid_token_id", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+            raise RequestRejected("invalid_token_id", f"prompt token id {bad} is outside "
+                                  f"the vocabulary [0, {vocab_size})")
         for bad in (t for t in sampling_params.stop_token_ids if not 0 <= t < vocab_size):
-            raise RequestRejected(
-                "invalid_token_id", f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
+            raise RequestRejected("invalid_token_id", f"stop token id {bad} is outside "
+                                  f"the vocabulary [0, {vocab_size})")
         if not prompt_token_ids:
             raise RequestRejected("invalid_request", "the prompt is empty: it has no tokens")
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, skip_special_tokens=sampling_params.skip_special_tokens)
+            self.tokenizer, prompt_token_ids,
+            skip_special_tokens=sampling_params.skip_special_tokens)
         request = Request(request_id, prompt_token_ids, sampling_params,
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
@@ -114,7 +115,7 @@ class EngineCore:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         ids = [f"generate-{i}" for i in range(len(prompts))]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params):
+        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
             self.add_request(request_id, prompt, params)
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         finished: dict[str, EngineCoreOutput] = {}

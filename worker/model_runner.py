@@ -61,7 +61,7 @@ class ModelRunner:
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for request_id, new_block_ids, num_computed in zip(
-                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
             state = self.requests[request_id]
             state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
@@ -80,7 +80,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []  # index into `states` of each request that samples
         logits_indices: list[int] = []  # its last token's row in the flat batch
-        for i, (state, n) in enumerate(zip(states, query_lens)):
+        for i, (state, n) in enumerate(zip(states, query_lens, strict=True)):
             start = state.num_computed_tokens
             input_ids.extend(state.token_ids[start:start + n])
             seq_lens.append(start + n)
@@ -106,7 +106,8 @@ class ModelRunner:
                 [s.output_token_ids for s in sampling_states],
                 self.vocab_size)
             out = self.sampler(logits, sampling_metadata)
-            for row, (i, token_id) in enumerate(zip(sample_rows, out.sampled_token_ids)):
+            sampled_rows = zip(sample_rows, out.sampled_token_ids, strict=True)
+            for row, (i, token_id) in enumerate(sampled_rows):
                 state = states[i]
                 if row in out.bad_rows:
                     errors[state.request_id] = out.bad_rows[row]

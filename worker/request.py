@@ -109,5 +109,6 @@ class Request:
         self.all_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")
