@@ -26,8 +26,11 @@ redis-server:
 	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
 	  || echo "redis-server not installed: its test variants will skip"; }
 
+# The whole pool for one answer: the embedded server and a worker in the background, one streamed
+# answer through the queue, then everything stopped again (also on failure or Ctrl-C).
 run: install model
-	$(BIN)/llmq generate --chat "$(PROMPT)" --max-tokens 64 --temperature 0
+	@$(BIN)/llmq up --detach --workers 1 && trap '$(BIN)/llmq down' EXIT && trap 'exit 130' INT TERM && \
+	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
 test: install model redis-server
 	$(BIN)/python -m pytest -q

@@ -123,13 +123,16 @@ def main() -> None:
         engine = EngineCore(EngineConfig(
             model=model_path, dtype=args.dtype, threads=args.threads,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
-        prompts = bench.make_prompts(engine.arch.vocab_size, args.num_requests, args.prompt_len)
-        bench.run_engine(engine, prompts[:2], 4)  # warm-up, as bench/engine.py does
-        run_through_redis(server.url, prompts[:2], 4, worker)  # waits for the worker; warm-up
+        warm_up = bench.make_prompts(engine.arch.vocab_size, 2, args.prompt_len, seed=10_000)
+        bench.run_engine(engine, warm_up, 4)  # as bench/engine.py does
+        run_through_redis(server.url, warm_up, 4, worker)  # also waits for the worker to load
         print(f"model {os.path.basename(model_path)}  dtype {args.dtype}  threads "
               f"{args.threads}  {args.num_requests} x {args.prompt_len}/{args.output_len}  "
               f"server {server.kind}  worker log {folder / 'worker.log'}")
         for round_ in range(args.rounds):
+            # NOTE: fresh prompts per round: a repeated prompt would be a prefix-cache hit.
+            prompts = bench.make_prompts(engine.arch.vocab_size, args.num_requests,
+                                         args.prompt_len, seed=round_)
             local = bench.run_engine(engine, prompts, args.output_len)
             remote = run_through_redis(server.url, prompts, args.output_len, worker)
             tag = f"[round {round_ + 1}] " if args.rounds > 1 else ""

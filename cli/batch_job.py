@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
 _SUBMIT_CHUNK = 256
-_CANCEL_GRACE = 5.0  # s to wait for cancelled requests' final events
+_CANCEL_GRACE = 3.0  # s to wait for cancelled requests' final events
 _META_INTERVAL = 0.5  # s between progress saves
 _WRITE_CHUNK = 500
 

@@ -39,7 +39,7 @@ from llmq.broker.keys import is_valid_name
 from llmq.broker.protocol import Done, Error
 from llmq.broker.transcript import Transcript
 from llmq.cli.gatherer import ResultGatherer
-from llmq.cli.helpers import note
+from llmq.cli.helpers import note, warn_if_unserved
 from llmq.cli.progress import Progress
 
 __all__ = ["FileJob", "FileLine", "derive_request_id", "read_lines"]
@@ -213,8 +213,6 @@ class FileJob:
         self.num_failed += new_errors
         progress.update(done=new_errors, failed=new_errors)
         if to_submit:
-            from llmq.cli.submit import warn_if_unserved
-
             warn_if_unserved(self.client)
         index_of = {file_lines[i].request_id: i for i in to_submit}
         gatherer = ResultGatherer(self.client)

@@ -22,6 +22,14 @@ def open_client(redis_url: str | None, prefix: str, queue: str) -> Client:
     return Client(redis_url, prefix=prefix, queue=queue)
 
 
+def warn_if_unserved(client: Client) -> None:
+    """Say so when no live worker serves the queue: a request would just wait."""
+    queue = client.settings.queue
+    if not any(w.queue == queue for w in client.workers()):
+        note(f"no worker is serving queue {queue!r} right now: requests wait until one "
+             "starts (`llmq up`, or `llmq worker`)")
+
+
 def to_json(value: Any) -> str:
     """One JSON line (msgspec Structs, dataclasses and plain values alike)."""
     return _json.encode(value).decode()

@@ -16,10 +16,9 @@ import sys
 
 import click
 
-from llmq.broker.client import Client
 from llmq.broker.errors import LLMQError, ResultTimeout
 from llmq.cli.event_printer import EventPrinter
-from llmq.cli.helpers import note, open_client
+from llmq.cli.helpers import note, open_client, warn_if_unserved
 from llmq.cli.options import (
     connection_kwargs,
     connection_options,
@@ -41,19 +40,12 @@ def _messages(value: str | None) -> list[dict] | None:
     return messages
 
 
-def warn_if_unserved(client: Client) -> None:
-    """Say so when no live worker serves the queue: the request would just wait."""
-    queue = client.settings.queue
-    if not any(w.queue == queue for w in client.workers()):
-        note(f"no worker is serving queue {queue!r} right now: the request waits until one "
-             "starts (`llmq up`, or `llmq worker`)")
-
-
 @click.command()
 @click.argument("prompt", required=False)
 @click.option("--chat", metavar="TEXT", help="A user message (rendered with the chat template).")
 @click.option("--messages", metavar="JSON", help='Chat messages: [{"role": ..., "content": ...}].')
-@click.option("-f", "--file", "file", type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("-f", "--file", "file",
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="A JSONL file of requests (wire format), or - for stdin.")
 @click.option("-o", "--output", default="-", show_default=True,
               type=click.Path(dir_okay=False, writable=True, allow_dash=True),
@@ -96,7 +88,11 @@ def submit(prompt: str | None, chat: str | None, messages: str | None, file: str
         from llmq.cli.file_job import FileJob  # the file runner only when a file is given
 
         job = FileJob(client, file, output, params, show_progress=progress, timeout=timeout)
-        sys.exit(job.run())
+        try:
+            code = job.run()
+        except OSError as exc:  # the output folder is missing, the disk is full...
+            raise click.FileError(exc.filename or output, exc.strerror) from None
+        sys.exit(code)
     if prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():

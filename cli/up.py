@@ -14,7 +14,6 @@ silently lost a worker is worse than one that says so.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -85,7 +84,7 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
 
     server = EmbeddedServer(run_dir)
     started_server = False
-    url = connection["redis_url"] or os.environ.get("LLMQ_REDIS_URL", "").strip()
+    url = connection["redis_url"]  # --redis-url or LLMQ_REDIS_URL
     exit_code = 0
     detached = False  # True once a detached pool is ready and is left running
     try:
@@ -107,7 +106,7 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
         supervisor.spawn_workers(num_workers, worker_argv, detach=detach)
         client = Client(url, prefix=connection["prefix"], queue=connection["queue"])
         if not _wait_ready(supervisor, client, ready_timeout, stop):
-            exit_code = 1
+            exit_code = 130 if stop.is_set() else 1
             return
         queue = connection["queue"]
         if detach:

@@ -48,6 +48,9 @@ class CancelListener:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self.stop_event.set()
 

@@ -178,10 +178,11 @@ class Worker:
             return
         self.draining = True
         self._drain_deadline = time.monotonic() + self.config.drain_timeout
-        # NOTE: on a thread: this runs in a signal handler, which must not wait on Redis.
+        self.reader.stop_event.set()
+        # NOTE: CLIENT UNBLOCK on a thread: this runs in a signal handler, which must not wait
+        # on Redis.
         threading.Thread(target=self.reader.stop, args=(self._admin,), daemon=True,
                          name="llmq-stop-reader").start()
-        self.reader.stop_event.set()
         self.keeper.reclaiming = False
         if self.health is not None:
             self.health.set_draining()
@@ -202,7 +203,7 @@ class Worker:
         self.table.orphan_all()
         try:
             self._admin.xgroup_create(self.queue_key, GROUP, id="0", mkstream=True)
-            logger.log(logging.WARNING if self._group_seen else logging.INFO,
+            logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
@@ -223,6 +224,10 @@ class Worker:
             if now >= next_stats:
                 next_stats = now + 0.25
                 self._publish_stats()
+                if dead := self._dead_threads():
+                    logger.error("IO thread(s) %s died (see the traceback above): handing "
+                                 "in-flight work back and exiting", dead)
+                    return EXIT_ENGINE_FATAL
             if self.draining and self._drained(now):
                 return EXIT_OK
             if engine.has_unfinished_requests() or need_step:
@@ -233,6 +238,14 @@ class Worker:
                     logger.exception("engine step failed: handing in-flight work back and "
                                      "exiting")
                     return EXIT_ENGINE_FATAL
+
+    def _dead_threads(self) -> list[str]:
+        """IO threads that ended on an unexpected exception (they only end when told to)."""
+        threads = {"result writer": self.writer, "lease keeper": self.keeper,
+                   "cancel listener": self.cancels}
+        if not self.draining:
+            threads["stream reader"] = self.reader
+        return [name for name, t in threads.items() if not t.is_alive()]
 
     def _drained(self, now: float) -> bool:
         if now >= self._drain_deadline:

@@ -117,6 +117,9 @@ class LeaseKeeper:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self.stop_event.set()
         self._thread.join(timeout=10)

@@ -83,7 +83,6 @@ class ResultWriter:
         self.faults = faults
         self.metrics = metrics
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._give_up_at: float | None = None
         self.backoff = Backoff("result writer", state, stop=None)
         self.num_abandoned = 0
@@ -93,6 +92,9 @@ class ResultWriter:
 
     def start(self) -> None:
         self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def put_step(self, outputs: list[EngineCoreOutput]) -> None:
         """One engine step's outputs (busy loop)."""
@@ -120,7 +122,7 @@ class ResultWriter:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if items[-1] is None or None in items:
+            if any(i is None for i in items):
                 stopping = True
                 items = [i for i in items if i is not None]
             batch = _Batch()

@@ -267,3 +267,21 @@ def test_worker_started_before_redis_waits_not_ready_then_serves(redis_server, w
     wait_for(lambda: readyz() == 200, 30, "/readyz to answer 200")
     rid = submit_all(redis_server.url, 1, max_tokens=3)[0]
     assert isinstance(wait_terminal(r, rid, timeout=30), protocol.Done)
+
+
+def test_a_second_signal_exits_at_once(redis_server, redis_client, workers) -> None:
+    # Given a worker draining long generations with a generous drain budget
+    w = workers("impatient", fault="slow_step:40", drain=60.0).wait_ready(redis_client)
+    ids = submit_all(redis_server.url, 2, max_tokens=200)
+    wait_for(lambda: all(started_by(redis_client, rid) for rid in ids), 30, "both to start")
+    w.signal(signal.SIGTERM)
+    wait_for(lambda: "stopping: no new reads" in w.log_tail(), 10, "the first signal to land")
+    # When a second signal comes
+    w.signal(signal.SIGINT)
+    # Then it exits at once, non-zero, without waiting out the drain budget ...
+    assert w.wait(10) == 128 + signal.SIGINT
+    # ... and a peer reruns its requests once the lease lapses
+    workers("peer").wait_ready(redis_client)
+    for rid in ids:
+        final = wait_terminal(redis_client, rid, timeout=60)
+        assert isinstance(final, protocol.Done) and final.attempt == 2
