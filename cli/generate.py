@@ -14,7 +14,7 @@ from llmq.cli.options import engine_config_kwargs, engine_options, sampling_kwar
 @click.option("--chat", "chat", metavar="TEXT",
               help="A user message, rendered with the model's chat template.")
 @click.option("-f", "--file", "file", type=click.File("r"),
-              help="JSONL of requests in the wire format.")
+              help="JSONL of wire-format requests; each line carries its own sampling fields.")
 @click.option("-o", "--output", type=click.File("w"), default="-",
               help="Where -f results go (JSONL).")
 @engine_options
@@ -35,7 +35,7 @@ def generate(prompt: str | None, chat: str | None, file, output, **kwargs) -> No
     engine = EngineCore(config)
     if file is not None:
         from llmq.cli.generate_file import run_file
-        run_file(engine, file, output, params)
+        run_file(engine, file, output)
         return
     if chat is not None:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
