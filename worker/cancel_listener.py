@@ -54,6 +54,9 @@ class CancelListener:
     def stop(self) -> None:
         self.stop_event.set()
 
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
     def _stream_last_id(self) -> str:
         last = self.client.xrevrange(self.cancel_key, count=1)
         if not last:

@@ -45,6 +45,7 @@ from llmq.worker.inflight_table import InFlightTable
 from llmq.worker.input_processor import InputProcessor
 from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
 from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.sampling_params import SamplingParams
 from llmq.worker.scheduler import RequestRejected
 from llmq.worker.stream_reader import StreamReader
 
@@ -164,6 +165,8 @@ class Worker:
         logger.info("worker %s serving %s (lease %.1f s, renew %.1f s, max_deliveries %d)",
                     self.config.worker_id, self.queue_key, self.config.lease_timeout,
                     self.config.renew_interval, self.config.max_deliveries)
+        if not self._warm_up():
+            return EXIT_ENGINE_FATAL
         self.writer.start()
         self.keeper.start()
         self.cancels.start()
@@ -171,6 +174,20 @@ class Worker:
         exit_code = self._busy_loop()
         self._shutdown(exit_code)
         return exit_code
+
+    def _warm_up(self) -> bool:
+        """One short generation before serving: first-call allocations and lazy inits happen
+        here, not in the first user's TTFT, and an engine that cannot run fails before it takes
+        any work."""
+        started = time.perf_counter()
+        try:
+            prompt = self.engine.tokenizer.encode("Hello") or [0]
+            self.engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+        except Exception:  # noqa: BLE001 - nothing was taken yet: just do not start
+            logger.exception("engine warm-up failed: not serving")
+            return False
+        logger.info("engine warmed up in %.2f s", time.perf_counter() - started)
+        return True
 
     def request_stop(self) -> None:
         """What SIGTERM does: stop reading, drain for up to drain_timeout, hand back, exit."""
@@ -338,6 +355,7 @@ class Worker:
         if left:
             self._hand_back(left)
         self._unregister()
+        self.cancels.join(self.config.read_block_ms / 1000.0 + 1.0)
         if self.health is not None:
             self.health.stop()
         logger.warning("worker %s stopped (exit %d, %d entr%s handed back, events %s)",

@@ -30,6 +30,7 @@ RULES = {
     "llmq.worker.model.llama": ("redis", "llmq.broker"),
     "llmq.worker.model.loader": ("redis", "llmq.broker"),
     "llmq.worker.engine_core": ("redis",),
+    "llmq.worker.engine_proc": ("llmq.cli",),
     "llmq.cli.main": ("torch", "llmq.worker.model", "llmq.worker.engine_core"),
 }
 

@@ -1,0 +1,61 @@
+"""The worker runs as deploy/acl.conf's least-privilege `worker` user, producers as `producer`.
+
+Every command a live worker sends (reads, the lease script, reclaim, result writes, dead
+letters, heartbeats, cancel follow-up, the stop path) must be within the `worker` user's
+permissions, or the worker would fail only in production. The server is the one test_acl.py
+starts: deploy/redis.conf + deploy/acl.conf, on both server kinds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from llmq.broker import Client, protocol
+from llmq.broker.keys import GROUP
+from tests.integration.test_acl import PASSWORDS, _url, server  # noqa: F401 - the fixture
+from tests.integration.worker_harness import (
+    KEYS,
+    QUEUE_KEY,
+    InProcessWorker,
+    wait_for,
+    wait_terminal,
+)
+
+pytestmark = pytest.mark.redis
+
+
+def test_worker_serves_reclaims_cancels_and_stops_as_the_worker_user(server, tiny_model
+                                                                     ) -> None:
+    port, _ = server
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    admin.flushall()
+    try:
+        with Client(_url(port, "producer")) as producer:
+            # Given an entry a dead consumer left pending, and a producer queueing more
+            stale = producer.submit("Hi", request_id="left-behind", max_tokens=3)
+            admin.xreadgroup(GROUP, "dead-worker", {QUEUE_KEY: ">"}, count=1)
+            bad = admin.xadd(QUEUE_KEY, {"json": b'{"prompt": '}).decode()
+            with InProcessWorker(_url(port, "worker"), tiny_model, worker_id="acl-worker",
+                                 fault="slow_step:20"):
+                # When the worker serves as the `worker` user
+                done = producer.result(producer.submit("Hi", max_tokens=4), timeout=30)
+                reclaimed = producer.result(stale, timeout=30)
+                long_id = producer.submit("Hi", max_tokens=400, ignore_eos=True)
+                wait_for(lambda: len(admin.xrange(KEYS.result(long_id))) > 3, 30, "deltas")
+                producer.cancel(long_id)
+                cancelled = producer.result(long_id, timeout=30)
+                wait_for(lambda: admin.xlen(KEYS.dlq("default")), 10, "a dead letter")
+                assert admin.exists(KEYS.worker("acl-worker"))
+        # Then generation, reclaim, cancel, dead letters and heartbeats all worked ...
+        assert done.finish_reason == "length" and reclaimed.attempt == 2
+        assert cancelled.finish_reason == "cancelled"
+        assert protocol.decode_dead_letter(admin.xrange(KEYS.dlq("default"))[0][1])[0].entry_id \
+            == bad
+        # ... nothing is left pending, and the clean stop removed the heartbeat
+        assert admin.xpending(QUEUE_KEY, GROUP)["pending"] == 0
+        assert not admin.exists(KEYS.worker("acl-worker"))
+        assert isinstance(wait_terminal(admin, stale), protocol.Done)
+    finally:
+        admin.flushall()
+        admin.close()
