@@ -1,3 +1,7 @@
 """Shared fixtures: real Redis-compatible servers and model files, each in its own module."""
 
-pytest_plugins = ["tests.fixtures.redis_servers", "tests.fixtures.models"]
+pytest_plugins = [
+    "tests.fixtures.redis_servers",
+    "tests.fixtures.models",
+    "tests.fixtures.acl_server",
+]

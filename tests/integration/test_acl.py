@@ -18,7 +18,6 @@ locally and fails under CI=true).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -32,68 +31,14 @@ from llmq.broker.commands import SUBMIT_SCRIPT, queue_event
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
-from tests.fixtures.redis_servers import SERVER_KINDS, require_binary
-
-ROOT = Path(__file__).resolve().parents[2]
-ACL = ROOT / "deploy" / "acl.conf"
-CONF = ROOT / "deploy" / "redis.conf"
-
-PASSWORDS = {"producer": "llmq-dev-producer", "worker": "llmq-dev-worker",
-             "keda": "llmq-dev-keda", "admin": "llmq-dev-admin"}
+from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url, free_port
 
 pytestmark = pytest.mark.redis
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _url(port: int, user: str) -> str:
-    return f"redis://{user}:{PASSWORDS[user]}@127.0.0.1:{port}/0"
-
-
-# NOTE: the shared `redis_server` fixture starts servers from command-line settings and checks
-# them with an unauthenticated PING; this module needs the server to read deploy/redis.conf
-# itself and to refuse anonymous clients, so it starts its own, with the same binaries.
-@pytest.fixture(scope="module", params=SERVER_KINDS)
-def server(request, tmp_path_factory):
-    """A server running deploy/redis.conf + deploy/acl.conf; yields (port, binary)."""
-    binary = require_binary(request.param)
-    port = _free_port()
-    data = tmp_path_factory.mktemp(f"{request.param}-data")
-    proc = subprocess.Popen(
-        [binary, str(CONF), "--port", str(port), "--bind", "127.0.0.1",
-         "--aclfile", str(ACL), "--maxmemory", "64mb"],
-        cwd=data, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        admin = redis.Redis.from_url(_url(port, "admin"))
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                admin.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out = proc.stdout.read().decode() if proc.poll() is not None else ""
-                    pytest.fail(f"{binary} did not start with deploy/redis.conf:\n{out[-2000:]}")
-                time.sleep(0.05)
-        admin.close()
-        yield port, binary
-    finally:
-        proc.terminate()  # by PID: our own child only
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-
-
 @pytest.fixture
-def connect(server):
-    port, _ = server
+def connect(acl_server):
+    port, _ = acl_server
     clients = []
 
     def make(user: str) -> redis.Redis:
@@ -227,20 +172,20 @@ def _dryrun(port: int, user: str, command: tuple) -> str:
 @pytest.mark.parametrize(("user", "command"),
                          [(u, c) for u, cs in ALLOWED.items() for c in cs],
                          ids=[f"{u}: {_case_id(c)}" for u, cs in ALLOWED.items() for c in cs])
-def test_acl_dryrun_allows_what_llmq_needs(server, user, command):
-    assert _dryrun(server[0], user, command) == "OK"
+def test_acl_dryrun_allows_what_llmq_needs(acl_server, user, command):
+    assert _dryrun(acl_server[0], user, command) == "OK"
 
 
 @pytest.mark.parametrize(("user", "command"),
                          [(u, c) for u, cs in DENIED.items() for c in cs],
                          ids=[f"{u}: {_case_id(c)}" for u, cs in DENIED.items() for c in cs])
-def test_acl_dryrun_denies_everything_else(server, user, command):
-    reply = _dryrun(server[0], user, command)
+def test_acl_dryrun_denies_everything_else(acl_server, user, command):
+    reply = _dryrun(acl_server[0], user, command)
     assert reply != "OK"
     assert "no permissions" in reply.lower()
 
 
-def test_server_runs_with_aof_and_noeviction(server, connect):
+def test_server_runs_with_aof_and_noeviction(acl_server, connect):
     # Given the server started from deploy/redis.conf
     admin = connect("admin")
     config = {k: v for name in ("appendonly", "appendfsync", "maxmemory-policy", "save")
@@ -258,9 +203,9 @@ def test_server_runs_with_aof_and_noeviction(server, connect):
         time.sleep(0.1)
 
 
-def test_default_user_is_off(server):
+def test_default_user_is_off(acl_server):
     # Given a client that does not log in
-    anonymous = redis.Redis(port=server[0])
+    anonymous = redis.Redis(port=acl_server[0])
     # Then the server refuses it everything, even PING
     with pytest.raises(redis.AuthenticationError):
         anonymous.ping()
@@ -283,11 +228,11 @@ def _answer(worker: redis.Redis, text: str) -> str:
     return entry_id
 
 
-def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(server, connect):
-    port = server[0]
+def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(acl_server, connect):
+    port = acl_server[0]
     worker = connect("worker")
     # Given the broker's own producer client logged in as `producer`
-    with Client(_url(port, "producer"), queue="default") as client:
+    with Client(acl_url(port, "producer"), queue="default") as client:
         # When it submits (creating the group on first use) and a worker answers
         entry_id = client.submit("Hi", max_tokens=4)
         assert _answer(worker, "Hello") == entry_id
@@ -311,9 +256,9 @@ def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(serv
     assert worker.xlen(Q) == 1
 
 
-def test_idempotent_submit_script_runs_under_the_producer_acl(server, connect):
+def test_idempotent_submit_script_runs_under_the_producer_acl(acl_server, connect):
     worker = connect("worker")
-    with Client(_url(server[0], "producer"), queue="default") as client:
+    with Client(acl_url(acl_server[0], "producer"), queue="default") as client:
         # Given a request submitted twice with the same id (a retry after a lost reply)
         first = client.submit("Hi", request_id="req-1", max_tokens=4)
         second = client.submit("Hi", request_id="req-1", max_tokens=4)
@@ -377,15 +322,15 @@ def _health_check_commands() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("where", "command"), _health_check_commands(), ids=["compose", "k8s"])
-def test_redis_health_check_passes_on_a_live_server_and_fails_on_a_dead_one(server, where,
+def test_redis_health_check_passes_on_a_live_server_and_fails_on_a_dead_one(acl_server, where,
                                                                             command):
-    port, binary = server
+    port, binary = acl_server
     cli = shutil.which("redis-cli") or str(Path(binary).with_name("valkey-cli"))
     if not Path(cli).exists():
         pytest.skip("no redis-cli / valkey-cli")
     # Given the health check command, pointed at the test server's port
     live = command.replace("redis-cli", f"{cli} -p {port}", 1)
-    dead = command.replace("redis-cli", f"{cli} -p {_free_port()}", 1)
+    dead = command.replace("redis-cli", f"{cli} -p {free_port()}", 1)
     # Then it passes against the server running our config and ACL
     assert subprocess.run(["sh", "-c", live], timeout=30).returncode == 0
     # And fails where no server answers, or where the server refuses the login (redis-cli

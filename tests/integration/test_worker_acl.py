@@ -13,7 +13,7 @@ import redis
 
 from llmq.broker import Client, protocol
 from llmq.broker.keys import GROUP
-from tests.integration.test_acl import PASSWORDS, _url, server  # noqa: F401 - the fixture
+from tests.fixtures.acl_server import PASSWORDS, acl_url
 from tests.integration.worker_harness import (
     KEYS,
     QUEUE_KEY,
@@ -25,18 +25,18 @@ from tests.integration.worker_harness import (
 pytestmark = pytest.mark.redis
 
 
-def test_worker_serves_reclaims_cancels_and_stops_as_the_worker_user(server, tiny_model
+def test_worker_serves_reclaims_cancels_and_stops_as_the_worker_user(acl_server, tiny_model
                                                                      ) -> None:
-    port, _ = server
+    port, _ = acl_server
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
     admin.flushall()
     try:
-        with Client(_url(port, "producer")) as producer:
+        with Client(acl_url(port, "producer")) as producer:
             # Given an entry a dead consumer left pending, and a producer queueing more
             stale = producer.submit("Hi", request_id="left-behind", max_tokens=3)
             admin.xreadgroup(GROUP, "dead-worker", {QUEUE_KEY: ">"}, count=1)
             bad = admin.xadd(QUEUE_KEY, {"json": b'{"prompt": '}).decode()
-            with InProcessWorker(_url(port, "worker"), tiny_model, worker_id="acl-worker",
+            with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="acl-worker",
                                  fault="slow_step:20"):
                 # When the worker serves as the `worker` user
                 done = producer.result(producer.submit("Hi", max_tokens=4), timeout=30)
