@@ -16,6 +16,8 @@ Every `renew_interval` (about lease_timeout / 3):
    XAUTOCLAIM as deleted ids, already out of the PEL: they are dead-lettered (`lost_payload`).
 3. Heartbeat: `HSET llmq:w:<worker_id>` (model, queue, running, waiting, KV use, tokens/s) with
    EXPIRE, and the worker registry's `ZADD llmq:workers`.
+4. Once a minute: remove dead workers' idle consumers, and trim acked entries from the request
+   stream (broker/retention.py) so it does not grow forever.
 
 The same script with a huge IDLE hands entries back on shutdown (`hand_back`): a peer's next
 XAUTOCLAIM takes them at once, without waiting for the lease to lapse.
@@ -38,6 +40,7 @@ import redis
 
 from llmq.broker import protocol
 from llmq.broker.keys import GROUP, Keys
+from llmq.broker.retention import trim_acked_requests
 from llmq.worker.admission import AbortRequests, Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
 from llmq.worker.inflight_table import InFlightTable
@@ -138,6 +141,7 @@ class LeaseKeeper:
                 if started >= self._next_cleanup:
                     self._next_cleanup = started + 60.0
                     self._cleanup_consumers()
+                    trim_acked_requests(self.client, self.keys, self.queue_name)
                 self.backoff.succeeded()
             except TRANSIENT_ERRORS as e:
                 self.backoff.failed(e)

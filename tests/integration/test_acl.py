@@ -92,6 +92,7 @@ ALLOWED = {
         ("XRANGE", Q, "1-0", "1-0"),
         ("XINFO", "GROUPS", Q), ("XINFO", "CONSUMERS", Q, "workers"),
         ("XGROUP", "DELCONSUMER", Q, "workers", "worker-2"),
+        ("XTRIM", Q, "MINID", "1-0"),                              # acked entries (retention)
         ("XADD", R, "MAXLEN", "~", "10000", "*", "json", "{}"),   # events
         ("EXPIRE", R, "86400"),
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters
@@ -136,7 +137,7 @@ DENIED = {
         ("SET", FLAG, "1"),                       # cancelling requests
         ("SET", IDEM, "1-0"),                     # the submit script's marker
         ("XREAD", "STREAMS", R, "0"),             # reading results is the producer's
-        ("DEL", Q), ("SET", Q, "x"), ("XTRIM", Q, "MAXLEN", "0"),
+        ("DEL", Q), ("SET", Q, "x"),
         ("XGROUP", "DESTROY", Q, "workers"),
         ("DEL", R), ("DEL", DLQ), ("XRANGE", DLQ, "-", "+"),
         ("XREADGROUP", "GROUP", "workers", "w", "STREAMS", "other:q:default", ">"),
