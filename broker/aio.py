@@ -12,31 +12,29 @@ folded by `Transcript`, and requests validated by the worker's own decoder, as i
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from llmq.broker.client import _READ_COUNT, _ClientBase
+from llmq.broker.client import _ClientBase
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
     SUBMIT_SCRIPT,
     DeadLetterEntry,
     QueueStats,
+    ResultFollower,
     as_str,
-    block_ms,
     build_submission,
     dead_letter_to_retry,
     parse_dead_letters,
     parse_heartbeats,
     parse_queue_stats,
-    stream_entries,
 )
 from llmq.broker.connection import connect_async, translate_errors
-from llmq.broker.errors import InvalidRequest, RequestFailed, ResultTimeout
+from llmq.broker.errors import InvalidRequest, RequestFailed
 from llmq.broker.keys import GROUP
 from llmq.broker.protocol import (
     Done,
@@ -47,7 +45,6 @@ from llmq.broker.protocol import (
     encode_cancel,
 )
 from llmq.broker.settings import BrokerSettings
-from llmq.broker.transcript import Fold, Transcript
 
 __all__ = ["AsyncClient"]
 
@@ -152,28 +149,12 @@ class AsyncClient(_ClientBase):
 
     async def events(self, request_id: str, *, timeout: float | None = None
                      ) -> AsyncIterator[Event]:
-        key = self.keys.result(request_id)
-        transcript = Transcript(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last_id: bytes | str = "0-0"
-        first_read = True
+        follower = ResultFollower(self.keys, request_id, timeout)
         with translate_errors(self.url):
-            while True:
-                block = block_ms(deadline)
-                if block == 0 and not first_read:
-                    raise ResultTimeout(request_id, timeout or 0.0)
-                # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
-                reply = await self.redis.xread({key: last_id}, count=_READ_COUNT,
-                                            block=block or None)
-                first_read = False
-                for entry_id, fields in stream_entries(reply):
-                    last_id = entry_id
-                    event = self._decode_entry(request_id, entry_id, fields)
-                    if event is None or transcript.apply(event) is Fold.IGNORED:
-                        continue
+            while not follower.finished:
+                reply = await self.redis.xread(**follower.next_read())
+                for event in follower.events(reply):
                     yield event
-                    if transcript.finished:
-                        return
 
     async def result(self, request_id: str, timeout: float | None = None) -> Done:
         async for event in self.events(request_id, timeout=timeout):

@@ -10,13 +10,13 @@
 
 Every Redis failure surfaces as `BrokerUnavailable` or `BrokerError` with a one-line message.
 `llmq.broker.aio.AsyncClient` is the asyncio twin; both build and parse their commands with
-`llmq.broker.commands` and fold events with `llmq.broker.transcript.Transcript`.
+`llmq.broker.commands`, and follow a result stream with its `ResultFollower` (which folds events
+with `llmq.broker.transcript.Transcript`), so only the IO differs.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -29,15 +29,14 @@ from llmq.broker.commands import (
     SUBMIT_SCRIPT,
     DeadLetterEntry,
     QueueStats,
+    ResultFollower,
     Submission,
     as_str,
-    block_ms,
     build_submission,
     dead_letter_to_retry,
     parse_dead_letters,
     parse_heartbeats,
     parse_queue_stats,
-    stream_entries,
 )
 from llmq.broker.connection import (
     connect,
@@ -45,7 +44,7 @@ from llmq.broker.connection import (
     resolve_redis_url,
     translate_errors,
 )
-from llmq.broker.errors import InvalidRequest, ProtocolError, RequestFailed, ResultTimeout
+from llmq.broker.errors import InvalidRequest, RequestFailed
 from llmq.broker.keys import GROUP, NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.protocol import (
     Done,
@@ -53,17 +52,13 @@ from llmq.broker.protocol import (
     Error,
     Event,
     WorkerHeartbeat,
-    decode_event,
     encode_cancel,
 )
 from llmq.broker.settings import BrokerSettings
-from llmq.broker.transcript import Fold, Transcript
 
 __all__ = ["Client"]
 
 logger = logging.getLogger(__name__)
-
-_READ_COUNT = 512  # entries per XREAD: a long answer arrives in a few round trips
 
 
 class _ClientBase:
@@ -116,15 +111,6 @@ class _ClientBase:
             logger.debug("request %s was already submitted; not queued again",
                          submission.request_id)
         return submission.request_id
-
-    @staticmethod
-    def _decode_entry(request_id: str, entry_id: bytes, fields: Any) -> Event | None:
-        try:
-            return decode_event(fields)
-        except ProtocolError as exc:
-            # NOTE: skipped, not raised: a newer worker may write event types this reader predates.
-            logger.warning("skipping entry %r of request %s: %s", entry_id, request_id, exc)
-            return None
 
 
 class Client(_ClientBase):
@@ -262,28 +248,11 @@ class Client(_ClientBase):
         shown so far. Ends after the terminal event (`Done` or `Error`) of the current attempt.
         Raises ResultTimeout when `timeout` seconds pass first (None waits for ever).
         """
-        key = self.keys.result(request_id)
-        transcript = Transcript(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last_id: bytes | str = "0-0"
-        first_read = True
+        follower = ResultFollower(self.keys, request_id, timeout)
         with translate_errors(self.url):
-            while True:
-                block = block_ms(deadline)
-                if block == 0 and not first_read:
-                    raise ResultTimeout(request_id, timeout or 0.0)
-                # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
-                reply = self.redis.xread({key: last_id}, count=_READ_COUNT,
-                                            block=block or None)
-                first_read = False
-                for entry_id, fields in stream_entries(reply):
-                    last_id = entry_id
-                    event = self._decode_entry(request_id, entry_id, fields)
-                    if event is None or transcript.apply(event) is Fold.IGNORED:
-                        continue
-                    yield event
-                    if transcript.finished:
-                        return
+            while not follower.finished:
+                reply = self.redis.xread(**follower.next_read())
+                yield from follower.events(reply)
 
     def result(self, request_id: str, timeout: float | None = None) -> Done:
         """The `Done` event of the request (finish_reason stop, length or cancelled).

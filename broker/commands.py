@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError
+from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError, ResultTimeout
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import (
     DeadLetter,
@@ -24,10 +24,12 @@ from llmq.broker.protocol import (
     Event,
     WorkerHeartbeat,
     decode_dead_letter,
+    decode_event,
     decode_heartbeat,
     encode_event,
     parse_request,
 )
+from llmq.broker.transcript import Fold, Transcript
 
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
@@ -36,11 +38,13 @@ __all__ = [
     "SUBMIT_SCRIPT",
     "DeadLetterEntry",
     "QueueStats",
+    "ResultFollower",
     "Submission",
     "as_str",
     "block_ms",
     "build_submission",
     "dead_letter_to_retry",
+    "decode_result_entry",
     "parse_dead_letters",
     "parse_heartbeats",
     "parse_queue_stats",
@@ -55,6 +59,7 @@ DEFAULT_REQUEST_TTL = 24 * 3600
 # NOTE: XREAD BLOCK in slices well under the client's socket timeout, so a slow result never looks
 # like a dead server.
 READ_SLICE_MS = 5_000
+_READ_COUNT = 512  # entries per XREAD: a long answer arrives in a few round trips
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
 
 # Idempotent submit for a caller-given request id. One script, so the marker and the entry are
@@ -118,6 +123,64 @@ def block_ms(deadline: float | None) -> int:
     if remaining <= 0:
         return 0
     return max(1, min(READ_SLICE_MS, math.ceil(remaining * 1000)))
+
+
+def decode_result_entry(request_id: str, entry_id: bytes, fields: Any) -> Event | None:
+    """The event of one result stream entry; None (logged) for an entry this reader cannot read."""
+    try:
+        return decode_event(fields)
+    except ProtocolError as exc:
+        # NOTE: skipped, not raised: a newer worker may write event types this reader predates.
+        logger.warning("skipping entry %r of request %s: %s", entry_id, request_id, exc)
+        return None
+
+
+class ResultFollower:
+    """Following one request's result stream, without IO: the client sends the reads it names.
+
+        follower = ResultFollower(keys, request_id, timeout)
+        while not follower.finished:
+            reply = redis.xread(**follower.next_read())
+            for event in follower.events(reply):
+                ...
+
+    Events are folded by the attempt rule (`Transcript`); only those the reader should see are
+    yielded, up to and including the terminal event of the current attempt.
+    """
+
+    def __init__(self, keys: Keys, request_id: str, timeout: float | None) -> None:
+        self.request_id = request_id
+        self.transcript = Transcript(request_id)
+        self._key = keys.result(request_id)
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._last_id: bytes | str = "0-0"
+        self._first_read = True
+
+    @property
+    def finished(self) -> bool:
+        return self.transcript.finished
+
+    def next_read(self) -> dict[str, Any]:
+        """The XREAD arguments for the next read slice; ResultTimeout once the deadline passed."""
+        block = block_ms(self._deadline)
+        if block == 0 and not self._first_read:
+            raise ResultTimeout(self.request_id, self._timeout or 0.0)
+        # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
+        self._first_read = False
+        return {"streams": {self._key: self._last_id}, "count": _READ_COUNT,
+                "block": block or None}
+
+    def events(self, reply: Any) -> Iterator[Event]:
+        """The events of an XREAD reply the reader should see; stops after the terminal one."""
+        for entry_id, fields in stream_entries(reply):
+            self._last_id = entry_id
+            event = decode_result_entry(self.request_id, entry_id, fields)
+            if event is None or self.transcript.apply(event) is Fold.IGNORED:
+                continue
+            yield event
+            if self.transcript.finished:
+                return
 
 
 def queue_event(pipe: Any, keys: Keys, event: Event, encoding: Encoding, *,
