@@ -9,19 +9,15 @@ idle wait costs one round trip per poll, not a busy loop.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
 from llmq.broker.client import Client
+from llmq.broker.commands import decode_result_entry
 from llmq.broker.connection import translate_errors
-from llmq.broker.errors import ProtocolError
-from llmq.broker.protocol import decode_event
 from llmq.broker.transcript import Transcript
 
 __all__ = ["ResultGatherer"]
-
-logger = logging.getLogger(__name__)
 
 _KEYS_PER_READ = 256  # streams per XREAD: bounds one command's size
 _ENTRIES_PER_STREAM = 512
@@ -97,11 +93,9 @@ class ResultGatherer:
             transcript, _, last = self._pending[request_id]
             for entry_id, fields in entries:
                 last = entry_id
-                try:
-                    transcript.apply(decode_event(fields))
-                except ProtocolError as exc:
-                    logger.warning("skipping entry %r of request %s: %s", entry_id, request_id,
-                                   exc)
+                event = decode_result_entry(request_id, entry_id, fields)
+                if event is not None:
+                    transcript.apply(event)
             self._pending[request_id] = (transcript, key, last)
         return True
 
