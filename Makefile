@@ -33,6 +33,7 @@ run: install model
 	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
 test: install model redis-server
+	$(BIN)/ruff check broker worker cli tests bench
 	$(BIN)/python -m pytest -q
 
 lint: install

@@ -66,8 +66,9 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
         raise click.BadParameter(str(e)) from None
 
     from llmq.worker.engine_core import EngineCore
-    from llmq.worker.engine_proc import Worker
+    from llmq.worker.engine_proc import Worker, start_observability
 
-    engine = EngineCore(engine_config)
     model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
-    sys.exit(Worker(config, engine, model_name=model_name).run())
+    observability = start_observability(metrics_port, model_name, queue)
+    engine = EngineCore(engine_config)
+    sys.exit(Worker(config, engine, model_name=model_name, observability=observability).run())

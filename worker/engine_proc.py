@@ -103,7 +103,8 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, config: WorkerConfig, engine: Any, *, model_name: str = "",
-                 faults: Faults | None = None) -> None:
+                 faults: Faults | None = None, observability: tuple[Any, Any] | None = None
+                 ) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
@@ -114,7 +115,10 @@ class Worker:
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.state = ConnectionState(pending=("stream reader",))
         self.max_num_seqs = engine.config.max_num_seqs
-        self.metrics, self.health = self._start_health()
+        # NOTE: `llmq worker` starts the health server before loading the model (so /readyz
+        # answers "loading model" meanwhile) and hands it over here.
+        self.metrics, self.health = observability or start_observability(
+            config.metrics_port, model_name, config.queue)
         timeout = config.read_block_ms / 1000.0 + 10.0
         url = config.redis_url
         self.writer = ResultWriter(
@@ -386,15 +390,6 @@ class Worker:
 
     # -- observability ----------------------------------------------------------------------------
 
-    def _start_health(self) -> tuple[Any, Any]:
-        if not self.config.metrics_port:
-            return None, None
-        from llmq.worker.health_server import HealthServer
-        from llmq.worker.metrics import WorkerMetrics
-
-        metrics = WorkerMetrics(self.model_name or "default", self.config.queue)
-        return metrics, HealthServer(self.config.metrics_port, metrics)
-
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
         self._stats = self.engine.stats()
@@ -424,3 +419,17 @@ class Worker:
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2))
         return protocol.encode_heartbeat(heartbeat)
 
+
+def start_observability(metrics_port: int, model_name: str, queue_name: str
+                        ) -> tuple[Any, Any]:
+    """(WorkerMetrics, HealthServer) serving /metrics /healthz /readyz, or (None, None) when
+    `metrics_port` is 0. Not ready until the busy loop says so."""
+    if not metrics_port:
+        return None, None
+    from llmq.worker.health_server import HealthServer
+    from llmq.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(model_name or "default", queue_name)
+    health = HealthServer(metrics_port, metrics)
+    health.set_ready(False, "loading model")
+    return metrics, health

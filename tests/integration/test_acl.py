@@ -28,10 +28,11 @@ import yaml
 
 from llmq.broker.client import Client
 from llmq.broker.commands import SUBMIT_SCRIPT, queue_event
+from llmq.broker.embedded import free_port
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
-from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url, free_port
+from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url
 
 pytestmark = pytest.mark.redis
 
