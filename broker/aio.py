@@ -20,21 +20,18 @@ import redis.asyncio
 
 from llmq.broker.client import _ClientBase
 from llmq.broker.commands import (
-    CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
     SUBMIT_SCRIPT,
     DeadLetterEntry,
     QueueStats,
     ResultFollower,
     as_str,
-    build_submission,
     dead_letter_to_retry,
     parse_dead_letters,
     parse_heartbeats,
-    parse_queue_stats,
 )
 from llmq.broker.connection import connect_async, translate_errors
-from llmq.broker.errors import InvalidRequest, RequestFailed
+from llmq.broker.errors import RequestFailed
 from llmq.broker.keys import GROUP
 from llmq.broker.protocol import (
     Done,
@@ -42,7 +39,6 @@ from llmq.broker.protocol import (
     Error,
     Event,
     WorkerHeartbeat,
-    encode_cancel,
 )
 from llmq.broker.settings import BrokerSettings
 
@@ -109,12 +105,7 @@ class AsyncClient(_ClientBase):
 
     async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                           queue: str | None = None) -> list[str]:
-        submissions = []
-        for index, body in enumerate(requests):
-            try:
-                submissions.append(build_submission(body, self.encoding))
-            except InvalidRequest as exc:
-                raise InvalidRequest(f"request {index}: {exc}") from None
+        submissions = self._submissions(requests)
         queue = self._queue(queue)
         with translate_errors(self.url):
             await self._ensure_group_once(queue)
@@ -168,23 +159,15 @@ class AsyncClient(_ClientBase):
         queue = self._queue(queue)
         with translate_errors(self.url):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
-            pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
-                      maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+            self._queue_cancel(pipe, request_id, queue)
             await pipe.execute()
 
     async def stats(self, queue: str | None = None) -> QueueStats:
         queue = self._queue(queue)
         with translate_errors(self.url):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xlen(self.keys.queue(queue))
-            pipe.xinfo_groups(self.keys.queue(queue))
-            pipe.xlen(self.keys.dlq(queue))
-            length, groups, dead = await pipe.execute(raise_on_error=False)
-            for reply in (length, dead):
-                if isinstance(reply, Exception):
-                    raise reply
-            return parse_queue_stats(queue, length, groups, dead)
+            self._queue_stats_reads(pipe, queue)
+            return self._parse_stats(queue, await pipe.execute(raise_on_error=False))
 
     async def queues(self) -> list[str]:
         with translate_errors(self.url):

@@ -97,6 +97,36 @@ class _ClientBase:
                 "prompt_token_ids": prompt_token_ids, **params}
         return build_submission(body, self.encoding)
 
+    def _submissions(self, requests: Iterable[Mapping[str, Any]]) -> list[Submission]:
+        """Every request of a batch validated before any is sent; InvalidRequest names the index."""
+        submissions = []
+        for index, body in enumerate(requests):
+            try:
+                submissions.append(build_submission(body, self.encoding))
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"request {index}: {exc}") from None
+        return submissions
+
+    def _queue_cancel(self, pipe: Any, request_id: str, queue: str) -> None:
+        """Queue a cancel's writes on a (sync or asyncio) pipeline: the flag, then the notice."""
+        pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
+        pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
+                  maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+
+    def _queue_stats_reads(self, pipe: Any, queue: str) -> None:
+        """Queue the reads `_parse_stats` expects; execute them with raise_on_error=False."""
+        pipe.xlen(self.keys.queue(queue))
+        pipe.xinfo_groups(self.keys.queue(queue))
+        pipe.xlen(self.keys.dlq(queue))
+
+    @staticmethod
+    def _parse_stats(queue: str, replies: list[Any]) -> QueueStats:
+        length, groups, dead = replies
+        for reply in (length, dead):
+            if isinstance(reply, Exception):
+                raise reply
+        return parse_queue_stats(queue, length, groups, dead)
+
     def _script_args(self, submission: Submission, queue: str) -> tuple[list[str], list[Any]]:
         assert submission.request_id is not None
         return ([self.keys.queue(queue), self.keys.idempotency(submission.request_id)],
@@ -196,12 +226,7 @@ class Client(_ClientBase):
         in a JSONL file. All are validated first: one invalid item raises InvalidRequest naming
         its index, and nothing is sent.
         """
-        submissions = []
-        for index, body in enumerate(requests):
-            try:
-                submissions.append(build_submission(body, self.encoding))
-            except InvalidRequest as exc:
-                raise InvalidRequest(f"request {index}: {exc}") from None
+        submissions = self._submissions(requests)
         queue = self._queue(queue)
         with translate_errors(self.url):
             self._ensure_group_once(queue)
@@ -276,9 +301,7 @@ class Client(_ClientBase):
         queue = self._queue(queue)
         with translate_errors(self.url):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
-            pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
-                      maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+            self._queue_cancel(pipe, request_id, queue)
             pipe.execute()
 
     # --- inspecting ------------------------------------------------------------------------------
@@ -288,14 +311,8 @@ class Client(_ClientBase):
         queue = self._queue(queue)
         with translate_errors(self.url):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xlen(self.keys.queue(queue))
-            pipe.xinfo_groups(self.keys.queue(queue))
-            pipe.xlen(self.keys.dlq(queue))
-            length, groups, dead = pipe.execute(raise_on_error=False)
-            for reply in (length, dead):
-                if isinstance(reply, Exception):
-                    raise reply
-            return parse_queue_stats(queue, length, groups, dead)
+            self._queue_stats_reads(pipe, queue)
+            return self._parse_stats(queue, pipe.execute(raise_on_error=False))
 
     def queues(self) -> list[str]:
         """Names of the queues that have a consumer group."""
