@@ -21,6 +21,7 @@ import redis.asyncio
 from llmq.broker.client import _ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
+    RETRY_SCRIPT,
     SUBMIT_SCRIPT,
     DeadLetterEntry,
     QueueStats,
@@ -66,6 +67,7 @@ class AsyncClient(_ClientBase):
         self.redis: redis.asyncio.Redis = (connection if connection is not None
                                            else connect_async(self.url))
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self._retry_script = self.redis.register_script(RETRY_SCRIPT)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -197,10 +199,8 @@ class AsyncClient(_ClientBase):
         with translate_errors(self.url):
             entries = await self.redis.xrange(self.keys.dlq(queue), dlq_entry_id, dlq_entry_id)
             entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.keys.queue(queue), entry.payload)
-            pipe.xdel(self.keys.dlq(queue), dlq_entry_id)
-            new_id, _ = await pipe.execute()
+            keys, args = self._retry_args(entry, queue)
+            new_id = await self._retry_script(keys=keys, args=args)
         return as_str(new_id)
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:

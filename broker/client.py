@@ -26,6 +26,7 @@ import redis
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
+    RETRY_SCRIPT,
     SUBMIT_SCRIPT,
     DeadLetterEntry,
     QueueStats,
@@ -127,6 +128,17 @@ class _ClientBase:
                 raise reply
         return parse_queue_stats(queue, length, groups, dead)
 
+    def _retry_args(self, entry: DeadLetterEntry, queue: str) -> tuple[list[str], list[Any]]:
+        """RETRY_SCRIPT's keys and args for queueing a dead letter again."""
+        keys = [self.keys.queue(queue), self.keys.dlq(queue)]
+        request_id = entry.dead_letter.request_id
+        # NOTE: only a producer-given id outlives its entry; a default id (the old entry id)
+        # gives way to the new entry's id, and the old result stream stays as it was.
+        if request_id and request_id != entry.dead_letter.entry_id:
+            keys += [self.keys.result(request_id), self.keys.idempotency(request_id)]
+        fields = [x for pair in entry.payload.items() for x in pair]
+        return keys, [entry.dlq_entry_id, self.request_ttl, *fields]
+
     def _script_args(self, submission: Submission, queue: str) -> tuple[list[str], list[Any]]:
         assert submission.request_id is not None
         return ([self.keys.queue(queue), self.keys.idempotency(submission.request_id)],
@@ -169,6 +181,7 @@ class Client(_ClientBase):
         self._owns_connection = connection is None
         self.redis: redis.Redis = connection if connection is not None else connect(self.url)
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self._retry_script = self.redis.register_script(RETRY_SCRIPT)
 
     def __enter__(self) -> Client:
         return self
@@ -348,10 +361,8 @@ class Client(_ClientBase):
         with translate_errors(self.url):
             entries = self.redis.xrange(self.keys.dlq(queue), dlq_entry_id, dlq_entry_id)
             entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.keys.queue(queue), entry.payload)
-            pipe.xdel(self.keys.dlq(queue), dlq_entry_id)
-            new_id, _ = pipe.execute()
+            keys, args = self._retry_args(entry, queue)
+            new_id = self._retry_script(keys=keys, args=args)
         return as_str(new_id)
 
     def purge_dead_letters(self, queue: str | None = None) -> int:

@@ -35,6 +35,7 @@ __all__ = [
     "CANCEL_STREAM_MAXLEN",
     "DEFAULT_REQUEST_TTL",
     "READ_SLICE_MS",
+    "RETRY_SCRIPT",
     "SUBMIT_SCRIPT",
     "DeadLetterEntry",
     "QueueStats",
@@ -74,6 +75,22 @@ if first then return {0, first} end
 local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], entry, 'EX', ARGV[3])
 return {1, entry}
+"""
+
+# A dead letter queued again, atomically: the new entry, the dead letter gone, and, when the
+# request id is known, its old result stream deleted (its attempts numbered from 1 again would
+# otherwise be hidden behind the failed ones) and its idempotency marker naming the new entry
+# (so `llmq result` knows the id before a worker starts it).
+# KEYS: queue, dlq [, result stream, marker]; ARGV: dlq entry id, ttl seconds, then the
+# original entry's fields and values.
+RETRY_SCRIPT = """
+local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('XDEL', KEYS[2], ARGV[1])
+if #KEYS == 4 then
+  redis.call('DEL', KEYS[3])
+  redis.call('SET', KEYS[4], entry, 'EX', ARGV[2])
+end
+return entry
 """
 
 _encoders: dict[str, msgspec.json.Encoder | msgspec.msgpack.Encoder] = {

@@ -334,14 +334,39 @@ def test_dead_letters_can_be_listed_retried_and_purged(client: Client,
     redis_client.xadd(KEYS.dlq("default"), encode_dead_letter(letter, None))
     listed = client.dead_letters()
     assert [e.dead_letter.code for e in listed] == ["poison", "poison"]
+    # ... and the failed run's result stream, whose attempt 4 would hide a new attempt 1
+    redis_client.xadd(KEYS.result("r5"), {"json": b'{"type":"error"}'})
     # When the kept one is retried, Then its original request is queued again under its id
-    client.retry_dead_letter(kept.decode())
-    (_, fields), = redis_client.xrange(KEYS.queue("default"))
+    new_entry = client.retry_dead_letter(kept.decode())
+    (entry_id, fields), = redis_client.xrange(KEYS.queue("default"))
     decoded = decode_request_entry("9-0", fields)
     assert isinstance(decoded, DecodedRequest) and decoded.request_id == "r5"
+    # And the old result stream is gone, and the id is known (and deduplicated) from now on
+    assert entry_id.decode() == new_entry
+    assert not redis_client.exists(KEYS.result("r5"))
+    assert redis_client.get(KEYS.idempotency("r5")) == entry_id
+    assert client.submit("x", request_id="r5") == "r5"
+    assert redis_client.xlen(KEYS.queue("default")) == 1
     with pytest.raises(LLMQError, match="kept no payload"):
         client.retry_dead_letter(client.dead_letters()[0].dlq_entry_id)
     assert client.purge_dead_letters() == 1 and client.dead_letters() == []
+
+
+def test_retrying_a_dead_letter_with_a_default_id_leaves_the_old_id_alone(
+        client: Client, redis_client: redis.Redis) -> None:
+    # Given a dead letter of a request that had no id of its own (its id was its entry id)
+    letter = DeadLetter(queue="default", entry_id="6-0", request_id="6-0", code="poison",
+                        message="delivered 4 times", deliveries=4)
+    redis_client.xadd(KEYS.result("6-0"), {"json": b'{"type":"error"}'})
+    dlq_id = redis_client.xadd(KEYS.dlq("default"),
+                               encode_dead_letter(letter, {"json": b'{"prompt":"x"}'}))
+    # When it is retried
+    new_entry = client.retry_dead_letter(dlq_id.decode())
+    # Then it runs under its new entry id, and the old id's result stays as it was
+    (entry_id, _), = redis_client.xrange(KEYS.queue("default"))
+    assert entry_id.decode() == new_entry
+    assert redis_client.exists(KEYS.result("6-0"))
+    assert not redis_client.exists(KEYS.idempotency("6-0"))
 
 
 # --- producers without llmq ----------------------------------------------------------------------
