@@ -6,7 +6,9 @@ torch and the engine are imported inside the command only, so `llmq --help` stay
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 import click
@@ -67,6 +69,10 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
 
     from llmq.worker.engine_core import EngineCore
     from llmq.worker.engine_proc import Worker, start_observability
+
+    # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr: the first thing to look
+    # at when a worker seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
     observability = start_observability(metrics_port, model_name, queue)

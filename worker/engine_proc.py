@@ -153,6 +153,7 @@ class Worker:
         self.draining = False
         self._drain_deadline = 0.0
         self._signals = 0
+        self._stop_requested = False
         self._poison_ids: set[str] = set()
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
@@ -194,14 +195,23 @@ class Worker:
         return True
 
     def request_stop(self) -> None:
-        """What SIGTERM does: stop reading, drain for up to drain_timeout, hand back, exit."""
+        """What SIGTERM does: stop reading, drain for up to drain_timeout, hand back, exit.
+
+        Safe in a signal handler and from any thread: it only sets flags. NOTE: a handler runs
+        on the main thread between two bytecodes, possibly while that thread holds the
+        in-flight table's lock; anything that takes a lock here could deadlock the worker, so
+        the busy loop does the rest (`_begin_drain`) within one iteration.
+        """
+        self.reader.stop_event.set()  # no XREADGROUP is issued after this
+        self._stop_requested = True
+
+    def _begin_drain(self) -> None:
         if self.draining:
             return
         self.draining = True
         self._drain_deadline = time.monotonic() + self.config.drain_timeout
         self.reader.stop_event.set()
-        # NOTE: CLIENT UNBLOCK on a thread: this runs in a signal handler, which must not wait
-        # on Redis.
+        # NOTE: CLIENT UNBLOCK on a thread: the busy loop must not wait on Redis.
         threading.Thread(target=self.reader.stop, args=(self._admin,), daemon=True,
                          name="llmq-stop-reader").start()
         self.keeper.reclaiming = False
@@ -239,6 +249,8 @@ class Worker:
         need_step = False  # an abort's `cancelled` output comes from the next step
         next_stats = 0.0
         while True:
+            if self._stop_requested and not self.draining:
+                self._begin_drain()
             busy = engine.has_unfinished_requests() or need_step
             need_step |= self._drain_inbox(block=0.0 if busy else 0.05)
             now = time.monotonic()
