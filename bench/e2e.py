@@ -84,7 +84,8 @@ def run_through_redis(url: str, prompts: list[list[int]], output_len: int,
     num_prompt = sum(len(p) for p in prompts)
     return {"elapsed": elapsed, "output_tps": num_output / elapsed,
             "total_tps": (num_output + num_prompt) / elapsed,
-            "ttft": [t - queued for t in first_token.values()], "submit_s": queued - start}
+            "ttft": [t - queued for t in first_token.values()], "submit_s": queued - start,
+            "ttft_from_submit": [t - start for t in first_token.values()]}
 
 
 def start_worker(url: str, args: argparse.Namespace, model_path: str, log: Path
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="")
     ap.add_argument("--rounds", type=int, default=1, help="alternate the two paths N times")
+    ap.add_argument("--latency-requests", type=int, default=10,
+                    help="single requests, one at a time: the broker's own TTFT cost")
     args = ap.parse_args()
 
     bench = _engine_bench()
@@ -148,6 +151,21 @@ def main() -> None:
             print(f"{tag}broker path: throughput {remote['output_tps'] / local['output_tps']:.3f}"
                   f"x in-process (target >= 0.95), TTFT p50 "
                   f"{(p50_remote - p50) * 1000:+.1f} ms (target < +10 ms)")
+        if args.latency_requests:
+            # NOTE: with 64 concurrent requests TTFT is dominated by queueing behind other
+            # prefills (seconds, +-200 ms run to run); one request at a time on an idle engine
+            # shows what the broker itself adds: XADD, XREADGROUP wake-up, the first delta.
+            prompts = bench.make_prompts(engine.arch.vocab_size, args.latency_requests,
+                                         args.prompt_len, seed=20_000)
+            local_ttft = [bench.run_engine(engine, [p], 2)["ttft"][0] for p in prompts]
+            remote_ttft = [run_through_redis(server.url, [p], 2, worker)["ttft_from_submit"][0]
+                           for p in prompts]
+            p50_local = sorted(local_ttft)[len(local_ttft) // 2]
+            p50_remote = sorted(remote_ttft)[len(remote_ttft) // 2]
+            print(f"single requests ({args.latency_requests}, one at a time, {args.prompt_len} "
+                  f"prompt tokens): TTFT in-process {bench.percentiles(local_ttft, (50, 90))}, "
+                  f"through Redis (from before XADD) {bench.percentiles(remote_ttft, (50, 90))}: "
+                  f"broker adds {(p50_remote - p50_local) * 1000:+.1f} ms at p50")
     finally:
         worker.terminate()
         try:
