@@ -37,6 +37,19 @@ class EngineStats:
     num_preemptions: int
 
 
+def check_token_ids(prompt_token_ids: list[int], stop_token_ids: tuple[int, ...],
+                    vocab_size: int) -> None:
+    """RequestRejected(invalid_token_id) naming the field when an id is outside the vocabulary.
+
+    NOTE: checked before the scheduler: an out-of-vocabulary id reaching the embedding would
+    fail the whole step, and with it every request in the batch (vllm-project/vllm#16529).
+    """
+    for field, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
+        for bad in (t for t in ids if not 0 <= t < vocab_size):
+            raise RequestRejected("invalid_token_id", f"{field}: token id {bad} is outside "
+                                  f"the vocabulary [0, {vocab_size})")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -70,13 +83,7 @@ class EngineCore:
                     sampling_params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         """Queue a request; raises RequestRejected (with a code) when it can never run."""
-        vocab_size = self.arch.vocab_size
-        for bad in (t for t in prompt_token_ids if not 0 <= t < vocab_size):
-            raise RequestRejected("invalid_token_id", f"prompt token id {bad} is outside "
-                                  f"the vocabulary [0, {vocab_size})")
-        for bad in (t for t in sampling_params.stop_token_ids if not 0 <= t < vocab_size):
-            raise RequestRejected("invalid_token_id", f"stop token id {bad} is outside "
-                                  f"the vocabulary [0, {vocab_size})")
+        check_token_ids(prompt_token_ids, sampling_params.stop_token_ids, self.arch.vocab_size)
         if not prompt_token_ids:
             raise RequestRejected("invalid_request", "the prompt is empty: it has no tokens")
         detokenizer = IncrementalDetokenizer(

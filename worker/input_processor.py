@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from llmq.broker.protocol import Request
+from llmq.worker.engine_core import check_token_ids
 from llmq.worker.sampling_params import SamplingParams
 from llmq.worker.scheduler import RequestRejected
 
@@ -63,18 +64,12 @@ class InputProcessor:
                 f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens",
                 {"prompt_tokens": len(prompt_token_ids), "limit": self.max_model_len - 1})
         params = self._sampling_params(request)
-        for bad in (t for t in params.stop_token_ids if not 0 <= t < self.vocab_size):
-            raise RequestRejected("invalid_token_id", f"stop_token_ids: token id {bad} is "
-                                  f"outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(prompt_token_ids, params.stop_token_ids, self.vocab_size)
         return ProcessedInput(prompt_token_ids, params, request.priority, texts)
 
     def _prompt(self, request: Request) -> tuple[list[int], list[str]]:
         if request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            for bad in (t for t in ids if not 0 <= t < self.vocab_size):
-                raise RequestRejected("invalid_token_id", f"prompt_token_ids: token id {bad} is "
-                                      f"outside the vocabulary [0, {self.vocab_size})")
-            return ids, []
+            return list(request.prompt_token_ids), []
         if request.messages is not None:
             chat = [msgspec.structs.asdict(m) for m in request.messages]
             try:
