@@ -11,6 +11,8 @@ Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
     llmq:x:<request_id>     string    cancel flag with TTL, checked when a worker admits a request
     llmq:id:<request_id>    string    idempotency marker set by the producer's submit script: the
                                       entry id of the first submission, with TTL
+    llmq:hb:<queue>         hash      entry id -> times a draining worker handed it back; those
+                                      deliveries do not count towards `max_deliveries`
     llmq:w:<worker_id>      hash      worker heartbeat with TTL (model, running, waiting, KV use...)
     llmq:workers            zset      worker registry: worker_id -> last heartbeat (unix ms); a
                                       member whose `llmq:w:` hash has expired is dead and is
@@ -91,6 +93,10 @@ class Keys:
     def dlq(self, queue: str) -> str:
         """Dead-letter stream of `queue`."""
         return f"{self.prefix}:dlq:{validate_name('queue', queue)}"
+
+    def handbacks(self, queue: str) -> str:
+        """Voluntary hand-backs per pending entry of `queue` (not held against it as poison)."""
+        return f"{self.prefix}:hb:{validate_name('queue', queue)}"
 
     def cancel(self, queue: str) -> str:
         """Cancellation stream every worker of `queue` follows."""

@@ -77,7 +77,8 @@ class Admission:
         self.clock = clock
 
     def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
-              attempts: dict[str, int] | None = None) -> int:
+              attempts: dict[str, int] | None = None,
+              forgiven: dict[str, int] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
 
         Makes one round trip (TIME + cancel flags), retried through `backoff` while Redis is
@@ -89,6 +90,7 @@ class Admission:
             attempt = (attempts or {}).get(entry_id, 1)
             decoded = protocol.decode_request_entry(entry_id, fields)
             entry = _entry_for(decoded, attempt)
+            entry.forgiven = (forgiven or {}).get(entry_id, 0)
             if not self.table.add(entry):
                 # Already ours and running: XAUTOCLAIM handed back our own entry after a stall.
                 continue
@@ -140,7 +142,9 @@ class Admission:
     def _admit_one(self, entry: InFlight, decoded: Any, fields: Any, now_ms: int,
                    cancel_flag: bool) -> AddRequest | None:
         """The request for the engine, or None when the entry was answered here."""
-        if entry.attempt > self.max_deliveries:
+        # NOTE: hand-backs by draining workers are not failures: a request that outlived a few
+        # scale-downs must not be dead-lettered as poison.
+        if entry.attempt - entry.forgiven > self.max_deliveries:
             self._poison(entry, decoded, fields)
             return None
         if isinstance(decoded, protocol.RejectedEntry):

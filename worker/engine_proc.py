@@ -369,7 +369,9 @@ class Worker:
         self.keeper.stop()
         left = self.table.live_entry_ids()
         if left:
-            self._hand_back(left)
+            # NOTE: a drain's hand-back is no failure of the request; an engine-fatal exit may
+            # be caused by one of them, so those deliveries still count towards poison.
+            self._hand_back(left, forgive=exit_code == EXIT_OK)
         self._unregister()
         self.cancels.join(self.config.read_block_ms / 1000.0 + 1.0)
         if self.health is not None:
@@ -378,10 +380,10 @@ class Worker:
                        self.config.worker_id, exit_code, len(left),
                        "y" if len(left) == 1 else "ies", "flushed" if flushed else "NOT flushed")
 
-    def _hand_back(self, entry_ids: list[str]) -> None:
+    def _hand_back(self, entry_ids: list[str], *, forgive: bool) -> None:
         for attempt in range(3):
             try:
-                n = self.keeper.hand_back(entry_ids)
+                n = self.keeper.hand_back(entry_ids, forgive=forgive)
                 logger.warning("handed back %d in-flight entr%s for peers to take now", n,
                                "y" if n == 1 else "ies")
                 return

@@ -23,6 +23,7 @@ class InFlight:
     attempt: int  # = the entry's delivery count
     encoding: str  # "json" | "msgpack": events go out in the request's encoding
     metadata: Any = None  # echoed back on the terminal event
+    forgiven: int = 0  # deliveries that ended in a hand-back by a draining worker, not a crash
     stream: bool = True  # delta events wanted
     prompt_tokens: int = 0
     seq: int = 0  # next delta sequence number of this attempt

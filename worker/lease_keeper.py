@@ -80,6 +80,8 @@ _SLICE = 500
 # Idle set on handed-back entries: far past any lease, yet below the server's clock in ms
 # (XCLAIM resets a delivery time before the epoch to "now", which would be idle 0).
 HAND_BACK_IDLE_MS = 10**10
+# The hand-back counts outlive any entry's stay in the PEL; acked entries' counts are deleted.
+HANDBACK_TTL_S = 7 * 24 * 3600
 # Idle consumers with nothing pending are removed after this long (dead workers' names).
 CONSUMER_CLEANUP_IDLE_MS = 10 * 60 * 1000
 
@@ -175,10 +177,21 @@ class LeaseKeeper:
             self.inbox.put(AbortRequests(fenced))
         return fenced
 
-    def hand_back(self, entry_ids: list[str]) -> int:
-        """Make entries instantly reclaimable by peers (shutdown); returns how many were ours."""
+    def hand_back(self, entry_ids: list[str], *, forgive: bool = False) -> int:
+        """Make entries instantly reclaimable by peers (shutdown); returns how many were ours.
+
+        With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:<queue>`, so
+        the delivery it used up is not held against it as poison."""
         lost, orphaned = self._claim_owned(entry_ids, HAND_BACK_IDLE_MS)
-        return len(entry_ids) - len(lost) - len(orphaned)
+        owned = sorted(set(entry_ids) - set(lost) - set(orphaned))
+        if owned and forgive:
+            key = self.keys.handbacks(self.queue_name)
+            pipe = self.client.pipeline(transaction=False)
+            for entry_id in owned:
+                pipe.hincrby(key, entry_id, 1)
+            pipe.expire(key, HANDBACK_TTL_S)
+            pipe.execute()
+        return len(owned)
 
     def _claim_owned(self, entry_ids: list[str], idle_ms: int) -> tuple[list[str], list[str]]:
         lost: list[str] = []
@@ -212,16 +225,19 @@ class LeaseKeeper:
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+        pipe.hmget(self.keys.handbacks(self.queue_name), ids)
+        *pendings, handbacks = pipe.execute()
         attempts = {}
-        for entry_id, pending in zip(ids, pipe.execute(), strict=True):
+        for entry_id, pending in zip(ids, pendings, strict=True):
             # NOTE: XAUTOCLAIM just counted this delivery, so times_delivered is this attempt.
             attempts[entry_id] = int(pending[0]["times_delivered"]) if pending else 1
+        forgiven = {entry_id: int(n) for entry_id, n in zip(ids, handbacks, strict=True) if n}
         logger.warning("reclaimed %d entr%s idle past the %d ms lease: %s", len(ids),
                        "y" if len(ids) == 1 else "ies", self.lease_ms,
                        ", ".join(f"{i} (attempt {attempts[i]})" for i in ids[:5]))
         if self.metrics is not None:
             self.metrics.inc_reclaimed(len(ids))
-        return self.admission.admit(self.client, claimed, self.backoff, attempts)
+        return self.admission.admit(self.client, claimed, self.backoff, attempts, forgiven)
 
     def _dead_letter_deleted(self, entry_ids: list[str]) -> None:
         # NOTE: the payload is gone, so the request id is unknown (the producer may have given

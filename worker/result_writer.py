@@ -75,6 +75,7 @@ class ResultWriter:
         self.client = client
         self.keys = keys
         self.queue_key = keys.queue(queue_name)
+        self.handbacks_key = keys.handbacks(queue_name)
         self.dlq_key = keys.dlq(queue_name)
         self.worker_id = worker_id
         self.table = table
@@ -219,6 +220,7 @@ class ResultWriter:
             pipe.expire(key, self.result_ttl)
         crash = self.faults.crash_after_terminal and bool(batch.ack_ids)
         if batch.ack_ids and not crash:
+            pipe.hdel(self.handbacks_key, *batch.ack_ids)
             pipe.xack(self.queue_key, GROUP, *batch.ack_ids)
         results = pipe.execute(raise_on_error=False)
         if crash:

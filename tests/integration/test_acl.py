@@ -59,6 +59,7 @@ def connect(acl_server):
 # (command, arguments) llmq issues, by the user that issues it: the broker's Client (producer),
 # the worker process (worker/), KEDA's redis-streams scaler (keda). Names from broker/keys.py.
 Q, R, DLQ, CANCEL = "llmq:q:default", "llmq:r:req-1", "llmq:dlq:default", "llmq:cancel:default"
+HB = "llmq:hb:default"
 FLAG, IDEM, HEARTBEAT = "llmq:x:req-1", "llmq:id:req-1", "llmq:w:worker-1"
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
@@ -94,6 +95,8 @@ ALLOWED = {
         ("XINFO", "GROUPS", Q), ("XINFO", "CONSUMERS", Q, "workers"),
         ("XGROUP", "DELCONSUMER", Q, "workers", "worker-2"),
         ("XTRIM", Q, "MINID", "1-0"),                              # acked entries (retention)
+        ("HINCRBY", HB, "1-0", "1"), ("HMGET", HB, "1-0"),         # hand-back counts
+        ("HDEL", HB, "1-0"), ("EXPIRE", HB, "604800"),
         ("XADD", R, "MAXLEN", "~", "10000", "*", "json", "{}"),   # events
         ("EXPIRE", R, "86400"),
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters

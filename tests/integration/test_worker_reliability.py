@@ -22,6 +22,8 @@ from llmq.broker import Client, protocol
 from llmq.broker.embedded import free_port
 from llmq.broker.keys import GROUP
 from tests.integration.worker_harness import (
+    KEYS,
+    MAX_DELIVERIES,
     QUEUE_KEY,
     WorkerProcess,
     dead_letters,
@@ -140,6 +142,28 @@ def test_sigterm_under_load_drains_then_hands_back(redis_server, redis_client, w
     for rid in late_ids:
         assert started_by(redis_client, rid) == [(1, "staying")]
     wait_for(lambda: num_pending(redis_client) == 0, 10, "the pending list to drain")
+
+
+def test_hand_backs_by_draining_workers_do_not_make_a_request_poison(
+        redis_server, redis_client, workers) -> None:
+    # Given a long generation, and workers that are each scaled down while running it, more
+    # times than max_deliveries allows failures
+    (rid,) = submit_all(redis_server.url, 1, max_tokens=200)
+    drains = MAX_DELIVERIES + 1
+    for n in range(1, drains + 1):
+        w = workers(f"scaled-down-{n}", fault="slow_step:40", drain=0.2).wait_ready(redis_client)
+        wait_for(lambda n=n: (n, f"scaled-down-{n}") in started_by(redis_client, rid), 30,
+                 f"attempt {n} to start")
+        w.signal(signal.SIGTERM)
+        assert w.wait(15) == 0, w.log_tail()
+    # When a worker that stays takes it over
+    workers("stays").wait_ready(redis_client)
+    # Then it runs to the end as the next attempt: hand-backs were not counted as failures
+    final = wait_terminal(redis_client, rid, timeout=60)
+    assert isinstance(final, protocol.Done) and final.attempt == drains + 1, final
+    assert dead_letters(redis_client) == []
+    # And its hand-back count is gone with the ack
+    assert not redis_client.hexists(KEYS.handbacks("default"), rid)
 
 
 def test_poison_request_is_dead_lettered_after_max_deliveries(redis_server, redis_client,
