@@ -111,6 +111,13 @@ class Admission:
                 if backoff.stop is not None and backoff.stop.is_set():
                     return len(fresh)
                 backoff.failed(e)
+            except Exception:
+                # NOTE: Redis refused (BUSY, MASTERDOWN, NOPERM...): forget the entries, or the
+                # lease keeper would renew them for ever without running them. They stay
+                # pending under this worker and are reclaimed after the lease.
+                for entry, _, _ in fresh:
+                    self.table.pop(entry.entry_id)
+                raise
         seconds, micros = results[0]
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, results[1:], strict=True)}

@@ -46,6 +46,12 @@ class CancelListener:
                                         daemon=True)
 
     def start(self) -> None:
+        # NOTE: find where the cancel stream ends before the stream reader admits anything: a
+        # cancel sent between an admission and the listener's first read would be missed.
+        try:
+            self.last_id = self._stream_last_id()
+        except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+            pass  # Redis not there yet: nothing admitted either; the thread reads it later
         self._thread.start()
 
     def is_alive(self) -> bool:

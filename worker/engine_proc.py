@@ -197,12 +197,12 @@ class Worker:
     def request_stop(self) -> None:
         """What SIGTERM does: stop reading, drain for up to drain_timeout, hand back, exit.
 
-        Safe in a signal handler and from any thread: it only sets flags. NOTE: a handler runs
-        on the main thread between two bytecodes, possibly while that thread holds the
-        in-flight table's lock; anything that takes a lock here could deadlock the worker, so
-        the busy loop does the rest (`_begin_drain`) within one iteration.
+        Safe in a signal handler and from any thread: it only sets a flag. NOTE: a handler runs
+        on the main thread between two bytecodes, possibly while that thread holds a lock (the
+        in-flight table's, or an Event's condition); anything that takes a lock here could
+        deadlock the worker, so the busy loop does the rest (`_begin_drain`) within one
+        iteration. Entries a read takes in that window are handed back, forgiven.
         """
-        self.reader.stop_event.set()  # no XREADGROUP is issued after this
         self._stop_requested = True
 
     def _begin_drain(self) -> None:

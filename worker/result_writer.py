@@ -43,6 +43,24 @@ logger = logging.getLogger(__name__)
 # written in bounded pieces rather than one huge MULTI.
 MAX_ITEMS_PER_BATCH = 256
 
+# KEYS[1] request stream; ARGV: group, consumer, entry ids...
+# XACK only the entries still pending under this consumer; return the ones a peer owns now.
+# NOTE: a plain XACK removes an entry from the PEL whoever owns it: a stalled worker finishing
+# late would ack the entry a peer reclaimed and is running as the next attempt, which then could
+# never be reclaimed again if that peer died. Its late terminal event (a lower attempt) is
+# harmless: readers follow the highest attempt.
+_ACK_OWNED = """
+local mine, taken = {}, {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] then
+    if p[1][2] == ARGV[2] then mine[#mine + 1] = ARGV[i] else taken[#taken + 1] = ARGV[i] end
+  end
+end
+if #mine > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(mine)) end
+return taken
+"""
+
 
 @dataclass
 class EntryWrite:
@@ -76,6 +94,7 @@ class ResultWriter:
         self.keys = keys
         self.queue_key = keys.queue(queue_name)
         self.handbacks_key = keys.handbacks(queue_name)
+        self._ack_owned = client.register_script(_ACK_OWNED)
         self.dlq_key = keys.dlq(queue_name)
         self.worker_id = worker_id
         self.table = table
@@ -200,8 +219,11 @@ class ResultWriter:
                 self._execute(batch)
                 self.backoff.succeeded()
                 return
-            except TRANSIENT_ERRORS as e:
-                ambiguous = True
+            except (*TRANSIENT_ERRORS, redis.ResponseError) as e:  # type: ignore[misc]
+                # NOTE: a refusal (OOM under noeviction, BUSY, MASTERDOWN, or NOPERM during a
+                # rollout) aborts the whole MULTI: nothing was written or acked, so retry with
+                # backoff like an outage rather than let the thread, and the worker, die.
+                ambiguous = isinstance(e, TRANSIENT_ERRORS)
                 if self._give_up_at is not None and time.monotonic() > self._give_up_at:
                     self.num_abandoned += len(batch.commands)
                     logger.error("shutting down with Redis unreachable: %d events and %d acks "
@@ -221,7 +243,8 @@ class ResultWriter:
         crash = self.faults.crash_after_terminal and bool(batch.ack_ids)
         if batch.ack_ids and not crash:
             pipe.hdel(self.handbacks_key, *batch.ack_ids)
-            pipe.xack(self.queue_key, GROUP, *batch.ack_ids)
+            self._ack_owned(keys=[self.queue_key],
+                            args=[GROUP, self.worker_id, *batch.ack_ids], client=pipe)
         results = pipe.execute(raise_on_error=False)
         if crash:
             logger.error("TEST-ONLY fault crash_after_terminal: exiting before XACK")
@@ -233,6 +256,10 @@ class ResultWriter:
                 logger.error("%s %s failed: %s", name, args[0], result)
         if batch.ack_ids and isinstance(results[-1], Exception):
             logger.warning("XACK failed (%s): entries stay pending", results[-1])
+        elif batch.ack_ids and results[-1]:
+            taken = [t.decode() if isinstance(t, bytes) else t for t in results[-1]]
+            logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s", len(taken),
+                           "y" if len(taken) == 1 else "ies", taken[:5])
 
     def _acks_landed(self, ack_ids: list[str]) -> bool:
         """After an ambiguous failure: True when every acked entry is still in the stream but no

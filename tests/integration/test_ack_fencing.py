@@ -1,0 +1,34 @@
+"""The writer's ack only releases entries this worker still owns (RELIABILITY.md #14)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from llmq.broker.keys import GROUP, Keys
+from llmq.worker.result_writer import _ACK_OWNED
+
+pytestmark = pytest.mark.redis
+
+KEY = Keys().queue("default")
+
+
+def test_a_stale_owner_cannot_ack_an_entry_a_peer_reclaimed(redis_server):
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    r.flushall()
+    r.xgroup_create(KEY, GROUP, id="0", mkstream=True)
+    kept = r.xadd(KEY, {"json": '{"prompt":"a"}'})
+    taken = r.xadd(KEY, {"json": '{"prompt":"b"}'})
+    # Given two entries read by worker A, one of which peer B reclaimed while A stalled
+    r.xreadgroup(GROUP, "A", {KEY: ">"})
+    r.xclaim(KEY, GROUP, "B", 0, [taken])
+    ack_owned = r.register_script(_ACK_OWNED)
+    # When A finishes both and acks them
+    refused = ack_owned(keys=[KEY], args=[GROUP, "A", kept, taken])
+    # Then only its own entry is acked; the reclaimed one stays pending under B, reported back
+    assert refused == [taken]
+    pending = r.xpending_range(KEY, GROUP, min="-", max="+", count=10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(taken, "B")]
+    # And B, the owner, can ack it
+    assert ack_owned(keys=[KEY], args=[GROUP, "B", taken]) == []
+    assert r.xpending(KEY, GROUP)["pending"] == 0
