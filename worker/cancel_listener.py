@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from llmq.broker import protocol
+from llmq.broker.commands import stream_entries
 from llmq.worker.admission import AbortRequests
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
 from llmq.worker.inflight_table import InFlightTable
@@ -90,12 +91,11 @@ class CancelListener:
                     logger.error("cancel stream read refused: %s", e)
                     self.stop_event.wait(1.0)
                 continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    request_id = protocol.decode_cancel(fields)
-                    if request_id is not None:
-                        self.cancel(request_id)
+            for entry_id, fields in stream_entries(reply):
+                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                request_id = protocol.decode_cancel(fields)
+                if request_id is not None:
+                    self.cancel(request_id)
 
     def cancel(self, request_id: str) -> list[str]:
         entry_ids = self.table.request_cancel(request_id)

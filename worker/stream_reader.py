@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import redis
 
+from llmq.broker.commands import stream_entries
 from llmq.broker.keys import GROUP
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
@@ -156,5 +157,6 @@ class StreamReader:
                        len(ids))
 
 
-def _entries(reply: list | None) -> list:
-    return [entry for _stream, stream_entries in (reply or []) for entry in stream_entries]
+def _entries(reply: list | dict | None) -> list:
+    # NOTE: one stream per read; RESP2 and RESP3 (`?protocol=3` URLs) shapes both parse.
+    return stream_entries(reply)

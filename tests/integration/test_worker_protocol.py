@@ -50,6 +50,27 @@ def deltas_of(events: list[protocol.Event], attempt: int = 1) -> list[protocol.D
     return [e for e in events if isinstance(e, protocol.Delta) and e.attempt == attempt]
 
 
+def test_a_worker_speaking_resp3_serves_and_cancels(redis_server, redis_client, tiny_model,
+                                                    reference) -> None:
+    # Given a worker whose Redis URL asks for RESP3 (stream replies come back as maps)
+    with InProcessWorker(redis_server.url + "?protocol=3", tiny_model, fault="slow_step:20"):
+        # When a request is added, and another is cancelled while it runs
+        entry_id = xadd_json(redis_client, {"prompt": "Hi", "max_tokens": 8, "temperature": 0})
+        done = wait_terminal(redis_client, entry_id)
+        long_id = "resp3-long"
+        xadd_json(redis_client, {"id": long_id, "prompt": "Hi", "max_tokens": 200,
+                                 "ignore_eos": True})
+        wait_for(lambda: len(read_events(redis_client, long_id)) >= 3, 30, "it to stream")
+        with Client(redis_server.url) as client:
+            client.cancel(long_id)
+        cancelled = wait_terminal(redis_client, long_id)
+    # Then both are served as over RESP2
+    expected = in_process(reference, reference.tokenizer.encode("Hi"), max_tokens=8,
+                          temperature=0)
+    assert isinstance(done, protocol.Done) and done.text == expected.text
+    assert isinstance(cancelled, protocol.Done) and cancelled.finish_reason == "cancelled"
+
+
 def test_raw_json_xadd_gets_the_engine_answer(redis_server, redis_client, tiny_model,
                                               reference) -> None:
     # Given a worker, and a producer with no llmq code at all
