@@ -113,40 +113,56 @@ class LeaseKeeper:
         self.stop_event = threading.Event()
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
         self.backoff = Backoff("lease keeper", state, stop=self.stop_event)
+        self.reclaim_backoff = Backoff("reclaimer", state, stop=self.stop_event)
         self._script = client.register_script(_CLAIM_OWNED)
         self._cursor = "0-0"
         self._next_claim = 0.0
         self._next_cleanup = time.monotonic() + 60.0
-        self._thread = threading.Thread(target=self._run, name="llmq-lease-keeper", daemon=True)
+        # NOTE: two threads: renewals must never wait behind a reclaim, whose admission
+        # tokenizes (and chat-templates) up to max_num_seqs prompts; a late renewal lets peers
+        # take live work.
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._renew_once, self.backoff),
+                             name="llmq-lease-keeper", daemon=True),
+            threading.Thread(target=self._loop, args=(self._maintain_once, self.reclaim_backoff),
+                             name="llmq-reclaimer", daemon=True),
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return all(thread.is_alive() for thread in self._threads)
 
     def stop(self) -> None:
         self.stop_event.set()
-        self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
-    # -- the thread -------------------------------------------------------------------------------
+    # -- the threads ------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _renew_once(self, _started: float) -> None:
+        self.renew()
+
+    def _maintain_once(self, started: float) -> None:
+        if self.reclaiming and started >= self._next_claim:
+            self._next_claim = started + self.claim_interval
+            self.reclaim()
+        self.beat()
+        if started >= self._next_cleanup:
+            self._next_cleanup = started + 60.0
+            self._cleanup_consumers()
+            trim_acked_requests(self.client, self.keys, self.queue_name)
+
+    def _loop(self, work: Callable[[float], None], backoff: Backoff) -> None:
         while not self.stop_event.is_set():
             started = time.monotonic()
             try:
-                self.renew()
-                if self.reclaiming and started >= self._next_claim:
-                    self._next_claim = started + self.claim_interval
-                    self.reclaim()
-                self.beat()
-                if started >= self._next_cleanup:
-                    self._next_cleanup = started + 60.0
-                    self._cleanup_consumers()
-                    trim_acked_requests(self.client, self.keys, self.queue_name)
-                self.backoff.succeeded()
+                work(started)
+                backoff.succeeded()
             except TRANSIENT_ERRORS as e:
-                self.backoff.failed(e)
+                backoff.failed(e)
                 continue
             except redis.ResponseError as e:
                 if "NOGROUP" in str(e):
@@ -237,7 +253,8 @@ class LeaseKeeper:
                        ", ".join(f"{i} (attempt {attempts[i]})" for i in ids[:5]))
         if self.metrics is not None:
             self.metrics.inc_reclaimed(len(ids))
-        return self.admission.admit(self.client, claimed, self.backoff, attempts, forgiven)
+        return self.admission.admit(self.client, claimed, self.reclaim_backoff, attempts,
+                                    forgiven)
 
     def _dead_letter_deleted(self, entry_ids: list[str]) -> None:
         # NOTE: the payload is gone, so the request id is unknown (the producer may have given
