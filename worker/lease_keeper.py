@@ -1,6 +1,7 @@
-"""LeaseKeeper: the worker thread that keeps its leases, takes over dead peers' work, and beats.
+"""LeaseKeeper: the worker's threads that keep its leases, take over dead peers' work, and beat.
 
-Every `renew_interval` (about lease_timeout / 3):
+Every `renew_interval` (about lease_timeout / 3), step 1 on the lease-keeper thread and steps
+2-4 on the reclaimer thread (so a slow reclaim never delays a renewal):
 
 1. Fence, then renew. One Lua script checks, per in-flight entry, that XPENDING still lists it
    under this consumer and re-claims only those (XCLAIM to itself, min-idle 0, JUSTID: idle
