@@ -83,9 +83,8 @@ class EngineCore:
                     sampling_params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         """Queue a request; raises RequestRejected (with a code) when it can never run."""
+        # NOTE: empty prompts, duplicate ids and over-long prompts are the scheduler's to refuse.
         check_token_ids(prompt_token_ids, sampling_params.stop_token_ids, self.arch.vocab_size)
-        if not prompt_token_ids:
-            raise RequestRejected("invalid_request", "the prompt is empty: it has no tokens")
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens)
