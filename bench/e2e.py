@@ -33,9 +33,9 @@ import redis  # noqa: E402
 from llmq.broker import Client, protocol  # noqa: E402
 from llmq.broker.embedded import ServerProcess, find_server_binary  # noqa: E402
 from llmq.broker.keys import Keys  # noqa: E402
-from llmq.worker.config import EngineConfig  # noqa: E402
-from llmq.worker.engine_core import EngineCore  # noqa: E402
-from llmq.worker.model.default_model import ensure_default_model  # noqa: E402
+from llmq.worker.engine.config import EngineConfig  # noqa: E402
+from llmq.worker.engine.engine_core import EngineCore  # noqa: E402
+from llmq.worker.engine.model.default_model import ensure_default_model  # noqa: E402
 
 
 def _engine_bench():

@@ -20,10 +20,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from llmq.worker.config import EngineConfig  # noqa: E402
-from llmq.worker.engine_core import EngineCore  # noqa: E402
-from llmq.worker.model.default_model import ensure_default_model  # noqa: E402
-from llmq.worker.sampling_params import SamplingParams  # noqa: E402
+from llmq.worker.engine.config import EngineConfig  # noqa: E402
+from llmq.worker.engine.engine_core import EngineCore  # noqa: E402
+from llmq.worker.engine.model.default_model import ensure_default_model  # noqa: E402
+from llmq.worker.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def percentiles(values: list[float], qs=(50, 90, 99)) -> str:

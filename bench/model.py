@@ -37,7 +37,7 @@ class PagedSteps:
         self.batch, self.prompt_len = prompts.shape
 
     def prefill(self):
-        from llmq.worker.model.attention import AttentionMetadata
+        from llmq.worker.engine.model.attention import AttentionMetadata
 
         meta = AttentionMetadata.build([self.prompt_len] * self.batch,
                                        [self.prompt_len] * self.batch, self.tables,
@@ -46,7 +46,7 @@ class PagedSteps:
         return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1]).argmax(-1)
 
     def decode(self, tokens, steps: int) -> None:
-        from llmq.worker.model.attention import AttentionMetadata
+        from llmq.worker.engine.model.attention import AttentionMetadata
 
         for step in range(steps):
             seq_len = self.prompt_len + step + 1
@@ -59,8 +59,8 @@ def run_one(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from llmq.worker.model.default_model import ensure_default_model
-    from llmq.worker.model.loader import load_model
+    from llmq.worker.engine.model.default_model import ensure_default_model
+    from llmq.worker.engine.model.loader import load_model
 
     path = args.model or ensure_default_model()
     rss_before = rss_mib()
@@ -116,7 +116,7 @@ def main() -> None:
         print(json.dumps(run_one(args)))
         return
 
-    from llmq.worker.model.default_model import ensure_default_model
+    from llmq.worker.engine.model.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     print(f"model {os.path.basename(model)}  threads={args.threads}  "

@@ -83,8 +83,8 @@ MAX_MESSAGES = 256
 MAX_PROMPT_TOKEN_IDS = 65_536
 MAX_TOKENS_LIMIT = 32_768  # max_tokens and min_tokens; the worker also checks the context length
 DEFAULT_MAX_TOKENS = 256
-# NOTE: the next three equal worker/sampling_params.py's limits (a unit test keeps them equal):
-# anything the wire accepts must also build a SamplingParams, or the engine would see the error.
+# NOTE: the next three equal worker/engine/sampling_params.py's limits (a unit test keeps them
+# equal): anything the wire accepts must also build a SamplingParams, or the engine would see it.
 MAX_STOP_STRINGS = 64  # stop strings, and separately stop_token_ids
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
@@ -181,7 +181,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `llmq.worker.sampling_params.SamplingParams`."""
+        """Keyword arguments for `llmq.worker.engine.sampling_params.SamplingParams`."""
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,

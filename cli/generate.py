@@ -23,9 +23,9 @@ def generate(prompt: str | None, chat: str | None, file, output, **kwargs) -> No
     """Generate in-process: stream one PROMPT (or --chat message), or run a JSONL file (-f)."""
     if sum(x is not None for x in (prompt, chat, file)) != 1:
         raise click.UsageError("give exactly one of PROMPT, --chat TEXT or -f FILE")
-    from llmq.worker.config import EngineConfig
-    from llmq.worker.engine_core import EngineCore
-    from llmq.worker.sampling_params import SamplingParams
+    from llmq.worker.engine.config import EngineConfig
+    from llmq.worker.engine.engine_core import EngineCore
+    from llmq.worker.engine.sampling_params import SamplingParams
 
     try:
         config = EngineConfig(**engine_config_kwargs(kwargs))

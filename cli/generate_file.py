@@ -13,11 +13,11 @@ import msgspec
 
 from llmq.broker import protocol
 from llmq.broker.errors import InvalidRequest
-from llmq.worker.engine_core import EngineCore
+from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.input_processor import InputProcessor
+from llmq.worker.engine.scheduler import RequestRejected
 from llmq.worker.inflight_table import InFlight
-from llmq.worker.input_processor import InputProcessor
 from llmq.worker.result_writer import terminal_event
-from llmq.worker.scheduler import RequestRejected
 
 _encoder = msgspec.json.Encoder()
 

@@ -50,7 +50,7 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
     from llmq.broker.connection import resolve_redis_url
     from llmq.broker.errors import LLMQError
-    from llmq.worker.config import EngineConfig
+    from llmq.worker.engine.config import EngineConfig
     from llmq.worker.engine_proc import WorkerConfig
     from llmq.worker.lease_keeper import default_worker_id
 
@@ -67,7 +67,7 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 
-    from llmq.worker.engine_core import EngineCore
+    from llmq.worker.engine.engine_core import EngineCore
     from llmq.worker.engine_proc import Worker, start_observability
 
     # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr: the first thing to look

@@ -32,11 +32,11 @@ import redis
 from llmq.broker import protocol
 from llmq.broker.keys import Keys
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.engine.input_processor import InputProcessor, InputRejected
+from llmq.worker.engine.scheduler import RequestRejected
 from llmq.worker.faults import Faults
 from llmq.worker.inflight_table import InFlight, InFlightTable
-from llmq.worker.input_processor import InputProcessor, InputRejected
 from llmq.worker.result_writer import EntryWrite, ResultWriter
-from llmq.worker.scheduler import RequestRejected
 
 logger = logging.getLogger(__name__)
 

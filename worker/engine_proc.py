@@ -40,13 +40,13 @@ from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
 from llmq.worker.admission import AbortRequests, AddRequest, Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState, connect_redis
 from llmq.worker.cancel_listener import CancelListener
+from llmq.worker.engine.input_processor import InputProcessor
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.scheduler import RequestRejected
 from llmq.worker.faults import Faults, InjectedFault
 from llmq.worker.inflight_table import InFlightTable
-from llmq.worker.input_processor import InputProcessor
 from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
 from llmq.worker.result_writer import EntryWrite, ResultWriter
-from llmq.worker.sampling_params import SamplingParams
-from llmq.worker.scheduler import RequestRejected
 from llmq.worker.stream_reader import StreamReader
 
 logger = logging.getLogger(__name__)

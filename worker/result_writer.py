@@ -33,9 +33,9 @@ import redis
 from llmq.broker import protocol
 from llmq.broker.keys import GROUP, Keys
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
+from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.faults import Faults
 from llmq.worker.inflight_table import InFlight, InFlightTable
-from llmq.worker.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from llmq.broker import Client, protocol
-from llmq.worker.config import EngineConfig
-from llmq.worker.engine_core import EngineCore
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.sampling_params import SamplingParams
 from tests.integration.worker_harness import (
     InProcessWorker,
     num_pending,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.worker.config import EngineConfig
-from llmq.worker.engine_core import EngineCore
-from llmq.worker.request import RequestStatus
-from llmq.worker.sampling_params import SamplingParams
-from llmq.worker.scheduler import RequestRejected
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.request import RequestStatus
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.scheduler import RequestRejected
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.worker.config import EngineConfig
-from llmq.worker.engine_core import EngineCore
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

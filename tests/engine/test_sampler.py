@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmq.worker.sampler import BAD_ROW_REASONS, Sampler, SamplerOutput, SamplingMetadata
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.sampler import BAD_ROW_REASONS, Sampler, SamplerOutput, SamplingMetadata
+from llmq.worker.engine.sampling_params import SamplingParams
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -167,8 +167,8 @@ class InProcessWorker:
     def __init__(self, url: str, loaded: Any, *, worker_id: str = "inproc", fault: str = "",
                  max_num_seqs: int = 64, num_kv_blocks: int = 64, lease: float = LEASE,
                  renew: float = RENEW, **config: Any) -> None:
-        from llmq.worker.config import EngineConfig
-        from llmq.worker.engine_core import EngineCore
+        from llmq.worker.engine.config import EngineConfig
+        from llmq.worker.engine.engine_core import EngineCore
         from llmq.worker.engine_proc import Worker, WorkerConfig
         from llmq.worker.faults import Faults
 

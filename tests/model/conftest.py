@@ -23,7 +23,7 @@ def default_gguf_reader(default_model_path: Path):
 @pytest.fixture(scope="session")
 def smollm_tokenizer(default_gguf_reader):
     """llmq's tokenizer built from the default model's GGUF metadata."""
-    from llmq.worker.model.tokenizer import Tokenizer
+    from llmq.worker.engine.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(default_gguf_reader)
 
@@ -95,7 +95,7 @@ def spm_tokenizer(tmp_path_factory):
     """A tiny llama-style (SentencePiece BPE with byte fallback) tokenizer from a GGUF file."""
     import gguf
 
-    from llmq.worker.model.tokenizer import Tokenizer
+    from llmq.worker.engine.model.tokenizer import Tokenizer
 
     path = _write_spm_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf")
     return Tokenizer.from_gguf(gguf.GGUFReader(str(path)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from llmq.worker.model.chat_template import ChatTemplate
+from llmq.worker.engine.model.chat_template import ChatTemplate
 
 _SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 _CONVERSATIONS = {

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmq.worker.detokenizer import IncrementalDetokenizer
-from llmq.worker.model.tokenizer import Tokenizer
+from llmq.worker.engine.detokenizer import IncrementalDetokenizer
+from llmq.worker.engine.model.tokenizer import Tokenizer
 
 _FIXTURE_OK = settings(max_examples=300, deadline=None,
                        suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -172,7 +172,7 @@ def test_sentencepiece_deltas_add_up_to_the_decode(spm_tokenizer, data) -> None:
 
 def test_detokenizer_imports_neither_torch_nor_tokenizers() -> None:
     # The scheduler imports it; it must stay pure Python (DESIGN.md import rules)
-    code = ("import sys, llmq.worker.detokenizer; "
+    code = ("import sys, llmq.worker.engine.detokenizer; "
             "print(sorted(m for m in ('torch', 'tokenizers', 'redis') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from llmq.worker.model.attention import AttentionMetadata
+from llmq.worker.engine.model.attention import AttentionMetadata
 from tests.fixtures.models import greedy_contiguous, greedy_paged, interleaved_block_tables
 
 pytestmark = pytest.mark.model

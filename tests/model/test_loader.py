@@ -10,7 +10,7 @@ import gguf
 import pytest
 import torch
 
-from llmq.worker.model.loader import load_model
+from llmq.worker.engine.model.loader import load_model
 from tests.fixtures.tiny_gguf import write_hf_folder, write_tiny_llama
 
 Q = gguf.GGMLQuantizationType

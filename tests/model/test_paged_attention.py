@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmq.worker.model.attention import AttentionMetadata
+from llmq.worker.engine.model.attention import AttentionMetadata
 from tests.fixtures.models import (
     greedy_contiguous,
     greedy_paged,
@@ -158,7 +158,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch_of_16(tiny_model):
 
 
 def test_paged_and_contiguous_agree_in_bfloat16(tiny_model_path):
-    from llmq.worker.model.loader import load_model
+    from llmq.worker.engine.model.loader import load_model
 
     # Given the tiny model in bfloat16
     model = load_model(tiny_model_path, "bfloat16").model

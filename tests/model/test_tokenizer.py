@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from llmq.worker.model.tokenizer import Tokenizer
+from llmq.worker.engine.model.tokenizer import Tokenizer
 
 # --- text strategies ---------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmq.worker.block_pool import NULL_BLOCK_ID, BlockPool
+from llmq.worker.engine.block_pool import NULL_BLOCK_ID, BlockPool
 
 
 def test_block_zero_is_never_handed_out():

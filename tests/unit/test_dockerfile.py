@@ -84,7 +84,7 @@ def test_the_default_model_is_baked_into_the_model_dir(final):
     model_dir = image_env(final)["LLMQ_MODEL_DIR"]
     build_env = " ".join(args for instruction, args in build if instruction == "ENV")
     assert f"LLMQ_MODEL_DIR={model_dir}" in build_env
-    assert ("RUN", "python -m llmq.worker.model.default_model") in build
+    assert ("RUN", "python -m llmq.worker.engine.model.default_model") in build
     assert any(args.endswith(f" {model_dir} {model_dir}") for args in final["COPY"])
 
 

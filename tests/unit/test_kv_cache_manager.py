@@ -6,9 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmq.worker.kv_cache_manager import KVCacheManager, cdiv
-from llmq.worker.request import Request
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.kv_cache_manager import KVCacheManager, cdiv
+from llmq.worker.engine.request import Request
+from llmq.worker.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

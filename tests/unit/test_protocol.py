@@ -219,7 +219,7 @@ def test_an_entry_whose_payload_is_gone_is_lost_payload(fields: Any) -> None:
 
 
 def test_wire_limits_match_the_engines_sampling_params() -> None:
-    from llmq.worker import sampling_params
+    from llmq.worker.engine import sampling_params
 
     assert protocol.MAX_STOP_STRINGS == sampling_params.MAX_STOP_STRINGS
     assert protocol.MAX_STOP_STRING_LEN == sampling_params.MAX_STOP_STRING_LEN
@@ -237,7 +237,7 @@ _near_bounds = st.one_of(st.integers(-3, 3), st.floats(-3, 3),
      "presence_penalty", "frequency_penalty", "repetition_penalty"]), _near_bounds))
 def test_every_request_the_wire_accepts_builds_sampling_params(params: dict[str, Any]) -> None:
     # Given any parameters near the bounds, sent as msgpack (which can carry NaN)
-    from llmq.worker.sampling_params import SamplingParams
+    from llmq.worker.engine.sampling_params import SamplingParams
 
     outcome = decode_request_entry(ENTRY_ID, _msgpack({"prompt": "x", **params}))
     # Then what the wire accepts, the engine accepts too: it never sees a ValueError

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmq.worker.config import EngineConfig
-from llmq.worker.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from llmq.worker.request import Request, RequestStatus
-from llmq.worker.sampling_params import SamplingParams
-from llmq.worker.scheduler import RequestRejected, Scheduler
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from llmq.worker.engine.request import Request, RequestStatus
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.scheduler import RequestRejected, Scheduler
 
 VOCAB = 1000
 EOS = 999

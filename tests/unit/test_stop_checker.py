@@ -1,8 +1,8 @@
 """Stop tokens and stop strings, as the scheduler applies them after each token."""
 
-from llmq.worker.request import Request
-from llmq.worker.sampling_params import SamplingParams
-from llmq.worker.stop_checker import check_stop_token, find_stop_string, num_held_back_chars
+from llmq.worker.engine.request import Request
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.stop_checker import check_stop_token, find_stop_string, num_held_back_chars
 
 EOS = 2
 

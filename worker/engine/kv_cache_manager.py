@@ -24,8 +24,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from llmq.worker.block_pool import BlockPool, KVCacheBlock
-from llmq.worker.request import Request
+from llmq.worker.engine.block_pool import BlockPool, KVCacheBlock
+from llmq.worker.engine.request import Request
 
 NONE_HASH = 0  # the parent of a request's first block
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmq.worker.request import Request
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.request import Request
+from llmq.worker.engine.sampling_params import SamplingParams
 
 
 def check_stop_token(request: Request, token_id: int) -> bool:

@@ -10,7 +10,7 @@ import enum
 import time
 from typing import Protocol
 
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -41,7 +41,7 @@ _FINISH_REASONS = {
 
 
 class Detokenizer(Protocol):
-    """What the scheduler needs to turn new token ids into text (see worker/detokenizer.py)."""
+    """What the scheduler needs to turn new token ids into text (worker/engine/detokenizer.py)."""
 
     def update(self, new_token_ids: list[int]) -> str:
         """Text the new tokens complete; never half a UTF-8 character."""

@@ -38,8 +38,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from llmq.worker.outputs import TokenLogprobs
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.outputs import TokenLogprobs
+from llmq.worker.engine.sampling_params import SamplingParams
 
 # NOTE: below this temperature, logits / temperature overflows float32; vLLM treats it as greedy.
 SAMPLING_EPS = 1e-5

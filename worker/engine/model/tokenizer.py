@@ -11,7 +11,7 @@ References:
 
 Decoding does not go through `tokenizers`: every token id maps once, at load, to the exact bytes it
 stands for (`token_bytes`), and `decode` is the lossy UTF-8 decoding of their concatenation (the
-same as `tokenizers`' ByteLevel decoder). The incremental detokenizer (worker/detokenizer.py)
+same as `tokenizers`' ByteLevel decoder). The incremental detokenizer (worker/engine/detokenizer.py)
 works on the same table, so streamed text always equals `decode` of the same ids.
 """
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from llmq.worker.model.chat_template import ChatTemplate
+from llmq.worker.engine.model.chat_template import ChatTemplate
 
 if TYPE_CHECKING:
     from gguf import GGUFReader

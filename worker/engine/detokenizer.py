@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmq.worker.model.tokenizer import Tokenizer
+    from llmq.worker.engine.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

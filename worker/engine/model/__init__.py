@@ -1,4 +1,4 @@
-"""llmq.worker.model: Llama-family models, their loaders and tokenizers.
+"""llmq.worker.engine.model: Llama-family models, their loaders and tokenizers.
 
 Exports resolve lazily (PEP 562): `default_model` and `tokenizer` are imported by modules that
 must not pull in torch, so importing this package itself imports nothing heavy.

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    tokenizer: Any  # llmq.worker.model.tokenizer.Tokenizer
+    tokenizer: Any  # llmq.worker.engine.model.tokenizer.Tokenizer
     arch: ModelArchConfig
 
 

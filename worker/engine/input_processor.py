@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from llmq.broker.protocol import Request
-from llmq.worker.engine_core import check_token_ids
-from llmq.worker.sampling_params import SamplingParams
-from llmq.worker.scheduler import RequestRejected
+from llmq.worker.engine.engine_core import check_token_ids
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.scheduler import RequestRejected
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from llmq.worker.config import EngineConfig
-from llmq.worker.detokenizer import IncrementalDetokenizer
-from llmq.worker.outputs import EngineCoreOutput
-from llmq.worker.request import Request, RequestStatus
-from llmq.worker.sampling_params import SamplingParams
-from llmq.worker.scheduler import RequestRejected, Scheduler
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.detokenizer import IncrementalDetokenizer
+from llmq.worker.engine.outputs import EngineCoreOutput
+from llmq.worker.engine.request import Request, RequestStatus
+from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.scheduler import RequestRejected, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,10 @@ def check_token_ids(prompt_token_ids: list[int], stop_token_ids: tuple[int, ...]
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        # Imported here so `llmq.worker.engine_core` stays cheap to import for type users.
-        from llmq.worker.model.default_model import ensure_default_model
-        from llmq.worker.model.loader import load_model
-        from llmq.worker.model_runner import ModelRunner
+        # Imported here so `llmq.worker.engine.engine_core` stays cheap to import for type users.
+        from llmq.worker.engine.model.default_model import ensure_default_model
+        from llmq.worker.engine.model.loader import load_model
+        from llmq.worker.engine.model_runner import ModelRunner
 
         if loaded is None:
             started = time.perf_counter()

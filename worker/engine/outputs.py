@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.sampling_params import SamplingParams
 
 
 @dataclass

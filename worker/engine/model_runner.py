@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmq.worker.model.attention import AttentionMetadata
-from llmq.worker.outputs import ModelRunnerOutput, SchedulerOutput
-from llmq.worker.sampler import Sampler, SamplingMetadata
-from llmq.worker.sampling_params import SamplingParams
+from llmq.worker.engine.model.attention import AttentionMetadata
+from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from llmq.worker.engine.sampler import Sampler, SamplingMetadata
+from llmq.worker.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from llmq.broker.protocol import ErrorCode
-from llmq.worker import stop_checker
-from llmq.worker.config import EngineConfig
-from llmq.worker.kv_cache_manager import KVCacheManager
-from llmq.worker.outputs import (
+from llmq.worker.engine import stop_checker
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.kv_cache_manager import KVCacheManager
+from llmq.worker.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -40,7 +40,7 @@ from llmq.worker.outputs import (
     Timings,
     Usage,
 )
-from llmq.worker.request import Request, RequestStatus
+from llmq.worker.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
