@@ -16,15 +16,14 @@ vLLM v1 `engine/__init__.py` for msgspec wire structs.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from msgspec import Meta, Struct
 
-from llmq.broker.errors import InvalidRequest, ProtocolError
+from llmq.broker.errors import ErrorCode, InvalidRequest, ProtocolError
 from llmq.broker.keys import NAME_PATTERN, is_valid_name
 
 __all__ = [
@@ -51,6 +50,7 @@ __all__ = [
     "Error",
     "ErrorCode",
     "Event",
+    "FinishedOutput",
     "Message",
     "RejectedEntry",
     "Request",
@@ -71,6 +71,7 @@ __all__ = [
     "encode_request",
     "entry_time_ms",
     "is_terminal",
+    "terminal_event",
     "parse_request",
 ]
 
@@ -97,21 +98,6 @@ MAX_TOKEN_ID = 2**31 - 1  # a sanity bound only: the worker checks ids against i
 Encoding = Literal["json", "msgpack"]
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 DEAD_LETTER_FIELD = "dead_letter"
-
-
-class ErrorCode(enum.StrEnum):
-    """Stable `code` values of `error` events; readers must accept codes not listed here."""
-
-    INVALID_REQUEST = "invalid_request"  # failed decoding or validation (message names the field)
-    PROMPT_TOO_LONG = "prompt_too_long"  # prompt (+ max_tokens) does not fit the model context
-    INVALID_TOKEN_ID = "invalid_token_id"  # a token id outside the model's vocabulary
-    DEADLINE_EXCEEDED = "deadline_exceeded"  # not started within deadline_ms of being queued
-    POISON = "poison"  # delivered max_deliveries times without finishing: dead-lettered
-    CANCELLED = "cancelled"  # reserved: llmq reports cancellation as done{finish_reason=cancelled}
-    PREEMPTED = "preempted"  # preempted more often than the engine allows
-    NUMERICAL = "numerical"  # NaN/inf logits for this request
-    ENGINE_ERROR = "engine_error"  # the engine failed this request for another reason
-    LOST_PAYLOAD = "lost_payload"  # the entry was trimmed or deleted before a worker read it
 
 
 # NOTE: `\Z`, not `$`: Python's `$` also matches before a trailing newline.
@@ -284,6 +270,36 @@ def is_terminal(event: Event) -> bool:
     return isinstance(event, Done | Error)
 
 
+class FinishedOutput(Protocol):
+    """What `terminal_event` reads of a finished request (the engine's `EngineCoreOutput`)."""
+
+    finish_reason: str | None  # stop | length | cancelled | error
+    text: str | None
+    usage: Usage | None
+    timings: Timings | None
+    stop_reason: int | str | None
+    error_code: str | None
+    error_message: str | None
+
+
+def terminal_event(request_id: str, attempt: int, output: FinishedOutput,
+                   metadata: dict[str, Any] | None = None) -> Done | Error:
+    """The `done` or `error` event closing an attempt, from the engine's finished output.
+
+    The one builder: the worker writes it to the result stream, `llmq generate -f` prints it.
+    """
+    if output.finish_reason == "error":
+        return Error(request_id=request_id, attempt=attempt,
+                     code=output.error_code or ErrorCode.ENGINE_ERROR,
+                     message=output.error_message or "the engine failed this request",
+                     metadata=metadata)
+    return Done(request_id=request_id, attempt=attempt,
+                finish_reason=output.finish_reason,  # type: ignore[arg-type]
+                text=output.text or "", usage=output.usage or Usage(0, 0, 0),
+                timings=output.timings or Timings(0.0, None, 0.0, None),
+                stop_reason=output.stop_reason, metadata=metadata)
+
+
 # --- Long-lived codecs ---------------------------------------------------------------------------
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
@@ -372,13 +388,13 @@ def decode_request_entry(
     entry_id = _text(entry_id)
     if not fields:
         return RejectedEntry(entry_id=entry_id, request_id=None, encoding=None,
-                             code=ErrorCode.LOST_PAYLOAD.value,
+                             code=ErrorCode.LOST_PAYLOAD,
                              message="the request entry's payload is gone (trimmed or deleted)")
     items = _field_items(fields)
     if len(items) != 1 or items[0][0] not in ENCODINGS:
         names = ", ".join(sorted(repr(name[:40]) for name, _ in items[:8]))
         return RejectedEntry(entry_id=entry_id, request_id=None, encoding=None,
-                             code=ErrorCode.INVALID_REQUEST.value,
+                             code=ErrorCode.INVALID_REQUEST,
                              message="a request entry has exactly one field, `json` or `msgpack`; "
                                      f"got {names}")
     encoding, payload = items[0]
@@ -390,11 +406,11 @@ def decode_request_entry(
         request_id = (None if len(payload) > MAX_PAYLOAD_BYTES
                       else _probe_request_id(payload, encoding_, entry_id))
         return RejectedEntry(entry_id=entry_id, request_id=request_id, encoding=encoding_,
-                             code=ErrorCode.INVALID_REQUEST.value, message=str(exc))
+                             code=ErrorCode.INVALID_REQUEST, message=str(exc))
     except Exception as exc:  # noqa: BLE001 - the promise is "never raises"; keep the worker alive
         logger.warning("unexpected error decoding entry %s", entry_id, exc_info=True)
         return RejectedEntry(entry_id=entry_id, request_id=None, encoding=encoding_,
-                             code=ErrorCode.INVALID_REQUEST.value,
+                             code=ErrorCode.INVALID_REQUEST,
                              message=f"could not decode payload: {type(exc).__name__}: {exc}")
     return DecodedRequest(entry_id=entry_id, request_id=request.id or entry_id,
                           encoding=encoding_, request=request)

@@ -34,7 +34,7 @@ import msgspec
 
 from llmq.broker.client import Client
 from llmq.broker.commands import build_submission
-from llmq.broker.errors import InvalidRequest
+from llmq.broker.errors import ErrorCode, InvalidRequest
 from llmq.broker.keys import is_valid_name
 from llmq.broker.protocol import Done, Error
 from llmq.broker.transcript import Transcript
@@ -200,7 +200,7 @@ class FileJob:
             if line.request_id in out.existing:
                 ready[index] = {**out.existing[line.request_id], "line": line.number}
             elif line.error is not None:
-                ready[index] = error_record(line, "invalid_request", line.error)
+                ready[index] = error_record(line, ErrorCode.INVALID_REQUEST, line.error)
             else:
                 to_submit.append(index)
         reused = [i for i in ready if file_lines[i].request_id in out.existing]

@@ -30,10 +30,10 @@ from typing import Any
 import redis
 
 from llmq.broker import protocol
+from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.broker.keys import Keys
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
-from llmq.worker.engine.input_processor import InputProcessor, InputRejected
-from llmq.worker.engine.scheduler import RequestRejected
+from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.faults import Faults
 from llmq.worker.inflight_table import InFlight, InFlightTable
 from llmq.worker.result_writer import EntryWrite, ResultWriter
@@ -135,7 +135,7 @@ class Admission:
                                       cancel_flags.get(entry.entry_id, False))
             except Exception:  # noqa: BLE001 - one bad request must never stop admission
                 logger.exception("admitting entry %s failed", entry.entry_id)
-                self._fail(entry, protocol.ErrorCode.ENGINE_ERROR.value,
+                self._fail(entry, ErrorCode.ENGINE_ERROR,
                            "the worker failed to admit this request")
                 continue
             if add is not None:
@@ -161,7 +161,7 @@ class Admission:
         entry_ms = protocol.entry_time_ms(entry.entry_id)
         waited_ms = max(0, now_ms - entry_ms)
         if request.deadline_ms is not None and waited_ms > request.deadline_ms:
-            self._fail(entry, protocol.ErrorCode.DEADLINE_EXCEEDED.value,
+            self._fail(entry, ErrorCode.DEADLINE_EXCEEDED,
                        f"deadline_ms: the request waited {waited_ms} ms in the queue, past its "
                        f"deadline of {request.deadline_ms} ms")
             return None
@@ -171,12 +171,11 @@ class Admission:
         try:
             processed = self.processor.process(request)
         except RequestRejected as e:
-            self._fail(entry, e.code, e.message,
-                       e.details if isinstance(e, InputRejected) else None)
+            self._fail(entry, e.code, e.message, e.details)
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         entry.admitted_ms = now_ms
-        entry.poison = self.faults.is_poison(processed.prompt_texts)
+        entry.poison = self.faults.is_poison(_prompt_texts(request))
         start = protocol.Start(request_id=entry.request_id, attempt=entry.attempt,
                                worker=self.worker_id, prompt_tokens=entry.prompt_tokens,
                                model=self.model_name)
@@ -207,7 +206,7 @@ class Admission:
                    f"{self.max_deliveries}) without finishing: moved to the dead-letter stream")
         logger.warning("entry %s is poison (%d deliveries): dead-lettered", entry.entry_id,
                        entry.attempt)
-        code = protocol.ErrorCode.POISON.value
+        code = ErrorCode.POISON
         request_id = decoded.request_id  # None when the payload gave no usable id
         entry.terminal = True
         events: list[protocol.Event] = []
@@ -244,6 +243,12 @@ class Admission:
                                      deliveries=deliveries, worker=self.worker_id,
                                      at_ms=int(time.time() * 1000))
         return protocol.encode_dead_letter(letter, fields)
+
+
+def _prompt_texts(request: protocol.Request) -> list[str]:
+    if request.messages is not None:
+        return [m.content for m in request.messages]
+    return [request.prompt] if request.prompt is not None else []
 
 
 def _entry_for(decoded: Any, attempt: int) -> InFlight:

@@ -35,6 +35,7 @@ from typing import Any
 import redis
 
 from llmq.broker import protocol
+from llmq.broker.errors import RequestRejected
 from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, GROUP, Keys, validate_name
 from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
 from llmq.worker.admission import AbortRequests, AddRequest, Admission
@@ -42,7 +43,6 @@ from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState, connect_redis
 from llmq.worker.cancel_listener import CancelListener
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import RequestRejected
 from llmq.worker.faults import Faults, InjectedFault
 from llmq.worker.inflight_table import InFlightTable
 from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
@@ -125,9 +125,7 @@ class Worker:
             connect_redis(url, socket_timeout=timeout), self.keys, config.queue, config.worker_id,
             self.table, result_ttl=config.result_ttl, result_maxlen=config.result_maxlen,
             state=self.state, faults=self.faults, metrics=self.metrics)
-        scheduler = getattr(engine, "scheduler", None)
-        max_model_len = getattr(scheduler, "max_model_len", None) or engine.config.max_model_len
-        self.processor = InputProcessor(engine.tokenizer, max_model_len, engine.arch.vocab_size)
+        self.processor = InputProcessor.for_engine(engine)
         self.admission = Admission(
             keys=self.keys, queue_name=config.queue, worker_id=config.worker_id,
             model_name=model_name, table=self.table, processor=self.processor,

@@ -39,7 +39,7 @@ from typing import Any
 
 import redis
 
-from llmq.broker import protocol
+from llmq.broker.errors import ErrorCode
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.retention import trim_acked_requests
 from llmq.worker.admission import AbortRequests, Admission
@@ -261,7 +261,7 @@ class LeaseKeeper:
         # NOTE: the payload is gone, so the request id is unknown (the producer may have given
         # its own): keep a dead letter for operators; Redis already dropped it from the PEL.
         message = "the entry was trimmed or deleted from the request stream while pending"
-        code = protocol.ErrorCode.LOST_PAYLOAD.value
+        code = ErrorCode.LOST_PAYLOAD
         logger.warning("%d pending entries lost their payload: %s", len(entry_ids), entry_ids[:5])
         for entry_id in entry_ids:
             self.writer.put(EntryWrite(

@@ -20,7 +20,6 @@ acks landed; if they did, the whole transaction did, and it is not written twice
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
@@ -35,7 +34,7 @@ from llmq.broker.keys import GROUP, Keys
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.faults import Faults
-from llmq.worker.inflight_table import InFlight, InFlightTable
+from llmq.worker.inflight_table import InFlightTable
 
 logger = logging.getLogger(__name__)
 
@@ -188,13 +187,15 @@ class ResultWriter:
             delta = protocol.Delta(
                 request_id=entry.request_id, attempt=entry.attempt, seq=entry.seq,
                 text=output.new_text, token_ids=list(output.new_token_ids),
-                logprobs=_logprobs(output) if output.new_logprobs else None)
+                logprobs=output.new_logprobs or None)
             entry.seq += 1
             self._xadd_event(batch, key, delta, entry.encoding)
         if not output.finished:
             return
         entry.terminal = True
-        self._xadd_event(batch, key, terminal_event(entry, output), entry.encoding)
+        terminal = protocol.terminal_event(entry.request_id, entry.attempt, output,
+                                           entry.metadata)
+        self._xadd_event(batch, key, terminal, entry.encoding)
         batch.ack_ids.append(entry.entry_id)
         batch.pop_ids.append(entry.entry_id)
         batch.finished.append(output)
@@ -285,53 +286,13 @@ class ResultWriter:
         if self.metrics is None:
             return
         for output in batch.finished:
-            usage, t = output.usage, output.timings
+            usage = output.usage or protocol.Usage(0, 0, 0)
+            t = output.timings or protocol.Timings(0.0, None, 0.0, None)
             self.metrics.observe_finished(
-                output.finish_reason, output.error_code,
-                usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
-                usage.cached_prompt_tokens if usage else 0,
-                _nonneg(t.queue) if t else None, _nonneg(t.ttft) if t else None,
-                _nonneg(t.e2e) or 0.0 if t else 0.0, _nonneg(t.per_token) if t else None)
+                output.finish_reason, output.error_code, usage.prompt_tokens,
+                usage.completion_tokens, usage.cached_prompt_tokens, t.queue, t.ttft, t.e2e,
+                t.per_token)
         for code in batch.errors:
             self.metrics.observe_finished("error", code, 0, 0, 0, None, None, 0.0, None)
         if batch.num_dead_letters:
             self.metrics.inc_dead_letters(batch.num_dead_letters)
-
-
-def terminal_event(entry: InFlight, output: EngineCoreOutput) -> protocol.Event:
-    """The `done` or `error` event closing an attempt."""
-    if output.finish_reason == "error":
-        return protocol.Error(
-            request_id=entry.request_id, attempt=entry.attempt,
-            code=output.error_code or protocol.ErrorCode.ENGINE_ERROR.value,
-            message=output.error_message or "the engine failed this request",
-            metadata=entry.metadata)
-    usage = output.usage
-    timings = output.timings
-    return protocol.Done(
-        request_id=entry.request_id, attempt=entry.attempt,
-        finish_reason=output.finish_reason,  # type: ignore[arg-type]
-        text=output.text or "",
-        usage=protocol.Usage(usage.prompt_tokens, usage.completion_tokens,
-                             usage.cached_prompt_tokens) if usage else protocol.Usage(0, 0, 0),
-        timings=protocol.Timings(
-            queue=max(0.0, timings.queue), ttft=_nonneg(timings.ttft), e2e=max(0.0, timings.e2e),
-            per_token=_nonneg(timings.per_token)) if timings else protocol.Timings(0.0, None, 0.0,
-                                                                                   None),
-        stop_reason=output.stop_reason, metadata=entry.metadata)
-
-
-def _nonneg(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else max(0.0, value)
-
-
-def _finite(value: float) -> float | None:
-    # JSON cannot carry -inf / NaN: the protocol spells them None.
-    return value if math.isfinite(value) else None
-
-
-def _logprobs(output: EngineCoreOutput) -> list[protocol.TokenLogprob]:
-    return [protocol.TokenLogprob(token_id=lp.token_id, logprob=_finite(lp.logprob),
-                                  top_token_ids=list(lp.top_token_ids),
-                                  top_logprobs=[_finite(x) for x in lp.top_logprobs])
-            for lp in output.new_logprobs]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from llmq.broker.errors import RequestRejected
+from llmq.broker.protocol import Request
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.request import RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import RequestRejected
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -126,12 +128,13 @@ def test_priority_policy_serves_a_late_high_priority_request_first(tiny_model, t
 def test_requests_that_can_never_run_are_rejected_with_the_limit_named(tiny_model,
                                                                         tiny_model_path):
     engine = make_engine(tiny_model, tiny_model_path, max_model_len=64)
+    gate = InputProcessor.for_engine(engine)  # the one place requests are checked
     with pytest.raises(RequestRejected) as too_long:
-        engine.add_request("long", [100] * 64, GREEDY)
+        gate.process(Request(prompt_token_ids=[100] * 64))
     assert too_long.value.code == "prompt_too_long" and "64" in too_long.value.message
     vocab = engine.arch.vocab_size
     with pytest.raises(RequestRejected) as oov:
-        engine.add_request("oov", [100, vocab], GREEDY)
+        gate.process(Request(prompt_token_ids=[100, vocab]))
     assert oov.value.code == "invalid_token_id" and str(vocab) in oov.value.message
     # And the engine still serves a good request afterwards
     assert engine.generate([[100, 101]], GREEDY)[0].finish_reason == "length"

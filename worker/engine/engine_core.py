@@ -3,7 +3,10 @@
 After vLLM v1's `EngineCore` (v1/engine/core.py): step = `Scheduler.schedule()` ->
 `ModelRunner.execute_model()` -> `Scheduler.update_from_output()`. It runs in-process with no
 Redis, so the engine is tested and benchmarked on its own; the worker process wraps it with IO
-threads (worker/engine_proc.py), and `llmq generate` drives it directly.
+threads (worker/worker.py), and `llmq generate` drives it directly.
+
+It trusts what it is given: requests pass the one gate, `InputProcessor`
+(worker/engine/input_processor.py), before `add_request`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from llmq.worker.engine.detokenizer import IncrementalDetokenizer
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import RequestRejected, Scheduler
+from llmq.worker.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +38,6 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use
     prefix_cache_hit_rate: float
     num_preemptions: int
-
-
-def check_token_ids(prompt_token_ids: list[int], stop_token_ids: tuple[int, ...],
-                    vocab_size: int) -> None:
-    """RequestRejected(invalid_token_id) naming the field when an id is outside the vocabulary.
-
-    NOTE: checked before the scheduler: an out-of-vocabulary id reaching the embedding would
-    fail the whole step, and with it every request in the batch (vllm-project/vllm#16529).
-    """
-    for field, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
-        for bad in (t for t in ids if not 0 <= t < vocab_size):
-            raise RequestRejected("invalid_token_id", f"{field}: token id {bad} is outside "
-                                  f"the vocabulary [0, {vocab_size})")
 
 
 class EngineCore:
@@ -79,12 +69,25 @@ class EngineCore:
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + output tokens) this engine runs: the configured context,
+        capped by what the KV cache holds."""
+        return self.scheduler.max_model_len
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds (a request never stores its last token's KV)."""
+        return self.scheduler.kv_capacity_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
-        """Queue a request; raises RequestRejected (with a code) when it can never run."""
-        # NOTE: empty prompts, duplicate ids and over-long prompts are the scheduler's to refuse.
-        check_token_ids(prompt_token_ids, sampling_params.stop_token_ids, self.arch.vocab_size)
+        """Queue a request that passed `InputProcessor`; nothing is checked again here."""
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens)

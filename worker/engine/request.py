@@ -10,6 +10,7 @@ import enum
 import time
 from typing import Protocol
 
+from llmq.broker.errors import ErrorCode
 from llmq.worker.engine.sampling_params import SamplingParams
 
 
@@ -81,7 +82,7 @@ class Request:
         self.output_text = ""  # text decided so far (stop strings trimmed)
         self.num_text_sent = 0  # chars of output_text already handed out in outputs
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
-        self.error_code: str | None = None
+        self.error_code: ErrorCode | None = None
         self.error_message: str | None = None
 
         self.first_scheduled_time: float | None = None

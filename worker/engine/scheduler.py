@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from llmq.broker.protocol import ErrorCode
+from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.worker.engine import stop_checker
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.kv_cache_manager import KVCacheManager
@@ -43,16 +43,6 @@ from llmq.worker.engine.outputs import (
 from llmq.worker.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejected(Exception):
-    """A request the engine can never serve, refused at `add_request`; `code` is an
-    `ErrorCode` (prompt_too_long, invalid_request)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Scheduler:
@@ -85,25 +75,13 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise RequestRejected if it could never be served."""
-        num_prompt = request.num_prompt_tokens
+        """Queue a request. It passed the gate (`InputProcessor`): a prompt that fits the
+        context and the KV cache, with every token id in the vocabulary."""
+        # NOTE: ids are the engine's own bookkeeping (the worker uses stream entry ids, unique by
+        # construction); a repeated one would corrupt the request table, so it is refused.
         if request.request_id in self.requests:
             raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                   f"request {request.request_id!r} is already in the engine")
-        if num_prompt == 0:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
-        limit = self.config.max_model_len
-        if limit is not None and num_prompt + 1 > limit:
-            raise RequestRejected(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {num_prompt} tokens but max_model_len is {limit}: at most "
-                f"{limit - 1} prompt tokens leave room for one output token")
-        if num_prompt + 1 > self.max_model_len:
-            raise RequestRejected(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {num_prompt} tokens but the KV cache holds at most "
-                f"{self.kv_capacity_tokens} ({self.kv_cache_manager.num_usable_blocks} blocks "
-                f"of {self.config.block_size} tokens)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._order_keys[request.request_id] = (
@@ -312,7 +290,8 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus, error_code: str | None = None,
+    def _finish(self, request: Request, status: RequestStatus,
+                error_code: ErrorCode | None = None,
                 error_message: str | None = None) -> None:
         """Take a request out of the engine for good; its blocks are free on return."""
         if request.status == RequestStatus.RUNNING:
@@ -356,14 +335,19 @@ class Scheduler:
         return output
 
     def _timings(self, request: Request) -> Timings:
-        # NOTE: a request that never got that far counts the missing stage up to its finish.
+        # NOTE: a request that was never scheduled counts its whole life as queue time; one that
+        # produced no token has no TTFT, and fewer than two tokens no per-token gap (the wire's
+        # `null`s, docs/protocol.md).
         end = request.finished_time
         assert end is not None
-        first_scheduled, first_token = (
-            end if t is None else t
-            for t in (request.first_scheduled_time, request.first_token_time))
+        arrival = request.arrival_time
+        first_scheduled = end if request.first_scheduled_time is None \
+            else request.first_scheduled_time
+        first_token = request.first_token_time
         num_gaps = request.num_output_tokens - 1
-        return Timings(queue=first_scheduled - request.arrival_time,
-                       ttft=first_token - request.arrival_time,
-                       e2e=end - request.arrival_time,
-                       per_token=(end - first_token) / num_gaps if num_gaps > 0 else 0.0)
+        return Timings(
+            queue=max(0.0, first_scheduled - arrival),
+            ttft=None if first_token is None else max(0.0, first_token - arrival),
+            e2e=max(0.0, end - arrival),
+            per_token=(end - first_token) / num_gaps
+            if first_token is not None and num_gaps > 0 else None)
