@@ -28,12 +28,13 @@ from llmq.broker.commands import (
     ResultFollower,
     as_str,
     dead_letter_to_retry,
+    group_created,
     parse_dead_letters,
     parse_heartbeats,
+    queue_group_creation,
 )
 from llmq.broker.connection import connect_async, translate_errors
 from llmq.broker.errors import RequestFailed
-from llmq.broker.keys import GROUP
 from llmq.broker.protocol import (
     Done,
     Encoding,
@@ -123,16 +124,10 @@ class AsyncClient(_ClientBase):
 
     async def ensure_group(self, queue: str | None = None) -> bool:
         queue = self._queue(queue)
-        key = self.keys.queue(queue)
         with translate_errors(self.url):
-            try:
-                await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
-                created = True
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-                created = False
-            await self.redis.sadd(self.keys.queues(), queue)
+            pipe = self.redis.pipeline(transaction=False)
+            queue_group_creation(pipe, self.keys, queue)
+            created = group_created(await pipe.execute(raise_on_error=False))
         self._groups_ready.add(queue)
         return created
 

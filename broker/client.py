@@ -35,9 +35,11 @@ from llmq.broker.commands import (
     as_str,
     build_submission,
     dead_letter_to_retry,
+    group_created,
     parse_dead_letters,
     parse_heartbeats,
     parse_queue_stats,
+    queue_group_creation,
 )
 from llmq.broker.connection import (
     connect,
@@ -46,7 +48,7 @@ from llmq.broker.connection import (
     translate_errors,
 )
 from llmq.broker.errors import InvalidRequest, RequestFailed
-from llmq.broker.keys import GROUP, NAME_PATTERN, Keys, is_valid_name, validate_name
+from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.protocol import (
     Done,
     Encoding,
@@ -259,16 +261,10 @@ class Client(_ClientBase):
         The group starts at id 0, so requests queued before it existed are still delivered.
         """
         queue = self._queue(queue)
-        key = self.keys.queue(queue)
         with translate_errors(self.url):
-            try:
-                self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
-                created = True
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-                created = False
-            self.redis.sadd(self.keys.queues(), queue)
+            pipe = self.redis.pipeline(transaction=False)
+            queue_group_creation(pipe, self.keys, queue)
+            created = group_created(pipe.execute(raise_on_error=False))
         self._groups_ready.add(queue)
         return created
 

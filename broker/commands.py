@@ -1,8 +1,9 @@
 """The Redis commands behind the producer API, built and parsed without doing any IO.
 
 The sync client (client.py) and the asyncio client (aio.py) differ only in how they send these;
-what they send and how they read the replies lives here once. The worker uses `queue_event()` to
-write result events the way the producer expects to read them.
+what they send and how they read the replies lives here once. The worker uses it too: it creates
+the consumer group with `queue_group_creation()` and writes result events with `queue_events()`,
+exactly the way the producer expects to read them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from llmq.broker.protocol import (
     Encoding,
     Event,
     WorkerHeartbeat,
+    as_str,
     decode_dead_letter,
     decode_event,
     decode_heartbeat,
@@ -46,10 +48,13 @@ __all__ = [
     "build_submission",
     "dead_letter_to_retry",
     "decode_result_entry",
+    "group_created",
     "parse_dead_letters",
     "parse_heartbeats",
     "parse_queue_stats",
     "queue_event",
+    "queue_events",
+    "queue_group_creation",
     "stream_entries",
 ]
 
@@ -202,14 +207,46 @@ class ResultFollower:
 
 def queue_event(pipe: Any, keys: Keys, event: Event, encoding: Encoding, *,
                 result_ttl: int, result_maxlen: int) -> None:
-    """Queue one event's writes on a (sync or asyncio) pipeline: XADD capped, then EXPIRE.
+    """`queue_events` for one event."""
+    queue_events(pipe, keys, [(event, encoding)], result_ttl=result_ttl,
+                 result_maxlen=result_maxlen)
 
-    EXPIRE on every write makes the stream live `result_ttl` after its last event, and lets one
+
+def queue_events(pipe: Any, keys: Keys, events: Iterable[tuple[Event, Encoding]], *,
+                 result_ttl: int, result_maxlen: int) -> None:
+    """Queue events' writes on a (sync or asyncio) pipeline: XADD capped, in order, then one
+    EXPIRE per result stream touched.
+
+    EXPIRE after every write makes a stream live `result_ttl` after its last event, and lets one
     that no worker ever finishes expire too.
     """
-    key = keys.result(event.request_id)
-    pipe.xadd(key, encode_event(event, encoding), maxlen=result_maxlen, approximate=True)
-    pipe.expire(key, result_ttl)
+    touched: dict[str, None] = {}
+    for event, encoding in events:
+        key = keys.result(event.request_id)
+        pipe.xadd(key, encode_event(event, encoding), maxlen=result_maxlen, approximate=True)
+        touched[key] = None
+    for key in touched:
+        pipe.expire(key, result_ttl)
+
+
+def queue_group_creation(pipe: Any, keys: Keys, queue: str) -> None:
+    """Queue what creates a queue's stream and consumer group `workers` if missing: XGROUP
+    CREATE ... MKSTREAM at id 0 (so requests queued before the group are delivered), and the
+    queue's name in the registry `llmq status` lists. Execute with raise_on_error=False and read
+    the replies with `group_created`."""
+    pipe.xgroup_create(keys.queue(queue), GROUP, id="0", mkstream=True)
+    pipe.sadd(keys.queues(), queue)
+
+
+def group_created(replies: list[Any]) -> bool:
+    """True when `queue_group_creation` created the group, False when it existed (BUSYGROUP);
+    any other error is raised."""
+    created, registered = replies
+    if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
+        raise created
+    if isinstance(registered, Exception):
+        raise registered
+    return not isinstance(created, Exception)
 
 
 @dataclass(frozen=True)
@@ -225,11 +262,6 @@ class QueueStats:
 
 def _field(info: Mapping[Any, Any], name: str) -> Any:
     return info.get(name, info.get(name.encode()))
-
-
-def as_str(value: Any) -> str:
-    """A reply value (bytes, from a client that does not decode responses) as text."""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -> QueueStats:

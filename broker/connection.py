@@ -17,6 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from llmq.broker.embedded import EmbeddedServer
 from llmq.broker.errors import BrokerError, BrokerUnavailable
@@ -24,6 +26,7 @@ from llmq.broker.errors import BrokerError, BrokerUnavailable
 __all__ = [
     "connect",
     "connect_async",
+    "connect_at_most_once",
     "describe_connection",
     "redact_url",
     "resolve_redis_url",
@@ -92,6 +95,16 @@ def connect(url: str | None = None, **options: Any) -> redis.Redis:
         return redis.Redis.from_url(url, **_client_options(options))
     except ValueError as exc:  # redis-py's complaint about a malformed URL
         raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+
+
+def connect_at_most_once(url: str | None, *, socket_timeout: float = 10.0) -> redis.Redis:
+    """A client whose commands are each sent at most once: redis-py's own retries are off.
+
+    For code that retries itself and knows what is safe to repeat (the worker's threads): a
+    blindly repeated XADD would duplicate an event.
+    """
+    return connect(url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
+                   socket_timeout=socket_timeout)
 
 
 def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis:

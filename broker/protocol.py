@@ -59,6 +59,7 @@ __all__ = [
     "TokenLogprob",
     "Usage",
     "WorkerHeartbeat",
+    "as_str",
     "decode_cancel",
     "decode_dead_letter",
     "decode_event",
@@ -71,6 +72,7 @@ __all__ = [
     "encode_request",
     "entry_time_ms",
     "is_terminal",
+    "parse_entry_id",
     "terminal_event",
     "parse_request",
 ]
@@ -321,12 +323,13 @@ _id_probes: dict[str, msgspec.json.Decoder[_IdProbe] | msgspec.msgpack.Decoder[_
     "json": msgspec.json.Decoder(_IdProbe), "msgpack": msgspec.msgpack.Decoder(_IdProbe)}
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+def as_str(value: Any) -> str:
+    """A reply value (bytes, from a client that does not decode responses) as text."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _field_items(fields: Mapping[Any, Any]) -> list[tuple[str, bytes]]:
-    return [(_text(k), v.encode() if isinstance(v, str) else v) for k, v in fields.items()]
+    return [(as_str(k), v.encode() if isinstance(v, str) else v) for k, v in fields.items()]
 
 
 # --- Requests ------------------------------------------------------------------------------------
@@ -347,7 +350,7 @@ class RejectedEntry(Struct, frozen=True, kw_only=True):
     entry_id: str
     request_id: str | None  # None: unknown or unusable as a key, so the entry is dead-lettered
     encoding: Encoding | None
-    code: str  # ErrorCode value: invalid_request or lost_payload
+    code: ErrorCode  # invalid_request or lost_payload
     message: str
 
 
@@ -385,7 +388,7 @@ def decode_request_entry(
     `fields` may be None or empty: XAUTOCLAIM/XCLAIM give that for entries deleted or trimmed
     while pending, reported as `lost_payload`.
     """
-    entry_id = _text(entry_id)
+    entry_id = as_str(entry_id)
     if not fields:
         return RejectedEntry(entry_id=entry_id, request_id=None, encoding=None,
                              code=ErrorCode.LOST_PAYLOAD,
@@ -427,7 +430,13 @@ def encode_request(request: Request, encoding: Encoding = "json") -> dict[str, b
 
 def entry_time_ms(entry_id: bytes | str) -> int:
     """The server time (unix ms) a stream entry was added, from its id `<ms>-<seq>`."""
-    return int(_text(entry_id).partition("-")[0])
+    return parse_entry_id(entry_id)[0]
+
+
+def parse_entry_id(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id `<ms>-<seq>` as (ms, seq), which orders like the stream does."""
+    ms, _, seq = as_str(entry_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 # --- Events --------------------------------------------------------------------------------------
@@ -552,7 +561,7 @@ def decode_heartbeat(fields: Mapping[Any, Any]) -> WorkerHeartbeat:
     """A heartbeat hash (string values) as a struct; ProtocolError when it is not one."""
     try:
         # NOTE: strict=False is what parses the hash's strings into ints and floats.
-        return msgspec.convert({_text(k): _text(v) for k, v in fields.items()},
+        return msgspec.convert({as_str(k): as_str(v) for k, v in fields.items()},
                                WorkerHeartbeat, strict=False)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"undecodable heartbeat: {exc}") from None

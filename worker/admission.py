@@ -21,59 +21,35 @@ Steps 2-5 end the entry with one terminal event and an XACK, written by the resu
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from llmq.broker import protocol
 from llmq.broker.errors import ErrorCode, RequestRejected
-from llmq.broker.keys import Keys
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor
-from llmq.worker.faults import Faults
-from llmq.worker.inflight_table import InFlight, InFlightTable
+from llmq.worker.inbox import AddRequest
+from llmq.worker.inflight_table import InFlight
 from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class AddRequest:
-    """Busy-loop inbox item: put this request into the engine."""
-
-    entry_id: str
-    prompt_token_ids: list[int]
-    sampling_params: Any
-    priority: int
-    arrival_time: float  # engine clock (monotonic), back-dated to the entry's XADD
-
-
-@dataclass
-class AbortRequests:
-    """Busy-loop inbox item: abort these engine requests (cancel, or lease lost)."""
-
-    entry_ids: list[str]
-
-
 class Admission:
-    def __init__(self, *, keys: Keys, queue_name: str, worker_id: str, model_name: str,
-                 table: InFlightTable, processor: InputProcessor, writer: ResultWriter,
-                 inbox: queue.SimpleQueue, faults: Faults, max_deliveries: int,
+    """`processor` is the engine's gate; `clock` the engine's clock, which arrival times use."""
+
+    def __init__(self, ctx: WorkerContext, processor: InputProcessor, writer: ResultWriter,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.keys = keys
-        self.queue_name = queue_name
-        self.worker_id = worker_id
-        self.model_name = model_name
-        self.table = table
+        self.ctx = ctx
+        self.keys = ctx.keys
+        self.table = ctx.table
         self.processor = processor
         self.writer = writer
-        self.inbox = inbox
-        self.faults = faults
-        self.max_deliveries = max_deliveries
+        self.max_deliveries = ctx.config.max_deliveries
         self.clock = clock
 
     def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
@@ -86,7 +62,7 @@ class Admission:
         """
         fresh = []
         for raw_id, fields in entries:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            entry_id = protocol.as_str(raw_id)
             attempt = (attempts or {}).get(entry_id, 1)
             decoded = protocol.decode_request_entry(entry_id, fields)
             entry = _entry_for(decoded, attempt)
@@ -143,7 +119,7 @@ class Admission:
         if adds:
             # NOTE: one inbox item per read, so the engine's next step sees the whole read
             # (prefills batched together, as if the requests had been added in-process).
-            self.inbox.put(adds)
+            self.ctx.inbox.put(adds)
         return len(fresh)
 
     def _admit_one(self, entry: InFlight, decoded: Any, fields: Any, now_ms: int,
@@ -175,10 +151,9 @@ class Admission:
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         entry.admitted_ms = now_ms
-        entry.poison = self.faults.is_poison(_prompt_texts(request))
         start = protocol.Start(request_id=entry.request_id, attempt=entry.attempt,
-                               worker=self.worker_id, prompt_tokens=entry.prompt_tokens,
-                               model=self.model_name)
+                               worker=self.ctx.worker_id, prompt_tokens=entry.prompt_tokens,
+                               model=self.ctx.model_name)
         # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
@@ -218,7 +193,7 @@ class Admission:
             dead_letter=self.dead_letter(entry.entry_id, request_id, code, message,
                                          entry.attempt, fields)))
 
-    def _fail(self, entry: InFlight, code: str, message: str,
+    def _fail(self, entry: InFlight, code: ErrorCode, message: str,
               details: dict[str, Any] | None = None) -> None:
         error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt, code=code,
                                message=message, details=details, metadata=entry.metadata)
@@ -236,19 +211,13 @@ class Admission:
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [done],
                                    ack=True))
 
-    def dead_letter(self, entry_id: str, request_id: str | None, code: str, message: str,
-                    deliveries: int, fields: Any) -> dict[str, bytes]:
-        letter = protocol.DeadLetter(queue=self.queue_name, entry_id=entry_id,
+    def dead_letter(self, entry_id: str, request_id: str | None, code: ErrorCode,
+                    message: str, deliveries: int, fields: Any) -> dict[str, bytes]:
+        letter = protocol.DeadLetter(queue=self.ctx.queue, entry_id=entry_id,
                                      request_id=request_id, code=code, message=message,
-                                     deliveries=deliveries, worker=self.worker_id,
+                                     deliveries=deliveries, worker=self.ctx.worker_id,
                                      at_ms=int(time.time() * 1000))
         return protocol.encode_dead_letter(letter, fields)
-
-
-def _prompt_texts(request: protocol.Request) -> list[str]:
-    if request.messages is not None:
-        return [m.content for m in request.messages]
-    return [request.prompt] if request.prompt is not None else []
 
 
 def _entry_for(decoded: Any, attempt: int) -> InFlight:

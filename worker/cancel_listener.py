@@ -14,34 +14,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import redis
 
 from llmq.broker import protocol
 from llmq.broker.commands import stream_entries
-from llmq.worker.admission import AbortRequests
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
-from llmq.worker.inflight_table import InFlightTable
+from llmq.broker.protocol import as_str, parse_entry_id
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.inbox import AbortRequests
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
-def _id_tuple(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 class CancelListener:
-    def __init__(self, client: redis.Redis, cancel_key: str, table: InFlightTable, inbox: Any,
-                 *, block_ms: int, state: ConnectionState) -> None:
-        self.client = client
-        self.cancel_key = cancel_key
-        self.table = table
-        self.inbox = inbox
-        self.block_ms = block_ms
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.client = ctx.connect()
+        self.cancel_key = ctx.keys.cancel(ctx.queue)
+        self.table = ctx.table
+        self.inbox = ctx.inbox
+        self.block_ms = ctx.config.read_block_ms
         self.stop_event = threading.Event()
-        self.backoff = Backoff("cancel listener", state, stop=self.stop_event)
+        self.backoff = Backoff("cancel listener", ctx.state, stop=self.stop_event)
         self.last_id: str | None = None
         self._thread = threading.Thread(target=self._run, name="llmq-cancel-listener",
                                         daemon=True)
@@ -68,8 +62,7 @@ class CancelListener:
         last = self.client.xrevrange(self.cancel_key, count=1)
         if not last:
             return "0-0"
-        entry_id = last[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return as_str(last[0][0])
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -78,7 +71,7 @@ class CancelListener:
                     self.last_id = self._stream_last_id()
                 elif self.backoff.in_outage:
                     # Back from an outage: a stream recreated from scratch has lower ids.
-                    if _id_tuple(self._stream_last_id()) < _id_tuple(self.last_id):
+                    if parse_entry_id(self._stream_last_id()) < parse_entry_id(self.last_id):
                         logger.warning("cancel stream was reset: reading it from the start")
                         self.last_id = "0-0"
                 reply = self.client.xread({self.cancel_key: self.last_id}, block=self.block_ms)
@@ -92,7 +85,7 @@ class CancelListener:
                     self.stop_event.wait(1.0)
                 continue
             for entry_id, fields in stream_entries(reply):
-                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                self.last_id = as_str(entry_id)
                 request_id = protocol.decode_cancel(fields)
                 if request_id is not None:
                     self.cancel(request_id)

@@ -37,7 +37,6 @@ class InFlight:
     cancel_requested: bool = False
     # Set once the terminal event is queued for writing: the entry is done in the engine.
     terminal: bool = False
-    poison: bool = False  # TEST-ONLY fault hook: a step raises while this request runs
 
 
 class InFlightTable:

@@ -20,7 +20,6 @@ acks landed; if they did, the whole transaction did, and it is not written twice
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,11 +29,12 @@ from typing import Any
 import redis
 
 from llmq.broker import protocol
-from llmq.broker.keys import GROUP, Keys
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
+from llmq.broker.commands import queue_events
+from llmq.broker.keys import GROUP
+from llmq.broker.protocol import Encoding, Event
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.outputs import EngineCoreOutput
-from llmq.worker.faults import Faults
-from llmq.worker.inflight_table import InFlightTable
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class EntryWrite:
 
     entry_id: str
     request_id: str | None  # None: no result stream to write to (dead letter only)
-    encoding: str
-    events: list[protocol.Event]
+    encoding: Encoding
+    events: list[Event]
     ack: bool = False  # XACK the entry after its events: this write is its last
     dead_letter: dict[str, bytes] | None = None  # fields to XADD to the dead-letter stream
     pop: bool = True  # forget the entry once acked (False for entries never in the table)
@@ -76,34 +76,31 @@ class EntryWrite:
 
 @dataclass
 class _Batch:
-    commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
-    result_keys: set[str] = field(default_factory=set)
+    events: list[tuple[Event, Encoding]] = field(default_factory=list)  # in order
+    dead_letters: list[dict[str, bytes]] = field(default_factory=list)
     ack_ids: list[str] = field(default_factory=list)
     pop_ids: list[str] = field(default_factory=list)  # forgotten after the write
     finished: list[EngineCoreOutput] = field(default_factory=list)  # for metrics
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
-    num_dead_letters: int = 0
+
+    @property
+    def num_writes(self) -> int:
+        return len(self.events) + len(self.dead_letters)
 
 
 class ResultWriter:
-    def __init__(self, client: redis.Redis, keys: Keys, queue_name: str, worker_id: str,
-                 table: InFlightTable, *, result_ttl: int, result_maxlen: int,
-                 state: ConnectionState, faults: Faults, metrics: Any = None) -> None:
-        self.client = client
-        self.keys = keys
-        self.queue_key = keys.queue(queue_name)
-        self.handbacks_key = keys.handbacks(queue_name)
-        self._ack_owned = client.register_script(_ACK_OWNED)
-        self.dlq_key = keys.dlq(queue_name)
-        self.worker_id = worker_id
-        self.table = table
-        self.result_ttl = result_ttl
-        self.result_maxlen = result_maxlen
-        self.faults = faults
-        self.metrics = metrics
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.client = ctx.connect()
+        self.table = ctx.table
+        self.metrics = ctx.metrics
+        self.queue_key = ctx.queue_key
+        self.handbacks_key = ctx.keys.handbacks(ctx.queue)
+        self.dlq_key = ctx.keys.dlq(ctx.queue)
+        self._ack_owned = self.client.register_script(_ACK_OWNED)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._give_up_at: float | None = None
-        self.backoff = Backoff("result writer", state, stop=None)
+        self.backoff = Backoff("result writer", ctx.state, stop=None)
         self.num_abandoned = 0
         self._thread = threading.Thread(target=self._run, name="llmq-result-writer", daemon=True)
 
@@ -151,19 +148,17 @@ class ResultWriter:
                 else:
                     for output in item:
                         self._add_output(batch, output)
-            if batch.commands or batch.ack_ids:
+            if batch.num_writes or batch.ack_ids:
                 self._write(batch)
             self._after_write(batch)
         logger.debug("result writer stopped")
 
     def _add_entry_write(self, batch: _Batch, write: EntryWrite) -> None:
         if write.dead_letter is not None:
-            batch.commands.append(("xadd", (self.dlq_key, write.dead_letter), {}))
-            batch.num_dead_letters += 1
+            batch.dead_letters.append(write.dead_letter)
         if write.request_id is not None:
-            key = self.keys.result(write.request_id)
             for event in write.events:
-                self._xadd_event(batch, key, event, write.encoding)
+                batch.events.append((event, write.encoding))
                 if isinstance(event, protocol.Error):
                     batch.errors.append(event.code)
         if write.ack:
@@ -182,29 +177,22 @@ class ResultWriter:
             if output.finished:
                 self.table.pop(entry.entry_id)
             return
-        key = self.keys.result(entry.request_id)
         if entry.stream and (output.new_token_ids or output.new_text):
             delta = protocol.Delta(
                 request_id=entry.request_id, attempt=entry.attempt, seq=entry.seq,
                 text=output.new_text, token_ids=list(output.new_token_ids),
                 logprobs=output.new_logprobs or None)
             entry.seq += 1
-            self._xadd_event(batch, key, delta, entry.encoding)
+            batch.events.append((delta, entry.encoding))
         if not output.finished:
             return
         entry.terminal = True
         terminal = protocol.terminal_event(entry.request_id, entry.attempt, output,
                                            entry.metadata)
-        self._xadd_event(batch, key, terminal, entry.encoding)
+        batch.events.append((terminal, entry.encoding))
         batch.ack_ids.append(entry.entry_id)
         batch.pop_ids.append(entry.entry_id)
         batch.finished.append(output)
-
-    def _xadd_event(self, batch: _Batch, key: str, event: protocol.Event, encoding: str) -> None:
-        fields = protocol.encode_event(event, encoding)  # type: ignore[arg-type]
-        batch.commands.append(
-            ("xadd", (key, fields), {"maxlen": self.result_maxlen, "approximate": True}))
-        batch.result_keys.add(key)
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -226,39 +214,39 @@ class ResultWriter:
                 # backoff like an outage rather than let the thread, and the worker, die.
                 ambiguous = isinstance(e, TRANSIENT_ERRORS)
                 if self._give_up_at is not None and time.monotonic() > self._give_up_at:
-                    self.num_abandoned += len(batch.commands)
+                    self.num_abandoned += batch.num_writes
                     logger.error("shutting down with Redis unreachable: %d events and %d acks "
                                  "not written (their entries stay pending and are reclaimed)",
-                                 len(batch.commands), len(batch.ack_ids))
+                                 batch.num_writes, len(batch.ack_ids))
                     batch.pop_ids.clear()
                     batch.finished.clear()
                     return
                 self.backoff.failed(e)
 
+    def _queue_writes(self, pipe: Any, batch: _Batch) -> None:
+        """Dead letters, then events (XADD capped, one EXPIRE per result stream)."""
+        for fields in batch.dead_letters:
+            pipe.xadd(self.dlq_key, fields)
+        queue_events(pipe, self.ctx.keys, batch.events, result_ttl=self.ctx.config.result_ttl,
+                     result_maxlen=self.ctx.config.result_maxlen)
+
     def _execute(self, batch: _Batch) -> None:
         pipe = self.client.pipeline(transaction=True)
-        for name, args, kwargs in batch.commands:
-            getattr(pipe, name)(*args, **kwargs)
-        for key in batch.result_keys:
-            pipe.expire(key, self.result_ttl)
-        crash = self.faults.crash_after_terminal and bool(batch.ack_ids)
-        if batch.ack_ids and not crash:
+        self._queue_writes(pipe, batch)
+        if batch.ack_ids:
             pipe.hdel(self.handbacks_key, *batch.ack_ids)
             self._ack_owned(keys=[self.queue_key],
-                            args=[GROUP, self.worker_id, *batch.ack_ids], client=pipe)
+                            args=[GROUP, self.ctx.worker_id, *batch.ack_ids], client=pipe)
         results = pipe.execute(raise_on_error=False)
-        if crash:
-            logger.error("TEST-ONLY fault crash_after_terminal: exiting before XACK")
-            os._exit(9)
-        for (name, args, _), result in zip(batch.commands, results, strict=False):
+        for result in results[:-1] if batch.ack_ids else results:
             if isinstance(result, Exception):
                 # NOTE: a command refused at EXEC time (WRONGTYPE on a key someone else created)
                 # will never succeed: log it and go on rather than retry forever.
-                logger.error("%s %s failed: %s", name, args[0], result)
+                logger.error("a result write failed: %s", result)
         if batch.ack_ids and isinstance(results[-1], Exception):
             logger.warning("XACK failed (%s): entries stay pending", results[-1])
         elif batch.ack_ids and results[-1]:
-            taken = [t.decode() if isinstance(t, bytes) else t for t in results[-1]]
+            taken = [protocol.as_str(t) for t in results[-1]]
             logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s", len(taken),
                            "y" if len(taken) == 1 else "ies", taken[:5])
 
@@ -289,10 +277,10 @@ class ResultWriter:
             usage = output.usage or protocol.Usage(0, 0, 0)
             t = output.timings or protocol.Timings(0.0, None, 0.0, None)
             self.metrics.observe_finished(
-                output.finish_reason, output.error_code, usage.prompt_tokens,
+                output.finish_reason or "error", output.error_code, usage.prompt_tokens,
                 usage.completion_tokens, usage.cached_prompt_tokens, t.queue, t.ttft, t.e2e,
                 t.per_token)
         for code in batch.errors:
             self.metrics.observe_finished("error", code, 0, 0, 0, None, None, 0.0, None)
-        if batch.num_dead_letters:
-            self.metrics.inc_dead_letters(batch.num_dead_letters)
+        if batch.dead_letters:
+            self.metrics.inc_dead_letters(len(batch.dead_letters))

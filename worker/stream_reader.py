@@ -26,29 +26,31 @@ import redis
 
 from llmq.broker.commands import stream_entries
 from llmq.broker.keys import GROUP
+from llmq.broker.protocol import as_str
 from llmq.worker.admission import Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
-from llmq.worker.inflight_table import InFlightTable
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
 class StreamReader:
-    def __init__(self, client: redis.Redis, queue_key: str, worker_id: str, table: InFlightTable,
-                 admission: Admission, *, max_num_seqs: int, block_ms: int,
-                 state: ConnectionState, ensure_group: Callable[[], None],
-                 hand_back: Callable[[list[str]], int]) -> None:
-        self.client = client
-        self.queue_key = queue_key
-        self.worker_id = worker_id
-        self.table = table
+    """`ensure_group()` creates the consumer group when there is none; `hand_back(entry_ids,
+    forgive=True)` gives entries read after a stop straight back to peers."""
+
+    def __init__(self, ctx: WorkerContext, admission: Admission, *,
+                 ensure_group: Callable[[], None], hand_back: Callable[..., int]) -> None:
+        self.client = ctx.connect()
+        self.queue_key = ctx.queue_key
+        self.worker_id = ctx.worker_id
+        self.table = ctx.table
         self.admission = admission
-        self.max_num_seqs = max_num_seqs
-        self.block_ms = block_ms
+        self.max_num_seqs = ctx.max_num_seqs
+        self.block_ms = ctx.config.read_block_ms
         self.ensure_group = ensure_group
         self.hand_back = hand_back
         self.stop_event = threading.Event()
-        self.backoff = Backoff("stream reader", state, stop=self.stop_event)
+        self.backoff = Backoff("stream reader", ctx.state, stop=self.stop_event)
         self.num_read = 0
         self._client_id: int | None = None
         self._thread = threading.Thread(target=self._run, name="llmq-stream-reader", daemon=True)
@@ -145,7 +147,7 @@ class StreamReader:
         return more
 
     def _hand_back_late(self, entries: list) -> None:
-        ids = [i.decode() if isinstance(i, bytes) else i for i, _ in entries]
+        ids = [as_str(i) for i, _ in entries]
         for _ in range(3):
             try:
                 self.hand_back(ids, forgive=True)  # never started: no failure

@@ -35,7 +35,7 @@ RULES = {
     "llmq.worker.engine.model.llama": ("redis", "llmq.broker"),
     "llmq.worker.engine.model.loader": ("redis", "llmq.broker"),
     "llmq.worker.engine.engine_core": ("redis",),
-    "llmq.worker.engine_proc": ("llmq.cli",),
+    "llmq.worker.worker": ("llmq.cli",),
     "llmq.cli.main": ("torch", "llmq.worker.engine.model", "llmq.worker.engine.engine_core"),
 }
 

@@ -10,6 +10,9 @@ round trips never stall a forward pass. Threads:
     busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
     ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
 
+The threads share one `WorkerContext` (config, keys, connection factory, metrics, inbox,
+in-flight table); the engine is anything that satisfies `EngineClient`.
+
 Delivery is at-least-once (dramatiq/arq: ack only after the result is written). Lifecycle:
 
 - SIGTERM/SIGINT: stop reading at once, let the engine finish in-flight work for up to
@@ -29,25 +32,30 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from llmq.broker import protocol
+from llmq.broker.commands import group_created, queue_group_creation
 from llmq.broker.errors import RequestRejected
-from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, GROUP, Keys, validate_name
-from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
-from llmq.worker.admission import AbortRequests, AddRequest, Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState, connect_redis
+from llmq.broker.keys import GROUP
+from llmq.worker.admission import Admission
+from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.faults import Faults, InjectedFault
-from llmq.worker.inflight_table import InFlightTable
-from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
+from llmq.worker.engine_client import EngineClient
+from llmq.worker.inbox import AbortRequests, AddRequest
+from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.stream_reader import StreamReader
+from llmq.worker.worker_config import WorkerConfig
+from llmq.worker.worker_context import WorkerContext
+
+if TYPE_CHECKING:
+    from llmq.worker.health_server import HealthServer
+    from llmq.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -55,104 +63,35 @@ EXIT_OK = 0
 EXIT_ENGINE_FATAL = 70  # EX_SOFTWARE
 
 
-@dataclass
-class WorkerConfig:
-    """Every knob of the worker process around the engine; `llmq worker` flags map 1:1."""
-
-    redis_url: str | None = None  # None: LLMQ_REDIS_URL, else the embedded server of `llmq up`
-    prefix: str = DEFAULT_PREFIX
-    queue: str = DEFAULT_QUEUE
-    worker_id: str = field(default_factory=default_worker_id)  # the consumer name
-    lease_timeout: float = 30.0  # s without renewal before peers reclaim an entry
-    renew_interval: float | None = None  # s between lease renewals; None: lease_timeout / 3
-    claim_interval: float | None = None  # s between reclaim scans; None: renew_interval
-    drain_timeout: float = 20.0  # s to finish in-flight work after SIGTERM
-    max_deliveries: int = 3  # deliveries before an entry is dead-lettered as poison
-    result_ttl: int = DEFAULT_RESULT_TTL  # s a result stream lives after its last event
-    result_maxlen: int = DEFAULT_RESULT_MAXLEN  # approximate cap of each result stream
-    metrics_port: int = 0  # /metrics /healthz /readyz; 0: off
-    read_block_ms: int = 500  # XREADGROUP / XREAD BLOCK slice
-    flush_timeout: float = 5.0  # s to keep trying to write the last events when stopping
-
-    def __post_init__(self) -> None:
-        Keys(self.prefix)
-        validate_name("queue", self.queue)
-        validate_name("worker_id", self.worker_id)
-        if self.lease_timeout <= 0:
-            raise ValueError(f"lease_timeout must be > 0 s, got {self.lease_timeout}")
-        if self.renew_interval is None:
-            self.renew_interval = self.lease_timeout / 3
-        if not 0 < self.renew_interval < self.lease_timeout:
-            raise ValueError(f"renew_interval must be in (0, lease_timeout="
-                             f"{self.lease_timeout}), got {self.renew_interval}")
-        if self.claim_interval is None:
-            self.claim_interval = self.renew_interval
-        if self.claim_interval <= 0:
-            raise ValueError(f"claim_interval must be > 0 s, got {self.claim_interval}")
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0 s, got {self.drain_timeout}")
-        if self.max_deliveries < 1:
-            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
-        if self.result_ttl < 1 or self.result_maxlen < 1:
-            raise ValueError("result_ttl and result_maxlen must be >= 1")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.read_block_ms < 1:
-            raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
-
-
 class Worker:
-    def __init__(self, config: WorkerConfig, engine: Any, *, model_name: str = "",
-                 faults: Faults | None = None, observability: tuple[Any, Any] | None = None
+    def __init__(self, config: WorkerConfig, engine: EngineClient, *, model_name: str = "",
+                 observability: tuple[WorkerMetrics | None, HealthServer | None] | None = None
                  ) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
-        self.faults = faults if faults is not None else Faults.from_env()
-        self.keys = Keys(config.prefix)
-        self.queue_key = self.keys.queue(config.queue)
-        self.table = InFlightTable()
-        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.state = ConnectionState(pending=("stream reader",))
-        self.max_num_seqs = engine.config.max_num_seqs
         # NOTE: `llmq worker` starts the health server before loading the model (so /readyz
         # answers "loading model" meanwhile) and hands it over here.
         self.metrics, self.health = observability or start_observability(
             config.metrics_port, model_name, config.queue)
-        timeout = config.read_block_ms / 1000.0 + 10.0
-        url = config.redis_url
-        self.writer = ResultWriter(
-            connect_redis(url, socket_timeout=timeout), self.keys, config.queue, config.worker_id,
-            self.table, result_ttl=config.result_ttl, result_maxlen=config.result_maxlen,
-            state=self.state, faults=self.faults, metrics=self.metrics)
+        self.ctx = ctx = WorkerContext(config, model_name, engine.config.max_num_seqs,
+                                       self.metrics)
+        self.keys, self.table, self.inbox, self.state = ctx.keys, ctx.table, ctx.inbox, ctx.state
+        self.queue_key = ctx.queue_key
+        self.writer = ResultWriter(ctx)
         self.processor = InputProcessor.for_engine(engine)
-        self.admission = Admission(
-            keys=self.keys, queue_name=config.queue, worker_id=config.worker_id,
-            model_name=model_name, table=self.table, processor=self.processor,
-            writer=self.writer, inbox=self.inbox, faults=self.faults,
-            max_deliveries=config.max_deliveries, clock=engine.clock)
-        self._admin = connect_redis(url, socket_timeout=timeout)
-        self.keeper = LeaseKeeper(
-            connect_redis(url, socket_timeout=timeout), self.keys, config.queue,
-            config.worker_id, self.table, self.admission, self.writer, self.inbox,
-            lease_timeout=config.lease_timeout, renew_interval=config.renew_interval,
-            claim_interval=config.claim_interval, max_num_seqs=self.max_num_seqs,
-            state=self.state, heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
-            metrics=self.metrics)
-        self.reader = StreamReader(
-            connect_redis(url, socket_timeout=timeout), self.queue_key, config.worker_id,
-            self.table, self.admission, max_num_seqs=self.max_num_seqs,
-            block_ms=config.read_block_ms, state=self.state, ensure_group=self.ensure_group,
-            hand_back=self.keeper.hand_back)
-        self.cancels = CancelListener(
-            connect_redis(url, socket_timeout=timeout), self.keys.cancel(config.queue),
-            self.table, self.inbox, block_ms=config.read_block_ms, state=self.state)
+        self.admission = Admission(ctx, self.processor, self.writer, clock=engine.clock)
+        self._admin = ctx.connect()
+        self.keeper = LeaseKeeper(ctx, self.admission, self.writer,
+                                  heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group)
+        self.reader = StreamReader(ctx, self.admission, ensure_group=self.ensure_group,
+                                   hand_back=self.keeper.hand_back)
+        self.cancels = CancelListener(ctx)
         self.started_ms = int(time.time() * 1000)
         self.draining = False
         self._drain_deadline = 0.0
         self._signals = 0
         self._stop_requested = False
-        self._poison_ids: set[str] = set()
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
         self._stats: Any = None
@@ -230,14 +169,11 @@ class Worker:
         # NOTE: the group is gone with every entry we held (a Redis restart without
         # persistence): those entries have no lease to renew any more, but still run.
         self.table.orphan_all()
-        try:
-            self._admin.xgroup_create(self.queue_key, GROUP, id="0", mkstream=True)
+        pipe = self._admin.pipeline(transaction=False)
+        queue_group_creation(pipe, self.keys, self.config.queue)
+        if group_created(pipe.execute(raise_on_error=False)):
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self._admin.sadd(self.keys.queues(), self.config.queue)
         self._group_seen = True
 
     # -- the busy loop ----------------------------------------------------------------------------
@@ -289,22 +225,12 @@ class Worker:
                 and not self.reader.is_alive() and self.table.running_count() == 0)
 
     def _step(self) -> None:
-        faults = self.faults
-        if faults.active:
-            if faults.slow_step_s:
-                time.sleep(faults.slow_step_s)
-            if faults.raise_in_step or self._poison_ids:
-                raise InjectedFault("TEST-ONLY fault hook raise_in_step")
         started = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - started
         if not outputs:
             return
-        num_tokens = 0
-        for output in outputs:
-            num_tokens += len(output.new_token_ids)
-            if output.finished:
-                self._poison_ids.discard(output.request_id)
+        num_tokens = sum(len(output.new_token_ids) for output in outputs)
         self._num_generated += num_tokens
         self.writer.put_step(outputs)
         if self.metrics is not None:
@@ -321,8 +247,6 @@ class Worker:
             if isinstance(item, list):  # one read's requests, added before the next step
                 for add in item:
                     aborted |= self._add(add)
-            elif isinstance(item, AddRequest):
-                aborted |= self._add(item)
             elif isinstance(item, AbortRequests):
                 self.engine.abort(item.entry_ids)
                 aborted = True
@@ -347,8 +271,6 @@ class Worker:
             self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
                                        ack=True))
             return False
-        if entry.poison:
-            self._poison_ids.add(item.entry_id)
         if entry.cancel_requested:
             # The cancel arrived while the request was being admitted.
             self.engine.abort([item.entry_id])
@@ -433,7 +355,7 @@ class Worker:
 
 
 def start_observability(metrics_port: int, model_name: str, queue_name: str
-                        ) -> tuple[Any, Any]:
+                        ) -> tuple[WorkerMetrics | None, HealthServer | None]:
     """(WorkerMetrics, HealthServer) serving /metrics /healthz /readyz, or (None, None) when
     `metrics_port` is 0. Not ready until the busy loop says so."""
     if not metrics_port:
