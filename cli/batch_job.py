@@ -27,7 +27,7 @@ from typing import Any
 
 from llmq.broker.client import Client
 from llmq.broker.protocol import Done
-from llmq.cli.gatherer import ResultGatherer
+from llmq.broker.result_gatherer import ResultGatherer
 from llmq.cli.helpers import to_json
 from llmq.cli.openai_batch import (
     BatchLine,

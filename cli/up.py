@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -25,7 +26,9 @@ from llmq.broker.client import Client
 from llmq.broker.connection import redact_url
 from llmq.broker.embedded import EmbeddedServer, default_run_dir
 from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
-from llmq.cli.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from llmq.worker.supervisor import Supervisor
 
 
 def _engine_argv(kwargs: dict) -> list[str]:
@@ -58,6 +61,8 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
     (LLMQ_RUN_DIR); with one, only the workers are started, against that server.
     Ctrl-C (or `llmq down`) drains the workers, then stops the server.
     """
+    from llmq.worker.supervisor import Supervisor
+
     connection = connection_kwargs(kwargs)
     engine_argv = _engine_argv(kwargs)
     run_dir = default_run_dir()
@@ -166,6 +171,8 @@ def _wait_ready(supervisor: Supervisor, client: Client, timeout: float,
               help="Seconds to wait for the workers to drain before killing them.")
 def down(timeout: float) -> None:
     """Stop what `llmq up` started under the run folder: workers first, then the server."""
+    from llmq.worker.supervisor import Supervisor
+
     run_dir = default_run_dir()
     supervisor = Supervisor(run_dir)
     if supervisor.stop_foreground(timeout + 30):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmq.cli.file_job import OutputFile, derive_request_id, read_lines
+from llmq.broker.file_job import OutputFile, derive_request_id, read_lines
 
 
 def test_request_ids_are_stable_and_tell_lines_apart() -> None:

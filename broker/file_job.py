@@ -13,6 +13,9 @@ idempotent submit turns into "follow the request already queued" for any that an
 A line that cannot be parsed or validated gets an error result (with its line number) and the
 rest go on.
 
+The job prints nothing itself: it tells a `FileJobListener` how it goes (the CLI's draws a
+progress bar on stderr; the default one logs).
+
 Result lines:
 
     {"id": "...", "line": 3, "finish_reason": "stop", "text": "...", "usage": {...},
@@ -24,11 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import msgspec
 
@@ -37,14 +41,54 @@ from llmq.broker.commands import build_submission
 from llmq.broker.errors import ErrorCode, InvalidRequest
 from llmq.broker.keys import is_valid_name
 from llmq.broker.protocol import Done, Error
+from llmq.broker.result_gatherer import ResultGatherer
 from llmq.broker.transcript import Transcript
-from llmq.cli.gatherer import ResultGatherer
-from llmq.cli.helpers import note, warn_if_unserved
-from llmq.cli.progress import Progress
 
-__all__ = ["FileJob", "FileLine", "derive_request_id", "read_lines"]
+__all__ = ["FileJob", "FileJobListener", "FileLine", "OutputFile", "derive_request_id",
+           "read_lines"]
+
+logger = logging.getLogger(__name__)
 
 _SUBMIT_CHUNK = 1000
+
+
+class FileJobListener(Protocol):
+    """What a file job tells whoever watches it, in this order: started, then submitting (when
+    anything is left to submit) and advanced as lines get their results, stopped, and notes."""
+
+    def started(self, total: int, already_done: int) -> None:
+        """`total` lines, of which an earlier run already wrote `already_done`."""
+
+    def submitting(self, num_requests: int) -> None:
+        """About to queue `num_requests` requests."""
+
+    def advanced(self, *, done: int, failed: int = 0, tokens: int = 0) -> None:
+        """`done` more lines have their result, `failed` of them errors; `tokens` generated."""
+
+    def stopped(self) -> None:
+        """No more progress: finished, timed out or interrupted."""
+
+    def note(self, message: str) -> None:
+        """A message for the person running the job (the summary, how to resume)."""
+
+
+class LoggingListener:
+    """The default `FileJobListener`: notes and the start go to this module's logger."""
+
+    def started(self, total: int, already_done: int) -> None:
+        logger.info("file job: %d lines, %d already done", total, already_done)
+
+    def submitting(self, num_requests: int) -> None:
+        logger.info("file job: submitting %d requests", num_requests)
+
+    def advanced(self, *, done: int, failed: int = 0, tokens: int = 0) -> None:
+        pass
+
+    def stopped(self) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        logger.info("%s", message)
 
 
 @dataclass
@@ -164,16 +208,20 @@ class OutputFile:
 
 
 class FileJob:
+    """`path` ("-": stdin) in, `output` ("-": stdout) out; `defaults` fill the request fields a
+    line leaves out; `timeout` s bounds the wait for results (None: wait for all)."""
+
     def __init__(self, client: Client, path: str, output: str, defaults: dict[str, Any], *,
-                 show_progress: bool | None = None, timeout: float | None = None) -> None:
+                 timeout: float | None = None, listener: FileJobListener | None = None) -> None:
         self.client = client
         self.path = path
         self.output = output
         self.defaults = defaults
-        self.show_progress = show_progress
         self.timeout = timeout
+        self.listener: FileJobListener = listener if listener is not None else LoggingListener()
         self.num_skipped = 0  # lines whose results an earlier run wrote
         self.num_failed = 0  # lines whose result is an error, this run's and earlier ones
+        self.num_tokens = 0  # tokens generated for this run's lines
 
     def run(self) -> int:
         """Submit, follow and write everything; the exit code (0: every line has its result)."""
@@ -207,13 +255,14 @@ class FileJob:
         self.num_skipped = kept + len(reused)
         self.num_failed = sum("error" in out.existing[file_lines[i].request_id]
                               for i in [*range(kept), *reused])
-        progress = Progress(len(file_lines), already_done=self.num_skipped,
-                            enabled=self.show_progress)
+        listener = self.listener
+        listener.started(len(file_lines), self.num_skipped)
         new_errors = len(ready) - len(reused)
         self.num_failed += new_errors
-        progress.update(done=new_errors, failed=new_errors)
+        if new_errors:
+            listener.advanced(done=new_errors, failed=new_errors)
         if to_submit:
-            warn_if_unserved(self.client)
+            listener.submitting(len(to_submit))
         index_of = {file_lines[i].request_id: i for i in to_submit}
         gatherer = ResultGatherer(self.client)
         for start in range(0, len(to_submit), _SUBMIT_CHUNK):
@@ -228,31 +277,32 @@ class FileJob:
                 if next_index == len(file_lines) or not gatherer:
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    progress.close()
-                    note(f"timed out: {len(gatherer)} request(s) still queued or running; "
-                         "rerun the same command to collect them")
+                    listener.stopped()
+                    listener.note(f"timed out: {len(gatherer)} request(s) still queued or "
+                                  "running; rerun the same command to collect them")
                     return 1
                 for transcript in gatherer.poll(block_ms=250):
                     index = index_of[transcript.request_id]
-                    ready[index] = self._record(file_lines[index], transcript, progress)
+                    ready[index] = self._record(file_lines[index], transcript)
         except KeyboardInterrupt:
-            progress.close()
-            note(f"interrupted: {next_index} of {len(file_lines)} results written; rerun the "
-                 "same command to resume (queued requests are not queued again)")
+            listener.stopped()
+            listener.note(f"interrupted: {next_index} of {len(file_lines)} results written; "
+                          "rerun the same command to resume (queued requests are not queued "
+                          "again)")
             return 130
-        progress.close()
-        self._summary(progress, len(file_lines))
+        listener.stopped()
+        self._summary(len(file_lines))
         return 0
 
-    def _record(self, line: FileLine, transcript: Transcript, progress: Progress
-                ) -> dict[str, Any]:
+    def _record(self, line: FileLine, transcript: Transcript) -> dict[str, Any]:
         final = transcript.final
         assert final is not None
         if isinstance(final, Done):
-            progress.update(done=1, tokens=final.usage.completion_tokens)
+            self.num_tokens += final.usage.completion_tokens
+            self.listener.advanced(done=1, tokens=final.usage.completion_tokens)
         else:
             self.num_failed += 1
-            progress.update(done=1, failed=1)
+            self.listener.advanced(done=1, failed=1)
         return result_record(line, final)
 
     @staticmethod
@@ -264,9 +314,9 @@ class FileJob:
             next_index += 1
         return next_index
 
-    def _summary(self, progress: Progress, total: int) -> None:
+    def _summary(self, total: int) -> None:
         failed = self.num_failed
         where = "" if self.output == "-" else f" -> {self.output}"
         skipped = f" ({self.num_skipped} already done)" if self.num_skipped else ""
-        note(f"{total} requests: {total - failed} ok, {failed} failed{skipped}; "
-             f"{progress.tokens} tokens generated{where}")
+        self.listener.note(f"{total} requests: {total - failed} ok, {failed} failed{skipped}; "
+                           f"{self.num_tokens} tokens generated{where}")
