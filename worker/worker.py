@@ -54,6 +54,7 @@ from llmq.worker.worker_config import WorkerConfig
 from llmq.worker.worker_context import WorkerContext
 
 if TYPE_CHECKING:
+    from llmq.worker.engine.engine_core import EngineStats
     from llmq.worker.health_server import HealthServer
     from llmq.worker.metrics import WorkerMetrics
 
@@ -94,7 +95,7 @@ class Worker:
         self._stop_requested = False
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
-        self._stats: Any = None
+        self._stats: EngineStats | None = None
         self._group_seen = False  # a group existed once: recreating it later is news
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ class Worker:
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
         self._stats = self.engine.stats()
-        if self.health is None:
+        if self.health is None or self.metrics is None:
             return
         self.health.beat()
         s = self._stats
@@ -337,7 +338,7 @@ class Worker:
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")
 
-    def _heartbeat_fields(self) -> dict[str, Any]:
+    def _heartbeat_fields(self) -> dict[str, str]:
         """Called by the lease keeper every renewal."""
         now = time.monotonic()
         last_t, last_n = self._rate

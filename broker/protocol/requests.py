@@ -202,14 +202,14 @@ def _probe_request_id(payload: bytes, encoding: Encoding, entry_id: str) -> str 
 
 
 def decode_request_entry(
-    entry_id: bytes | str, fields: Mapping[Any, Any] | None
+    raw_entry_id: bytes | str, fields: Mapping[Any, Any] | None
 ) -> DecodedRequest | RejectedEntry:
     """Decode one request stream entry. Never raises: a bad entry becomes a RejectedEntry.
 
     `fields` may be None or empty: XAUTOCLAIM/XCLAIM give that for entries deleted or trimmed
     while pending, reported as `lost_payload`.
     """
-    entry_id = as_str(entry_id)
+    entry_id = as_str(raw_entry_id)
     if not fields:
         return RejectedEntry(entry_id=entry_id, request_id=None, encoding=None,
                              code=ErrorCode.LOST_PAYLOAD,
