@@ -50,6 +50,9 @@ __all__ = ["FileJob", "FileJobListener", "FileLine", "OutputFile", "derive_reque
 logger = logging.getLogger(__name__)
 
 _SUBMIT_CHUNK = 1000
+# NOTE: JSON allows U+0085, U+2028 and U+2029 raw inside strings, but Python's str.splitlines()
+# and JavaScript end a line there: escaped, every result stays one line for any JSONL reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 class FileJobListener(Protocol):
@@ -309,7 +312,7 @@ class FileJob:
     def _write_ready(ready: dict[int, dict[str, Any]], next_index: int, stream: TextIO) -> int:
         while next_index in ready:
             record = ready.pop(next_index)
-            stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+            stream.write(json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n")
             stream.flush()
             next_index += 1
         return next_index
