@@ -26,9 +26,9 @@ import click
 from llmq.broker.client import Client
 from llmq.broker.connection import translate_errors
 from llmq.broker.errors import LLMQError
-from llmq.cli.batch_job import BATCH_QUEUE
 from llmq.cli.helpers import echo_json, note, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options, redis_url_option
+from llmq.gateway.batch_job import BATCH_QUEUE
 
 _FINAL = ("completed", "cancelled", "failed")
 _DAY = 24 * 3600
@@ -114,7 +114,7 @@ def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs
         raise click.BadParameter("the file has no lines", param_hint="FILE")
     queue, _ = _rq(client)
     batch_id = f"batch_{uuid.uuid4().hex}"
-    from llmq.cli.batch_job import run_batch
+    from llmq.gateway.batch_job import run_batch
 
     with translate_errors(client.url):
         client.ensure_group()  # so `llmq status` shows the queue before any worker started
