@@ -93,7 +93,8 @@ class AsyncClient(_ClientBase):
         if self._owns_connection:
             await self.redis.aclose()
 
-    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """await fn() with the retries and error translation of `Client.call`."""
         deadline, backoff = self._policy.deadline(), Backoff()
         while True:
             try:
@@ -105,7 +106,7 @@ class AsyncClient(_ClientBase):
             return result
 
     async def ping(self) -> None:
-        await self._call(self.redis.ping)
+        await self.call(self.redis.ping)
 
     async def submit(
         self,
@@ -128,7 +129,7 @@ class AsyncClient(_ClientBase):
             keys, args = self._script_args(submission, queue)
             return await self._submit_script(keys=keys, args=args)
 
-        return self._submitted_id(submission, await self._call(send))
+        return self._submitted_id(submission, await self.call(send))
 
     async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                           queue: str | None = None) -> list[str]:
@@ -146,7 +147,7 @@ class AsyncClient(_ClientBase):
                     await self._submit_script(keys=keys, args=args, client=pipe)
             return await pipe.execute()
 
-        replies = await self._call(send)
+        replies = await self.call(send)
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
 
     async def ensure_group(self, queue: str | None = None) -> bool:
@@ -164,7 +165,7 @@ class AsyncClient(_ClientBase):
             await self.redis.sadd(self.keys.queues(), queue)
             return created
 
-        created = await self._call(create)
+        created = await self.call(create)
         self._groups_ready.add(queue)
         return created
 
@@ -199,7 +200,7 @@ class AsyncClient(_ClientBase):
             self._queue_cancel(pipe, request_id, queue)
             await pipe.execute()
 
-        await self._call(send)
+        await self.call(send)
 
     async def stats(self, queue: str | None = None) -> QueueStats:
         queue = self._queue(queue)
@@ -209,10 +210,10 @@ class AsyncClient(_ClientBase):
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, await pipe.execute(raise_on_error=False))
 
-        return await self._call(read)
+        return await self.call(read)
 
     async def queues(self) -> list[str]:
-        members = await self._call(lambda: self.redis.smembers(self.keys.queues()))
+        members = await self.call(lambda: self.redis.smembers(self.keys.queues()))
         return sorted(as_str(m) for m in members)
 
     async def workers(self) -> list[WorkerHeartbeat]:
@@ -229,21 +230,21 @@ class AsyncClient(_ClientBase):
                     pass  # a user that may only read the registry still sees the live ones
             return live
 
-        return await self._call(read)
+        return await self.call(read)
 
     async def dead_letters(self, queue: str | None = None, *,
                            count: int = 100) -> list[DeadLetterEntry]:
         queue = self._queue(queue)
-        entries = await self._call(lambda: self.redis.xrange(self.keys.dlq(queue), count=count))
+        entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), count=count))
         return parse_dead_letters(entries)
 
     async def retry_dead_letter(self, dlq_entry_id: str, *, queue: str | None = None) -> str:
         queue = self._queue(queue)
-        entries = await self._call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
+        entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                              dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
         keys, args = self._retry_args(entry, queue)
-        return as_str(await self._call(lambda: self._retry_script(keys=keys, args=args)))
+        return as_str(await self.call(lambda: self._retry_script(keys=keys, args=args)))
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:
         queue = self._queue(queue)
@@ -254,4 +255,4 @@ class AsyncClient(_ClientBase):
             pipe.delete(self.keys.dlq(queue))
             return int((await pipe.execute())[0])
 
-        return await self._call(purge)
+        return await self.call(purge)

@@ -223,8 +223,9 @@ class Client(_ClientBase):
         if self._owns_connection:
             self.redis.close()
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """fn(), tried again through transient failures (see `RetryPolicy`), errors translated."""
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() (any redis-py calls on `self.redis`), tried again through transient failures
+        (see `RetryPolicy`) and with its errors translated, as the client's own calls are."""
         deadline, backoff = self._policy.deadline(), Backoff()
         while True:
             try:
@@ -237,7 +238,7 @@ class Client(_ClientBase):
 
     def ping(self) -> None:
         """Return when the server answers; BrokerUnavailable (saying how to fix it) when not."""
-        self._call(self.redis.ping)
+        self.call(self.redis.ping)
 
     # --- submitting ------------------------------------------------------------------------------
 
@@ -271,7 +272,7 @@ class Client(_ClientBase):
             keys, args = self._script_args(submission, queue)
             return self._submit_script(keys=keys, args=args)
 
-        return self._submitted_id(submission, self._call(send))
+        return self._submitted_id(submission, self.call(send))
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                     queue: str | None = None) -> list[str]:
@@ -295,7 +296,7 @@ class Client(_ClientBase):
                     self._submit_script(keys=keys, args=args, client=pipe)
             return pipe.execute()
 
-        replies = self._call(send)
+        replies = self.call(send)
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
 
     def ensure_group(self, queue: str | None = None) -> bool:
@@ -317,7 +318,7 @@ class Client(_ClientBase):
             self.redis.sadd(self.keys.queues(), queue)
             return created
 
-        created = self._call(create)
+        created = self.call(create)
         self._groups_ready.add(queue)
         return created
 
@@ -380,7 +381,7 @@ class Client(_ClientBase):
             self._queue_cancel(pipe, request_id, queue)
             pipe.execute()
 
-        self._call(send)
+        self.call(send)
 
     # --- inspecting ------------------------------------------------------------------------------
 
@@ -393,11 +394,11 @@ class Client(_ClientBase):
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, pipe.execute(raise_on_error=False))
 
-        return self._call(read)
+        return self.call(read)
 
     def queues(self) -> list[str]:
         """Names of the queues that have a consumer group."""
-        return sorted(as_str(m) for m in self._call(lambda: self.redis.smembers(
+        return sorted(as_str(m) for m in self.call(lambda: self.redis.smembers(
             self.keys.queues())))
 
     def workers(self) -> list[WorkerHeartbeat]:
@@ -412,7 +413,7 @@ class Client(_ClientBase):
                 self._forget_workers(dead)
             return live
 
-        return self._call(read)
+        return self.call(read)
 
     def _forget_workers(self, dead: list[str]) -> None:
         # NOTE: a user that may only read the registry (the gateway) still sees the live ones.
@@ -424,7 +425,7 @@ class Client(_ClientBase):
     def dead_letters(self, queue: str | None = None, *, count: int = 100) -> list[DeadLetterEntry]:
         """The oldest `count` dead letters of a queue."""
         queue = self._queue(queue)
-        entries = self._call(lambda: self.redis.xrange(self.keys.dlq(queue), count=count))
+        entries = self.call(lambda: self.redis.xrange(self.keys.dlq(queue), count=count))
         return parse_dead_letters(entries)
 
     def retry_dead_letter(self, dlq_entry_id: str, *, queue: str | None = None) -> str:
@@ -433,11 +434,11 @@ class Client(_ClientBase):
         The request keeps its id when its payload has one (else the new entry id is its id).
         """
         queue = self._queue(queue)
-        entries = self._call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
+        entries = self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                        dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
         keys, args = self._retry_args(entry, queue)
-        return as_str(self._call(lambda: self._retry_script(keys=keys, args=args)))
+        return as_str(self.call(lambda: self._retry_script(keys=keys, args=args)))
 
     def purge_dead_letters(self, queue: str | None = None) -> int:
         """Delete every dead letter of a queue; how many there were."""
@@ -449,4 +450,4 @@ class Client(_ClientBase):
             pipe.delete(self.keys.dlq(queue))
             return int(pipe.execute()[0])
 
-        return self._call(purge)
+        return self.call(purge)
