@@ -146,7 +146,8 @@ def _options(endpoint: str, extras: dict[str, Any], batch: bool) -> dict[str, An
             if value not in (None, "none", "auto"):
                 raise BodyError("`tool_choice` is not supported", "tool_choice")
         elif name in ("echo", "best_of", "suffix") and not chat and not batch:
-            if value not in (None, False, 1, ""):
+            harmless = {"echo": False, "best_of": 1, "suffix": ""}[name]
+            if value is not None and (value != harmless or type(value) is not type(harmless)):
                 raise BodyError(f"`{name}` is not supported", name)
         else:
             raise BodyError(f"body field `{name}` is not supported for {endpoint}", name)

@@ -152,7 +152,11 @@ class CompletionStream:
 
     def feed(self, followed: Followed) -> list[bytes]:
         frames = self._frames(followed)
-        return [] if followed.replayed else frames
+        if not followed.replayed:
+            return frames
+        # NOTE: the end of a stream is several frames and only the first carries the entry id:
+        # a client resuming after it still needs the rest (usage, [DONE]).
+        return frames[1:] if self.finished and frames else []
 
     def _frames(self, followed: Followed) -> list[bytes]:
         event, entry_id = followed.event, followed.entry_id
