@@ -71,13 +71,15 @@ class AsyncClient(_ClientBase):
         connection: redis.asyncio.Redis | None = None,
         retry_timeout: float | None = DEFAULT_RETRY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client_name: str | None = None,
     ) -> None:
         self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection,
                         retry_timeout)
         self._owns_connection = connection is None
         self.redis: redis.asyncio.Redis = (
             connection if connection is not None
-            else connect_async(self.url, max_connections=max_connections))
+            else connect_async(self.url, max_connections=max_connections,
+                               client_name=client_name))
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
         self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = AsyncResultReader(self.redis, self.url, self._policy)

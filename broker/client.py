@@ -188,6 +188,7 @@ class Client(_ClientBase):
                  for ever); a server never reached fails at once. Followers use their timeout.
     max_connections: the pool's size for calls (callers beyond it wait for a free one); the
                  result reader adds one connection per 2,000 followed streams.
+    client_name: the name its connections show in CLIENT LIST.
     """
 
     def __init__(
@@ -202,12 +203,14 @@ class Client(_ClientBase):
         connection: redis.Redis | None = None,
         retry_timeout: float | None = DEFAULT_RETRY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client_name: str | None = None,
     ) -> None:
         self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection,
                         retry_timeout)
         self._owns_connection = connection is None
-        self.redis: redis.Redis = (connection if connection is not None
-                                   else connect(self.url, max_connections=max_connections))
+        self.redis: redis.Redis = (
+            connection if connection is not None
+            else connect(self.url, max_connections=max_connections, client_name=client_name))
         self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
         self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = ResultReader(self.redis, self.url, self._policy)

@@ -36,9 +36,11 @@ from llmq.gateway.pool_view import PoolView
 from llmq.gateway.settings import GatewaySettings
 from llmq.gateway.state import GatewayState, json_response
 
-__all__ = ["create_app"]
+__all__ = ["CLIENT_NAME", "create_app"]
 
 logger = logging.getLogger(__name__)
+
+CLIENT_NAME = "llmq-gateway"  # what the gateway's connections are called in CLIENT LIST
 
 
 async def health(request: Request) -> Response:
@@ -159,8 +161,8 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None) -> St
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         client = AsyncClient(redis_url, settings=settings.broker,
-                             max_connections=settings.max_connections)
-        sync_redis: redis.Redis = connect(client.url, max_connections=8)
+                             max_connections=settings.max_connections, client_name=CLIENT_NAME)
+        sync_redis: redis.Redis = connect(client.url, max_connections=8, client_name=CLIENT_NAME)
         app.state.gateway = GatewayState(
             settings, client, PoolView(client, settings.broker.queue, settings.max_queue),
             sync_redis)

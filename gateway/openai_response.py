@@ -25,8 +25,8 @@ from llmq.broker.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
 from llmq.broker.transcript import Fold
 from llmq.gateway.openai_request import CHAT
 
-__all__ = ["CompletionStream", "LogprobsBuilder", "completion_id", "completion_object",
-           "error_body", "error_status", "sse", "usage_object"]
+__all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
+           "completion_object", "error_body", "error_status", "sse", "usage_object"]
 
 _json = msgspec.json.Encoder()
 _NEG_INF = -9999.0  # what OpenAI reports for a log-probability of -inf
@@ -90,10 +90,10 @@ class LogprobsBuilder:
         self.top_logprobs: list[dict[str, float]] = []
         self.text_offset: list[int] = []
         self._offset = 0
+        self._taken = 0
 
-    def add(self, text: str, token_logprobs: list[TokenLogprob]) -> Any:
-        """Fold in one delta's logprobs; returns the chunk's own `logprobs` object."""
-        first = len(self.content) if self.chat else len(self.tokens)
+    def add(self, text: str, token_logprobs: list[TokenLogprob]) -> None:
+        """Fold in one delta's logprobs (its text goes with its last token)."""
         for i, lp in enumerate(token_logprobs):
             token = text if i == len(token_logprobs) - 1 else ""
             logprob = _finite(lp.logprob)
@@ -110,7 +110,11 @@ class LogprobsBuilder:
                 self.top_logprobs.append(dict(top))
                 self.text_offset.append(self._offset)
             self._offset += len(token)
-        return self._shape(first)
+
+    def take(self) -> Any:
+        """The logprobs added since the last take (for the next chunk); None if there are none."""
+        first, self._taken = self._taken, len(self.content) if self.chat else len(self.tokens)
+        return None if first == self._taken else self._shape(first)
 
     def result(self) -> Any:
         return self._shape(0)
@@ -144,6 +148,7 @@ class CompletionStream:
     finished: bool = False
     _attempt_text: str = ""
     _role_sent: bool = False
+    _rerun: bool = False  # a newer attempt that has not yet passed the text already sent
     _builder: LogprobsBuilder | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -163,7 +168,7 @@ class CompletionStream:
         if not self.created:
             self.created = int(entry_id.partition("-")[0]) // 1000
         if followed.fold is Fold.RESTARTED:
-            self._attempt_text = ""
+            self._attempt_text, self._rerun = "", True
         if isinstance(event, Start):
             self.model = event.model or self.model
             if self._role_sent or not self.chat:
@@ -188,7 +193,7 @@ class CompletionStream:
         if self.finished:  # the rerun diverged
             return frames
         self.finished = True
-        final = self._chunk({} if self.chat else "", event.finish_reason)
+        final = self._chunk({} if self.chat else "", event.finish_reason, self._take_logprobs())
         frames.append(sse(final, None if frames else entry_id))
         if self.include_usage:
             usage = {"id": self.object_id, "object": self._object(), "created": self.created,
@@ -199,24 +204,26 @@ class CompletionStream:
 
     def _extend(self, text: str, entry_id: str, delta: Delta | None) -> list[bytes]:
         """Send what `text` (the attempt's text so far) adds to what the client has."""
-        if len(text) <= len(self.sent):
-            if self.sent.startswith(text):
-                return []  # a rerun catching up with what was already sent
-        elif text.startswith(self.sent):
-            new = text[len(self.sent):]
-            self.sent = text
-            logprobs = None
-            if self.logprobs and delta is not None and delta.logprobs is not None and \
-                    new == delta.text:
-                self._builder = self._builder or LogprobsBuilder(self.endpoint)
-                logprobs = self._builder.add(delta.text, delta.logprobs)
-            content = {"content": new} if self.chat else new
-            return [sse(self._chunk(content, None, logprobs), entry_id)]
-        self.finished = True
-        message = ("the request ran again on another worker and its new output differs from "
-                   "the text already streamed; send it again")
-        return [sse(error_body(message, "server_error", "restart_diverged"), entry_id),
-                DONE_FRAME]
+        catching_up = len(text) <= len(self.sent) and self.sent.startswith(text)
+        # NOTE: a rerun's tokens that re-cover sent text were already reported with the text.
+        if self.logprobs and delta is not None and delta.logprobs and not (
+                self._rerun and catching_up):
+            self._builder = self._builder or LogprobsBuilder(self.endpoint)
+            self._builder.add(delta.text, delta.logprobs)
+        if catching_up:
+            return []  # no new text: an empty delta, or a rerun catching up with the sent text
+        if not text.startswith(self.sent):
+            self.finished = True
+            message = ("the request ran again on another worker and its new output differs "
+                       "from the text already streamed; send it again")
+            return [sse(error_body(message, "server_error", "restart_diverged"), entry_id),
+                    DONE_FRAME]
+        new, self.sent, self._rerun = text[len(self.sent):], text, False
+        content = {"content": new} if self.chat else new
+        return [sse(self._chunk(content, None, self._take_logprobs()), entry_id)]
+
+    def _take_logprobs(self) -> Any:
+        return None if self._builder is None else self._builder.take()
 
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
