@@ -1,7 +1,7 @@
 """`llmq serve` as deploy/acl.conf's `gateway` user: every route works within its rights.
 
 The server is the one test_acl.py starts (deploy/redis.conf + deploy/acl.conf, both server
-kinds); the worker runs as `worker`, the batch worker as `admin` (rq's own bookkeeping).
+kinds); the worker runs as `worker`, the batch worker as `gateway` too.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_p
             assert [f.id for f in client.files.list()] == [file_id]
             batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
                                           completion_window="24h")
-            ok(llmq("batch-worker", "--burst", url=acl_url(port, "admin")))
+            ok(llmq("batch-worker", "--burst", url=acl_url(port, "gateway")))
             batch = client.batches.retrieve(batch.id)
             assert batch.status == "completed", batch
             output = client.files.content(batch.output_file_id).text

@@ -122,6 +122,8 @@ ALLOWED = {
         ("HGETALL", "llmq:file:alice:file-1:meta"), ("ZADD", "llmq:files:alice", "1", "f"),
         ("ZREVRANGE", "llmq:batches:alice", "0", "-1"),
         ("LRANGE", "llmq:batch:b1:output", "0", "-1"), ("SET", "llmq:batch:b1:cancel", "1"),
+        ("RPUSH", "llmq:batch:b1:output", "{}"), ("GET", "llmq:batch:b1:input"),  # batch jobs
+        ("SUBSCRIBE", "rq:pubsub:w1"),
         ("HSET", "rq:job:b1", "status", "queued"), ("RPUSH", "rq:queue:llmq-batch", "b1"),
         ("MULTI",), ("EXEC",),
     ],
@@ -173,7 +175,6 @@ DENIED = {
         ("XADD", R, "*", "json", "{}"), ("DEL", R),                   # forging results
         ("HSET", HEARTBEAT, "model", "m"), ("ZADD", "llmq:workers", "1", "fake"),  # or workers
         ("XRANGE", DLQ, "-", "+"), ("DEL", DLQ),
-        ("SET", "llmq:batch:b1:input", "x"), ("RPUSH", "llmq:batch:b1:output", "x"),
         ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
     ],
     "keda": [
