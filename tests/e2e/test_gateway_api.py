@@ -249,3 +249,12 @@ def test_metrics_count_requests_by_route_and_status(pool: GatewayProcess) -> Non
         in text
     assert 'status="400"' in text and "llmq_gateway_open_streams" in text
     assert "process_cpu_seconds_total" in text
+
+
+def test_the_readme_snippet_streams_an_answer(pool: GatewayProcess, capsys) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## The OpenAI API", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = snippet.replace("http://127.0.0.1:8000/v1", f"{pool.base_url}/v1")
+    exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - the README's own code
+    assert capsys.readouterr().out.strip()
