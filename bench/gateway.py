@@ -58,6 +58,15 @@ def summary(values: list[float]) -> str:
     return f"p50 {pct(values, 0.5):.1f} ms  p90 {pct(values, 0.9):.1f} ms"
 
 
+async def all_at_once(one, prompts: list[list[int]]) -> dict:
+    """Run `one(prompt) -> (ttft, tokens)` for every prompt at once; elapsed, tokens, TTFTs."""
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    elapsed = time.perf_counter() - start
+    return {"elapsed": elapsed, "tokens": sum(t for _, t in results),
+            "ttft": [f for f, _ in results]}
+
+
 async def direct(client: AsyncClient, prompts: list[list[int]], output_len: int) -> dict:
     async def one(prompt: list[int]) -> tuple[float, int]:
         sent = time.perf_counter()
@@ -70,11 +79,7 @@ async def direct(client: AsyncClient, prompts: list[list[int]], output_len: int)
                 tokens += len(event.token_ids)
         return first or 0.0, tokens
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
-    elapsed = time.perf_counter() - start
-    return {"elapsed": elapsed, "tokens": sum(t for _, t in results),
-            "ttft": [f for f, _ in results]}
+    return await all_at_once(one, prompts)
 
 
 async def gateway(http: httpx.AsyncClient, prompts: list[list[int]], output_len: int) -> dict:
@@ -95,11 +100,7 @@ async def gateway(http: httpx.AsyncClient, prompts: list[list[int]], output_len:
                         tokens = chunk["usage"]["completion_tokens"]
         return first or 0.0, tokens
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
-    elapsed = time.perf_counter() - start
-    return {"elapsed": elapsed, "tokens": sum(t for _, t in results),
-            "ttft": [f for f, _ in results]}
+    return await all_at_once(one, prompts)
 
 
 def codecs() -> None:

@@ -18,13 +18,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from llmq.broker.commands import READ_SLICE_MS, Followed, ResultFollower, stream_entries
+from llmq.broker.commands import Followed, ResultFollower, stream_entries
 from llmq.broker.connection import dedicated_connection, translate
 from llmq.broker.errors import ResultTimeout
 from llmq.broker.multiplex import (
@@ -32,7 +31,8 @@ from llmq.broker.multiplex import (
     KEYS_PER_LANE,
     UNBLOCK_TRIES,
     Lane,
-    ReadMux,
+    LaneIO,
+    ReaderBase,
     format_entry_id,
 )
 from llmq.broker.retry import Backoff, RetryPolicy
@@ -43,32 +43,12 @@ logger = logging.getLogger(__name__)
 
 
 
-@dataclass(eq=False)
-class _LaneTask:
-    lane: Lane
-    work: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task | None = None
-    conn: Any = None
-    client_id: int | None = None
-    wake_pending: bool = False
-
-
-class AsyncResultReader:
+class AsyncResultReader(ReaderBase):
     def __init__(self, client: redis.asyncio.Redis, url: str, policy: RetryPolicy, *,
                  keys_per_lane: int = KEYS_PER_LANE) -> None:
+        super().__init__(url, policy, keys_per_lane)
         self._redis = client
-        self._url = url
-        self._policy = policy
-        self._mux = ReadMux(keys_per_lane)
-        self._lanes: dict[int, _LaneTask] = {}
         self._background: set[asyncio.Task] = set()
-        self._can_unblock = True
-        self._closed = False
-
-    @property
-    def num_connections(self) -> int:
-        """Connections the reader holds open (one per lane in use)."""
-        return sum(1 for lane in self._lanes.values() if lane.conn is not None)
 
     async def follow(self, follower: ResultFollower) -> AsyncIterator[Followed]:
         """The follower's events as they arrive; ResultTimeout at its deadline."""
@@ -84,6 +64,7 @@ class AsyncResultReader:
                 try:
                     remaining = follower.remaining()
                 except ResultTimeout:
+                    # NOTE: no await between a dispatch and its puts: position and queue agree.
                     for followed in await self._last_look(follower, sink, subscription.position):
                         yield followed
                     if follower.finished:
@@ -121,9 +102,9 @@ class AsyncResultReader:
     async def aclose(self) -> None:
         self._closed = True
         for lane in self._lanes.values():
-            if lane.task is not None:
-                lane.task.cancel()
-        for task in [lane.task for lane in self._lanes.values() if lane.task] + list(
+            if lane.runner is not None:
+                lane.runner.cancel()
+        for task in [lane.runner for lane in self._lanes.values() if lane.runner] + list(
                 self._background):
             with contextlib.suppress(BaseException):
                 await task
@@ -132,15 +113,15 @@ class AsyncResultReader:
 
     # -- lanes ------------------------------------------------------------------------------------
 
-    def _lane_task(self, lane: Lane) -> _LaneTask:
+    def _lane_task(self, lane: Lane) -> LaneIO:
         state = self._lanes.get(lane.index)
-        if state is None or state.task is None or state.task.done():
-            state = state or _LaneTask(lane)
-            state.task = asyncio.get_running_loop().create_task(self._run(state))
+        if state is None or state.runner is None or state.runner.done():
+            state = state or LaneIO(lane, asyncio.Event())
+            state.runner = asyncio.get_running_loop().create_task(self._run(state))
             self._lanes[lane.index] = state
         return state
 
-    async def _run(self, state: _LaneTask) -> None:
+    async def _run(self, state: LaneIO) -> None:
         backoff = Backoff()
         failing = False
         while not self._closed:
@@ -153,7 +134,7 @@ class AsyncResultReader:
                     state.conn = dedicated_connection(self._redis)
                     await state.conn.connect()
                     state.client_id = await self._client_id(state.conn)
-                block = READ_SLICE_MS if state.client_id is not None else FALLBACK_SLICE_MS
+                block = self._block_ms(state)
                 command = self._mux.read_command(state.lane, block)
                 state.wake_pending = False
                 await state.conn.send_command(*command)
@@ -195,7 +176,7 @@ class AsyncResultReader:
             self._can_unblock = False
             return None
 
-    async def _drop_connection(self, state: _LaneTask) -> None:
+    async def _drop_connection(self, state: LaneIO) -> None:
         conn, state.conn, state.client_id = state.conn, None, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -203,7 +184,7 @@ class AsyncResultReader:
 
     # -- waking a blocked read --------------------------------------------------------------------
 
-    def _wake(self, state: _LaneTask) -> None:
+    def _wake(self, state: LaneIO) -> None:
         if state.wake_pending or state.client_id is None:
             return
         state.wake_pending = True
@@ -211,7 +192,7 @@ class AsyncResultReader:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _unblock(self, state: _LaneTask, round_: int) -> None:
+    async def _unblock(self, state: LaneIO, round_: int) -> None:
         client_id = state.client_id
         try:
             for attempt in range(UNBLOCK_TRIES):

@@ -34,7 +34,6 @@ from llmq.broker.transcript import Fold, Transcript
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
     "DEFAULT_REQUEST_TTL",
-    "READ_SLICE_MS",
     "Followed",
     "RETRY_SCRIPT",
     "SUBMIT_SCRIPT",
@@ -57,9 +56,6 @@ logger = logging.getLogger(__name__)
 
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
-# NOTE: XREAD BLOCK in slices well under the client's socket timeout, so a slow result never looks
-# like a dead server.
-READ_SLICE_MS = 5_000
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
 
 # Idempotent submit for a caller-given request id. One script, so the marker and the entry are

@@ -27,9 +27,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FALLBACK_SLICE_MS", "KEYS_PER_LANE", "UNBLOCK_TRIES", "Lane", "ReadMux",
-           "Subscription", "format_entry_id", "parse_entry_id"]
+__all__ = ["FALLBACK_SLICE_MS", "KEYS_PER_LANE", "READ_SLICE_MS", "UNBLOCK_TRIES", "Lane",
+           "LaneIO", "ReadMux", "ReaderBase", "Subscription", "format_entry_id",
+           "parse_entry_id"]
 
+# NOTE: XREAD BLOCK in slices well under the socket timeout, so a quiet stream never looks like
+# a dead server.
+READ_SLICE_MS = 5_000
 # NOTE: a lane's XREAD names up to this many keys: ~0.5 ms of server time per read, and five
 # connections for 10,000 followers.
 KEYS_PER_LANE = 2000
@@ -173,6 +177,38 @@ class ReadMux:
         for subs in list(lane.subscriptions.values()):
             for sub in list(subs):
                 self.unsubscribe(sub)
+
+
+@dataclass(eq=False)
+class LaneIO:
+    """What a reader keeps per lane: its connection and the loop (task or thread) reading it."""
+
+    lane: Lane
+    work: Any  # an asyncio.Event or threading.Event: set when the lane has keys to read
+    runner: Any = None  # the asyncio.Task or threading.Thread running the lane's loop
+    conn: Any = None  # the lane's dedicated connection, None until (re)connected
+    client_id: int | None = None  # its CLIENT ID, for CLIENT UNBLOCK; None: cannot be woken
+    wake_pending: bool = False  # a CLIENT UNBLOCK for the current read is under way
+
+
+class ReaderBase:
+    """The IO-free half of the sync and asyncio result readers."""
+
+    def __init__(self, url: str, policy: Any, keys_per_lane: int) -> None:
+        self._url = url
+        self._policy = policy  # llmq.broker.retry.RetryPolicy, shared with the client
+        self._mux = ReadMux(keys_per_lane)
+        self._lanes: dict[int, LaneIO] = {}
+        self._can_unblock = True  # False once the server refused CLIENT ID or CLIENT UNBLOCK
+        self._closed = False
+
+    @property
+    def num_connections(self) -> int:
+        """Connections the reader holds open (one per lane in use)."""
+        return sum(1 for lane in self._lanes.values() if lane.conn is not None)
+
+    def _block_ms(self, io: LaneIO) -> int:
+        return READ_SLICE_MS if io.client_id is not None else FALLBACK_SLICE_MS
 
 
 def _streams(reply: Any) -> Iterator[tuple[str, list[Any]]]:

@@ -16,12 +16,11 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from llmq.broker.commands import READ_SLICE_MS, Followed, ResultFollower, stream_entries
+from llmq.broker.commands import Followed, ResultFollower, stream_entries
 from llmq.broker.connection import dedicated_connection, translate
 from llmq.broker.errors import ResultTimeout
 from llmq.broker.keys import Keys
@@ -30,7 +29,8 @@ from llmq.broker.multiplex import (
     KEYS_PER_LANE,
     UNBLOCK_TRIES,
     Lane,
-    ReadMux,
+    LaneIO,
+    ReaderBase,
     Subscription,
     format_entry_id,
 )
@@ -42,31 +42,12 @@ __all__ = ["FollowerGroup", "ResultReader"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _LaneThread:
-    lane: Lane
-    work: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-    conn: Any = None
-    client_id: int | None = None
-    wake_pending: bool = False
-
-
-class ResultReader:
+class ResultReader(ReaderBase):
     def __init__(self, client: redis.Redis, url: str, policy: RetryPolicy, *,
                  keys_per_lane: int = KEYS_PER_LANE) -> None:
+        super().__init__(url, policy, keys_per_lane)
         self._redis = client
-        self._url = url
-        self._policy = policy
-        self._mux = ReadMux(keys_per_lane)
         self._lock = threading.Lock()
-        self._lanes: dict[int, _LaneThread] = {}
-        self._can_unblock = True
-        self._closed = False
-
-    @property
-    def num_connections(self) -> int:
-        return sum(1 for lane in self._lanes.values() if lane.conn is not None)
 
     def follow(self, follower: ResultFollower) -> Iterator[Followed]:
         """The follower's events as they arrive; ResultTimeout at its deadline."""
@@ -77,7 +58,7 @@ class ResultReader:
                 try:
                     remaining = follower.remaining()
                 except ResultTimeout:
-                    yield from self._last_look(follower, sink, subscription.position)
+                    yield from self._last_look(follower, sink, subscription)
                     if follower.finished:
                         return
                     raise
@@ -107,14 +88,16 @@ class ResultReader:
             self._mux.unsubscribe(subscription)
 
     def _last_look(self, follower: ResultFollower, sink: queue.SimpleQueue[Any],
-                   position: tuple[int, int]) -> list[Followed]:
+                   subscription: Subscription) -> list[Followed]:
         """At the deadline: what was delivered but not taken, then what the stream holds now."""
         entries: list[Any] = []
-        while not sink.empty():
-            item = sink.get_nowait()
-            if isinstance(item, BaseException):
-                raise item
-            entries += item
+        with self._lock:
+            position = subscription.position
+            while not sink.empty():
+                item = sink.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                entries += item
         try:
             reply = self._redis.xread({follower.key: format_entry_id(position)}, count=512)
         except redis.RedisError:
@@ -129,18 +112,18 @@ class ResultReader:
 
     # -- lanes ------------------------------------------------------------------------------------
 
-    def _lane_thread(self, lane: Lane) -> _LaneThread:
+    def _lane_thread(self, lane: Lane) -> LaneIO:
         """The lane's thread, started if needed (called with the lock held)."""
         state = self._lanes.get(lane.index)
-        if state is None or state.thread is None or not state.thread.is_alive():
-            state = state or _LaneThread(lane)
-            state.thread = threading.Thread(target=self._run, args=(state,), daemon=True,
+        if state is None or state.runner is None or not state.runner.is_alive():
+            state = state or LaneIO(lane, threading.Event())
+            state.runner = threading.Thread(target=self._run, args=(state,), daemon=True,
                                             name=f"llmq-result-reader-{lane.index}")
             self._lanes[lane.index] = state
-            state.thread.start()
+            state.runner.start()
         return state
 
-    def _run(self, state: _LaneThread) -> None:
+    def _run(self, state: LaneIO) -> None:
         backoff = Backoff()
         failing = False
         while not self._closed:
@@ -157,7 +140,7 @@ class ResultReader:
                     conn = state.conn = dedicated_connection(self._redis)
                     conn.connect()
                     state.client_id = self._client_id(conn)
-                block = READ_SLICE_MS if state.client_id is not None else FALLBACK_SLICE_MS
+                block = self._block_ms(state)
                 with self._lock:
                     command = self._mux.read_command(state.lane, block)
                     state.wake_pending = False
@@ -182,10 +165,11 @@ class ResultReader:
                 failing = False
             self._policy.reached = True
             backoff.reset()
+            # NOTE: handed over under the lock, so a follower's last look (below) sees every
+            # entry either in its queue or after its position, never in between.
             with self._lock:
-                deliveries = self._mux.dispatch(state.lane, reply)
-            for sink, entries in deliveries:
-                sink.put(entries)
+                for sink, entries in self._mux.dispatch(state.lane, reply):
+                    sink.put(entries)
 
     def _fail(self, lane: Lane, exc: BaseException) -> None:
         error = translate(exc, self._url) or exc
@@ -208,7 +192,7 @@ class ResultReader:
             return None
 
     @staticmethod
-    def _drop_connection(state: _LaneThread) -> None:
+    def _drop_connection(state: LaneIO) -> None:
         conn, state.conn, state.client_id = state.conn, None, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -216,7 +200,7 @@ class ResultReader:
 
     # -- waking a blocked read --------------------------------------------------------------------
 
-    def _wake(self, state: _LaneThread) -> None:
+    def _wake(self, state: LaneIO) -> None:
         with self._lock:
             if state.wake_pending or state.client_id is None:
                 return
