@@ -61,9 +61,12 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
             max_file_bytes=max_file_bytes, file_ttl=file_ttl)
     except (ValueError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
-    app = create_app(settings, redis_url=redis_url)
+    server: uvicorn.Server | None = None
+    app = create_app(settings, redis_url=redis_url,
+                     shutting_down=lambda: server is not None and server.should_exit)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=log_requests, loop="auto",
+        http="auto", timeout_graceful_shutdown=30, proxy_headers=True, server_header=False))
     tenants = ", ".join(sorted(keys.tenants))
     click.echo(f"llmq serve: http://{host}:{port}/v1 (tenants: {tenants})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=log_requests,
-                loop="auto", http="auto", timeout_graceful_shutdown=30,
-                proxy_headers=True, server_header=False)
+    server.run()

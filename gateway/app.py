@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis
@@ -155,8 +155,12 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def create_app(settings: GatewaySettings, *, redis_url: str | None = None) -> Starlette:
-    """The gateway app; its Redis clients open in the lifespan (one set per process)."""
+def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
+               shutting_down: Callable[[], bool] | None = None) -> Starlette:
+    """The gateway app; its Redis clients open in the lifespan (one set per process).
+
+    `shutting_down`: says when the server has begun to stop (uvicorn's `should_exit`).
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -165,7 +169,7 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None) -> St
         sync_redis: redis.Redis = connect(client.url, max_connections=8, client_name=CLIENT_NAME)
         app.state.gateway = GatewayState(
             settings, client, PoolView(client, settings.broker.queue, settings.max_queue),
-            sync_redis)
+            sync_redis, shutting_down=shutting_down or (lambda: False))
         try:
             yield {}
         finally:

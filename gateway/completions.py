@@ -121,7 +121,7 @@ async def _create(request: Request, endpoint: str) -> Response:
         gone.cancel()
         if not answer.done():
             answer.cancel()
-            if not keep:
+            if not keep and not state.shutting_down():
                 await _cancel_request(state, request_id, queue)
     if not answer.done() or answer.cancelled():
         return Response(status_code=499, headers=headers)  # nobody is there to read it
@@ -207,7 +207,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
         yield DONE_FRAME
     finally:
         state.metrics.open_streams.dec()
-        if not stream.finished and cancel_queue is not None:
+        if not stream.finished and cancel_queue is not None and not state.shutting_down():
             # NOTE: shielded: the disconnect cancelled this task, and the cancel must still go.
             with anyio.CancelScope(shield=True):
                 state.metrics.cancelled.inc()

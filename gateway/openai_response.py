@@ -76,7 +76,13 @@ def error_body(message: str, error_type: str, code: str | None = None,
 def sse(data: Any, event_id: str | None = None) -> bytes:
     """One server-sent event: `id:` (when given) and a JSON `data:` line."""
     head = b"" if event_id is None else b"id: " + event_id.encode() + b"\n"
-    return head + b"data: " + _json.encode(data) + b"\n\n"
+    payload = _json.encode(data)
+    if b"\xe2\x80\xa8" in payload or b"\xe2\x80\xa9" in payload or b"\xc2\x85" in payload:
+        # NOTE: U+2028, U+2029 and U+0085 are valid raw in JSON, but line readers built on
+        # str.splitlines() (httpx's aiter_lines among them) would cut the event there.
+        payload = (payload.replace(b"\xe2\x80\xa8", b"\\u2028")
+                   .replace(b"\xe2\x80\xa9", b"\\u2029").replace(b"\xc2\x85", b"\\u0085"))
+    return head + b"data: " + payload + b"\n\n"
 
 
 class LogprobsBuilder:

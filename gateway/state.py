@@ -6,6 +6,7 @@ results, the stream options of each request, files, batches), so replicas are in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class GatewayState:
     pool: PoolView
     sync_redis: redis.Redis  # for rq (batches), used from worker threads
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    # True once the server is stopping: streams it ends then were not left by their clients,
+    # so their requests keep running (to be resumed on another replica), not cancelled.
+    shutting_down: Callable[[], bool] = lambda: False
 
     @classmethod
     def of(cls, request: Request) -> GatewayState:

@@ -7,7 +7,9 @@ the other.
 
 from __future__ import annotations
 
+import itertools
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,19 +49,20 @@ def gateways(valkey_server, tiny_model_path: Path, tmp_path_factory
         worker.stop()
 
 
-def read_events(response: httpx.Response, limit: int | None = None
-                ) -> list[tuple[str | None, str]]:
-    """Read SSE events off a streaming response, stopping after `limit` of them."""
-    events: list[tuple[str | None, str]] = []
+def iter_events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
+    """The SSE events of a streaming response, as they arrive."""
     buffer = ""
     for text in response.iter_text():
         buffer += text
         while "\n\n" in buffer:
             block, buffer = buffer.split("\n\n", 1)
-            events += parse_sse(block + "\n\n")
-            if limit is not None and len(events) >= limit:
-                return events
-    return events
+            yield from parse_sse(block + "\n\n")
+
+
+def read_events(response: httpx.Response, limit: int | None = None
+                ) -> list[tuple[str | None, str]]:
+    """Read SSE events off a streaming response, stopping after `limit` of them."""
+    return list(itertools.islice(iter_events(response), limit))
 
 
 def text_of(events: list[tuple[str | None, str]]) -> str:
@@ -184,3 +187,26 @@ def test_cancel_stops_a_request_of_ones_own_tenant_only(gateways) -> None:
     done = wait_for(lambda: next((e for e in (decode_event(f) for _, f in r.xrange(key))
                                   if isinstance(e, Done)), None), 30, "a done event")
     assert done.finish_reason == "cancelled"
+
+
+def test_a_gateway_stopping_lets_its_open_streams_finish(gateways, tmp_path: Path) -> None:
+    _, _, r = gateways
+    url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
+    stopping = GatewayProcess(url, tmp_path, name="gateway-stopping").start()
+    try:
+        with httpx.stream("POST", f"{stopping.base_url}/v1/chat/completions",
+                          json={**BODY, "max_tokens": 60},
+                          headers={**AUTH, "X-Request-Id": "drain-1"}, timeout=60) as response:
+            events = iter_events(response)
+            head = list(itertools.islice(events, 3))
+            # When the gateway is sent SIGTERM mid-stream (a rolling update)
+            stopping.proc.send_signal(signal.SIGTERM)
+            tail = list(events)
+        # Then the stream still runs to its end, and the request was not cancelled
+        assert tail[-1][1] == "[DONE]"
+        chunks = [json.loads(d) for _, d in head + tail if d != "[DONE]"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        # (uvicorn re-raises the SIGTERM it handled once it has shut down)
+        assert stopping.proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        stopping.stop()

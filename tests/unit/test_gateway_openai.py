@@ -12,7 +12,7 @@ from llmq.broker.protocol import Delta, Done, Error, Start, Timings, TokenLogpro
 from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
-from llmq.gateway.openai_response import CompletionStream
+from llmq.gateway.openai_response import CompletionStream, sse
 
 # -- bodies ---------------------------------------------------------------------------------------
 
@@ -186,3 +186,11 @@ def test_keys_name_tenants_from_flags_variables_and_files(tmp_path: Path) -> Non
 def test_no_keys_or_bad_tenants_are_refused_at_start(entries) -> None:
     with pytest.raises(ValueError):
         ApiKeys.parse(entries)
+
+
+def test_line_separators_in_text_cannot_cut_an_event() -> None:
+    # Given an answer holding U+2028, U+2029 and U+0085 (a random model writes anything)
+    frame = sse({"text": "a\u2028b\u2029c\x85d"}, "1-0")
+    # Then the event is still one line for readers that split like str.splitlines()
+    assert len(frame.decode().strip("\n").splitlines()) == 2
+    assert json.loads(frame.decode().split("data: ", 1)[1])["text"] == "a\u2028b\u2029c\x85d"
