@@ -155,7 +155,10 @@ async def cancel_batch(request: Request) -> Response:
 async def list_batches(request: Request) -> Response:
     state = GatewayState.of(request)
     tenant = state.tenant(request)
-    limit = min(max(int(request.query_params.get("limit", 20)), 1), 100)
+    try:
+        limit = min(max(int(request.query_params.get("limit", 20)), 1), 100)
+    except ValueError:
+        raise bad_request("`limit` must be an integer", "limit") from None
     after = request.query_params.get("after")
     ids = [as_str(i) for i in await state.client.call(lambda: state.client.redis.zrevrange(
         state.keys.tenant_batches(tenant), 0, -1))]
