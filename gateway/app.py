@@ -12,6 +12,7 @@ status. The middleware is plain ASGI (no per-request task), so a streamed token 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -167,12 +168,16 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
         client = AsyncClient(redis_url, settings=settings.broker,
                              max_connections=settings.max_connections, client_name=CLIENT_NAME)
         sync_redis: redis.Redis = connect(client.url, max_connections=8, client_name=CLIENT_NAME)
-        app.state.gateway = GatewayState(
-            settings, client, PoolView(client, settings.broker.queue, settings.max_queue),
-            sync_redis, shutting_down=shutting_down or (lambda: False))
+        pool = PoolView(client, settings.broker.queue, settings.max_queue)
+        app.state.gateway = GatewayState(settings, client, pool, sync_redis,
+                                         shutting_down=shutting_down or (lambda: False))
+        refresher = asyncio.get_running_loop().create_task(pool.refresh_forever())
         try:
             yield {}
         finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
             await client.close()
             sync_redis.close()
 

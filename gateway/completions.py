@@ -100,12 +100,14 @@ async def _create(request: Request, endpoint: str) -> Response:
     keep = _truthy(request.headers.get(KEEP_HEADER))
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
                "keep": int(keep), "model": parsed.model or ""}
-    await state.remember_stream(request_id, options)
     # NOTE: deltas are only needed to stream, or to collect logprobs; otherwise the worker
-    # writes just `start` and `done`.
+    # writes just `start` and `done`. The stream options and the request go in parallel: a
+    # resume can only come once the client has the id, after this returns.
     stream_events = parsed.stream or parsed.logprobs is not None
-    await state.client.submit(request_id=request_id, queue=queue, stream=stream_events,
-                              **parsed.request)
+    await asyncio.gather(
+        state.remember_stream(request_id, options),
+        state.client.submit(request_id=request_id, queue=queue, stream=stream_events,
+                            **parsed.request))
     headers = {"X-Request-Id": public_id}
     if parsed.stream:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,

@@ -9,20 +9,25 @@ queued the gateway answers:
     429  the queue holds more unread requests than `max_queue` (with Retry-After)
 
 Every replica reads the same heartbeats and queue lag, so they all answer alike; a negative
-answer from a view older than a moment is checked against a fresh read first.
+answer from a view older than a moment is checked against a fresh read first. `refresh_forever()`
+keeps the view fresh in the background, so a request's path has no Redis reads for routing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from llmq.broker.aio import AsyncClient
+from llmq.broker.errors import LLMQError
 from llmq.broker.protocol import WorkerHeartbeat
 from llmq.gateway.errors import APIError
 
 __all__ = ["PoolView", "ServedModel"]
+
+logger = logging.getLogger(__name__)
 
 _TTL = 1.0  # seconds a view of the workers or of a queue's lag is used
 _RECHECK_AFTER = 0.2  # a negative answer from a view older than this is read again
@@ -45,6 +50,17 @@ class PoolView:
         self._workers_at = -1e9
         self._lag: dict[str, tuple[float, int]] = {}
         self._lock = asyncio.Lock()
+
+    async def refresh_forever(self, interval: float = _TTL / 2) -> None:
+        """Re-read the workers and the lag of the queues routed to, every `interval` s."""
+        while True:
+            try:
+                await self.workers(max_age=0)
+                for queue in list(self._lag):
+                    await self._queue_lag(queue, max_age=0)
+            except LLMQError as exc:  # the request path reads again and reports it
+                logger.debug("refreshing the pool view failed: %s", exc)
+            await asyncio.sleep(interval)
 
     async def workers(self, *, max_age: float = _TTL) -> list[WorkerHeartbeat]:
         if time.monotonic() - self._workers_at > max_age:
@@ -93,9 +109,9 @@ class PoolView:
             return None
         return self.default_queue if self.default_queue in queues else sorted(queues)[0]
 
-    async def _queue_lag(self, queue: str) -> int:
+    async def _queue_lag(self, queue: str, *, max_age: float = _TTL) -> int:
         seen = self._lag.get(queue)
-        if seen is None or time.monotonic() - seen[0] > _TTL:
+        if seen is None or time.monotonic() - seen[0] > max_age:
             stats = await self.client.stats(queue)
             lag = stats.lag if stats.lag is not None else stats.length - stats.pending
             self._lag[queue] = seen = (time.monotonic(), lag)
