@@ -9,16 +9,16 @@ exactly the way the producer expects to read them.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError, ResultTimeout
 from llmq.broker.keys import GROUP, Keys
+from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.protocol import (
     DeadLetter,
     Encoding,
@@ -36,7 +36,7 @@ from llmq.broker.transcript import Fold, Transcript
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
     "DEFAULT_REQUEST_TTL",
-    "READ_SLICE_MS",
+    "Followed",
     "RETRY_SCRIPT",
     "SUBMIT_SCRIPT",
     "DeadLetterEntry",
@@ -44,7 +44,6 @@ __all__ = [
     "ResultFollower",
     "Submission",
     "as_str",
-    "block_ms",
     "build_submission",
     "dead_letter_to_retry",
     "decode_result_entry",
@@ -62,10 +61,6 @@ logger = logging.getLogger(__name__)
 
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
-# NOTE: XREAD BLOCK in slices well under the client's socket timeout, so a slow result never looks
-# like a dead server.
-READ_SLICE_MS = 5_000
-_READ_COUNT = 512  # entries per XREAD: a long answer arrives in a few round trips
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
 
 # Idempotent submit for a caller-given request id. One script, so the marker and the entry are
@@ -137,16 +132,6 @@ def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
     return list(reply[0][1])
 
 
-def block_ms(deadline: float | None) -> int:
-    """The BLOCK argument for the next read slice; 0 when the deadline has passed."""
-    if deadline is None:
-        return READ_SLICE_MS
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        return 0
-    return max(1, min(READ_SLICE_MS, math.ceil(remaining * 1000)))
-
-
 def decode_result_entry(request_id: str, entry_id: bytes, fields: Any) -> Event | None:
     """The event of one result stream entry; None (logged) for an entry this reader cannot read."""
     try:
@@ -157,52 +142,67 @@ def decode_result_entry(request_id: str, entry_id: bytes, fields: Any) -> Event 
         return None
 
 
+class Followed(NamedTuple):
+    """One event a follower should see, with the result stream entry that carried it."""
+
+    entry_id: str
+    event: Event
+    fold: Fold  # ACCEPTED, or RESTARTED: a newer attempt began, drop the text shown so far
+    replayed: bool  # at or before the `after` entry: already seen by whoever resumes
+
+
 class ResultFollower:
-    """Following one request's result stream, without IO: the client sends the reads it names.
+    """Following one request's result stream, without IO: the client's reader feeds it entries.
 
         follower = ResultFollower(keys, request_id, timeout)
         while not follower.finished:
-            reply = redis.xread(**follower.next_read())
-            for event in follower.events(reply):
+            entries = <the stream's next entries>          # or ResultTimeout at .deadline
+            for followed in follower.feed(entries):
                 ...
 
     Events are folded by the attempt rule (`Transcript`); only those the reader should see are
-    yielded, up to and including the terminal event of the current attempt.
+    returned, up to and including the terminal event of the current attempt. Resuming `after` an
+    entry id folds the stream from its start, so the attempt rule holds exactly, and marks what
+    comes up to that entry as `replayed`.
     """
 
-    def __init__(self, keys: Keys, request_id: str, timeout: float | None) -> None:
+    def __init__(self, keys: Keys, request_id: str, timeout: float | None, *,
+                 after: str | None = None) -> None:
         self.request_id = request_id
         self.transcript = Transcript(request_id)
-        self._key = keys.result(request_id)
-        self._timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._last_id: bytes | str = "0-0"
-        self._first_read = True
+        self.key = keys.result(request_id)
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._after = None if after is None else parse_entry_id(after)
 
     @property
     def finished(self) -> bool:
         return self.transcript.finished
 
-    def next_read(self) -> dict[str, Any]:
-        """The XREAD arguments for the next read slice; ResultTimeout once the deadline passed."""
-        block = block_ms(self._deadline)
-        if block == 0 and not self._first_read:
-            raise ResultTimeout(self.request_id, self._timeout or 0.0)
-        # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
-        self._first_read = False
-        return {"streams": {self._key: self._last_id}, "count": _READ_COUNT,
-                "block": block or None}
+    def remaining(self) -> float | None:
+        """Seconds left before the timeout (None: no timeout); ResultTimeout once it passed."""
+        if self.deadline is None:
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise ResultTimeout(self.request_id, self.timeout or 0.0)
+        return remaining
 
-    def events(self, reply: Any) -> Iterator[Event]:
-        """The events of an XREAD reply the reader should see; stops after the terminal one."""
-        for entry_id, fields in stream_entries(reply):
-            self._last_id = entry_id
+    def feed(self, entries: Iterable[tuple[bytes | str, Any]]) -> list[Followed]:
+        """The events of these entries the reader should see; stops after the terminal one."""
+        out: list[Followed] = []
+        for entry_id, fields in entries:
             event = decode_result_entry(self.request_id, entry_id, fields)
-            if event is None or self.transcript.apply(event) is Fold.IGNORED:
+            if event is None:
                 continue
-            yield event
+            fold = self.transcript.apply(event)
+            if fold is Fold.IGNORED:
+                continue
+            replayed = self._after is not None and parse_entry_id(entry_id) <= self._after
+            out.append(Followed(as_str(entry_id), event, fold, replayed))
             if self.transcript.finished:
-                return
+                break
+        return out
 
 
 def queue_event(pipe: Any, keys: Keys, event: Event, encoding: Encoding, *,

@@ -22,6 +22,16 @@ Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
     llmq:batch:<batch_id>:output   list    its output lines in input order, written by the rq job
     llmq:batch:<batch_id>:errors   list    its error lines (failed validation or generation)
     llmq:batch:<batch_id>:cancel   string  cancel flag the batch job checks, TTL
+    llmq:file:<tenant>:<file_id>   string  a file uploaded to the gateway (`POST /v1/files`), TTL
+    llmq:file:<tenant>:<file_id>:meta  hash  its name, purpose, size and times (for a batch's
+                                      output or error file: the batch it comes from), TTL
+    llmq:files:<tenant>     zset      a tenant's file ids by creation time (unix s)
+    llmq:batches:<tenant>   zset      a tenant's gateway batch ids by creation time (unix s)
+    llmq:sse:<request_id>   hash      how the gateway streams a request (endpoint, usage chunk,
+                                      keep on disconnect), so any replica can resume it; TTL
+
+Gateway request ids are `<tenant>:<id>`: a tenant's keys all start `<prefix>:r:<tenant>:` and so
+on, which is what its API key, and an ACL rule per tenant, can reach.
 
 Queue names, request ids and worker ids must match `[A-Za-z0-9_.:-]{1,128}`: no spaces, braces,
 globs or newlines, so nothing taken from a payload can add a Cluster hash tag (`{}`), widen a
@@ -41,9 +51,11 @@ __all__ = [
     "DEFAULT_QUEUE",
     "GROUP",
     "NAME_PATTERN",
+    "TENANT_PATTERN",
     "InvalidName",
     "Keys",
     "is_valid_name",
+    "is_valid_tenant",
     "validate_name",
 ]
 
@@ -53,6 +65,9 @@ GROUP = "workers"  # the one consumer group on every request stream
 
 NAME_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
 _NAME_RE = re.compile(NAME_PATTERN)
+# NOTE: no `:` in a tenant name, so `<tenant>:<id>` splits one way only.
+TENANT_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+_TENANT_RE = re.compile(TENANT_PATTERN)
 # NOTE: a prefix is configuration, not payload, so it alone may carry a whole Cluster hash tag.
 _PREFIX_RE = re.compile(r"\{[A-Za-z0-9_.:-]{1,62}\}|[A-Za-z0-9_.:-]{1,64}")
 
@@ -64,6 +79,10 @@ class InvalidName(LLMQError, ValueError):
 def is_valid_name(value: object) -> bool:
     # fullmatch, not match: `$` would let a trailing newline through.
     return isinstance(value, str) and _NAME_RE.fullmatch(value) is not None
+
+
+def is_valid_tenant(value: object) -> bool:
+    return isinstance(value, str) and _TENANT_RE.fullmatch(value) is not None
 
 
 def validate_name(kind: str, value: object) -> str:
@@ -141,3 +160,29 @@ class Keys:
     def batch_cancel(self, batch_id: str) -> str:
         """Cancel flag of a batch job."""
         return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:cancel"
+
+    def file(self, tenant: str, file_id: str) -> str:
+        """Content of a file uploaded to the gateway."""
+        return f"{self.prefix}:file:{_tenant(tenant)}:{validate_name('file_id', file_id)}"
+
+    def file_meta(self, tenant: str, file_id: str) -> str:
+        """What the gateway knows of a file (name, purpose, size, times; or its batch)."""
+        return self.file(tenant, file_id) + ":meta"
+
+    def tenant_files(self, tenant: str) -> str:
+        """A tenant's file ids, scored by creation time."""
+        return f"{self.prefix}:files:{_tenant(tenant)}"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """A tenant's gateway batch ids, scored by creation time."""
+        return f"{self.prefix}:batches:{_tenant(tenant)}"
+
+    def stream_options(self, request_id: str) -> str:
+        """How the gateway streams one request, for a resume on any replica."""
+        return f"{self.prefix}:sse:{validate_name('request_id', request_id)}"
+
+
+def _tenant(tenant: str) -> str:
+    if is_valid_tenant(tenant):
+        return tenant
+    raise InvalidName(f"invalid tenant {tenant!r:.60}: must match {TENANT_PATTERN}")

@@ -18,6 +18,7 @@ from llmq.cli.bench import bench
 from llmq.cli.dlq import dlq
 from llmq.cli.generate import generate
 from llmq.cli.result import cancel, result
+from llmq.cli.serve import serve
 from llmq.cli.status import status
 from llmq.cli.submit import submit
 from llmq.cli.up import down, up
@@ -45,7 +46,7 @@ def cli(log_level: str) -> None:
 
 
 for command in (up, down, submit, result, cancel, status, dlq, batch, batch_worker, bench,
-                worker, generate):
+                worker, generate, serve):
     cli.add_command(command)
 
 

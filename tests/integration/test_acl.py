@@ -107,6 +107,26 @@ ALLOWED = {
         ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
     ],
+    "gateway": [
+        ("PING",), ("CLIENT", "ID"), ("CLIENT", "UNBLOCK", "5"),   # waking its result reader
+        ("CLIENT", "SETNAME", "llmq-gateway"),
+        ("XADD", Q, "*", "json", "{}"), ("EVALSHA", SHA, "2", Q, IDEM, "json", "{}", "86400"),
+        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"), ("SADD", "llmq:queues", "default"),
+        ("SMEMBERS", "llmq:queues"), ("SET", FLAG, "1", "EX", "86400"),
+        ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
+        ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
+        ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
+        ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
+        ("HSET", "llmq:sse:alice:r1", "endpoint", "x"), ("HGETALL", "llmq:sse:alice:r1"),
+        ("SET", "llmq:file:alice:file-1", "x", "EX", "60"),
+        ("HGETALL", "llmq:file:alice:file-1:meta"), ("ZADD", "llmq:files:alice", "1", "f"),
+        ("ZREVRANGE", "llmq:batches:alice", "0", "-1"),
+        ("LRANGE", "llmq:batch:b1:output", "0", "-1"), ("SET", "llmq:batch:b1:cancel", "1"),
+        ("RPUSH", "llmq:batch:b1:output", "{}"), ("GET", "llmq:batch:b1:input"),  # batch jobs
+        ("SUBSCRIBE", "rq:pubsub:w1"),
+        ("HSET", "rq:job:b1", "status", "queued"), ("RPUSH", "rq:queue:llmq-batch", "b1"),
+        ("MULTI",), ("EXEC",),
+    ],
     "keda": [
         ("PING",), ("INFO",),                 # the lag mode checks the server version
         ("XINFO", "GROUPS", Q),               # lagCount
@@ -146,6 +166,16 @@ DENIED = {
         ("DEL", R), ("DEL", DLQ), ("XRANGE", DLQ, "-", "+"),
         ("XREADGROUP", "GROUP", "workers", "w", "STREAMS", "other:q:default", ">"),
         ("GET", "session:42"),
+    ],
+    "gateway": [
+        ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
+        ("CLIENT", "KILL", "TYPE", "normal"), ("CLIENT", "LIST"), ("SCRIPT", "FLUSH"),
+        ("XREADGROUP", "GROUP", "workers", "g", "STREAMS", Q, ">"),   # stealing work
+        ("XACK", Q, "workers", "1-0"), ("XRANGE", Q, "-", "+"), ("XTRIM", Q, "MAXLEN", "0"),
+        ("XADD", R, "*", "json", "{}"), ("DEL", R),                   # forging results
+        ("HSET", HEARTBEAT, "model", "m"), ("ZADD", "llmq:workers", "1", "fake"),  # or workers
+        ("XRANGE", DLQ, "-", "+"), ("DEL", DLQ),
+        ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
     ],
     "keda": [
         ("XRANGE", Q, "-", "+"),                  # request payloads stay private

@@ -20,6 +20,9 @@ RULES = {
     "llmq.broker.client": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.aio": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.embedded": ("torch", "llmq.worker", "llmq.cli"),
+    "llmq.broker.multiplex": ("torch", "redis", "llmq.worker", "llmq.cli"),
+    "llmq.broker.result_reader": ("torch", "llmq.worker", "llmq.cli", "llmq.gateway"),
+    "llmq.broker.aio_result_reader": ("torch", "llmq.worker", "llmq.cli", "llmq.gateway"),
     "llmq.worker.engine.request": ("torch", "redis"),
     "llmq.worker.engine.outputs": ("torch", "redis"),
     "llmq.worker.engine.sampling_params": ("torch", "redis"),
@@ -37,6 +40,10 @@ RULES = {
     "llmq.worker.engine.engine_core": ("redis",),
     "llmq.worker.worker": ("llmq.cli",),
     "llmq.cli.main": ("torch", "llmq.worker.engine.model", "llmq.worker.engine.engine_core"),
+    **{f"llmq.gateway.{name}": ("torch", "llmq.worker", "llmq.cli")
+       for name in ("app", "completions", "files", "batches", "batch_job", "batch_store",
+                    "openai_batch", "openai_request", "openai_response", "api_keys",
+                    "pool_view", "state", "settings", "metrics", "errors")},
 }
 
 PROBE = """

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llmq.broker.protocol import Done, Error, Timings, Usage
-from llmq.cli.openai_batch import (
+from llmq.gateway.openai_batch import (
     BatchLineError,
     error_record,
     failed_record,

@@ -1,0 +1,249 @@
+"""llmq events -> OpenAI response objects and stream chunks, without IO.
+
+`completion_object()` is a whole `chat.completion` / `text_completion` (HTTP answers and batch
+output lines); `CompletionStream` turns a request's followed events into server-sent events, each
+carrying `id: <result stream entry id>` so a client can resume after any of them
+(`Last-Event-ID`). Usage, finish reasons and logprobs have OpenAI's shapes.
+
+Two things llmq knows that OpenAI's format has no word for:
+- a request that ran again on another worker (attempt 2 after a crash): its new text is checked
+  against what the client already has, and only what extends it is sent; a sampled rerun that
+  differs ends the stream with an error instead of sending text that contradicts the old;
+- token strings: the gateway has no tokenizer, so a delta's text goes with its last token and
+  alternatives in `top_logprobs` are named `token_id:<id>` (vLLM's `return_tokens_as_token_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from llmq.broker.commands import Followed
+from llmq.broker.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
+from llmq.broker.transcript import Fold
+from llmq.gateway.openai_request import CHAT
+
+__all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
+           "completion_object", "error_body", "error_status", "sse", "usage_object"]
+
+_json = msgspec.json.Encoder()
+_NEG_INF = -9999.0  # what OpenAI reports for a log-probability of -inf
+# Error codes that are the caller's fault get 400, like an API server would answer.
+_CLIENT_ERRORS = {"invalid_request", "prompt_too_long", "invalid_token_id"}
+_STATUS = {"deadline_exceeded": 504, "timeout": 504, "cancelled": 409}
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def completion_id(endpoint: str, public_id: str) -> str:
+    return f"chatcmpl-{public_id}" if endpoint == CHAT else f"cmpl-{public_id}"
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def completion_object(endpoint: str, object_id: str, model: str, created: int, done: Done,
+                      logprobs: Any = None) -> dict[str, Any]:
+    """A whole `chat.completion` or `text_completion` object for a finished request."""
+    if endpoint == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+                  "finish_reason": done.finish_reason, "logprobs": logprobs}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
+                  "logprobs": logprobs}
+        kind = "text_completion"
+    return {"id": object_id, "object": kind, "created": created, "model": model,
+            "choices": [choice], "usage": usage_object(done.usage)}
+
+
+def error_status(code: str) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of an llmq error code."""
+    if code in _CLIENT_ERRORS:
+        return 400, "invalid_request_error"
+    return _STATUS.get(code, 500), "server_error"
+
+
+def error_body(message: str, error_type: str, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse(data: Any, event_id: str | None = None) -> bytes:
+    """One server-sent event: `id:` (when given) and a JSON `data:` line."""
+    head = b"" if event_id is None else b"id: " + event_id.encode() + b"\n"
+    payload = _json.encode(data)
+    if b"\xe2\x80\xa8" in payload or b"\xe2\x80\xa9" in payload or b"\xc2\x85" in payload:
+        # NOTE: U+2028, U+2029 and U+0085 are valid raw in JSON, but line readers built on
+        # str.splitlines() (httpx's aiter_lines among them) would cut the event there.
+        payload = (payload.replace(b"\xe2\x80\xa8", b"\\u2028")
+                   .replace(b"\xe2\x80\xa9", b"\\u2029").replace(b"\xc2\x85", b"\\u0085"))
+    return head + b"data: " + payload + b"\n\n"
+
+
+class LogprobsBuilder:
+    """Log-probabilities of the tokens sent so far, in the endpoint's OpenAI shape."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.chat = endpoint == CHAT
+        self.content: list[dict[str, Any]] = []  # chat: one entry per token
+        self.tokens: list[str] = []  # completions: four parallel lists
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+        self._offset = 0
+        self._taken = 0
+
+    def add(self, text: str, token_logprobs: list[TokenLogprob]) -> None:
+        """Fold in one delta's logprobs (its text goes with its last token)."""
+        for i, lp in enumerate(token_logprobs):
+            token = text if i == len(token_logprobs) - 1 else ""
+            logprob = _finite(lp.logprob)
+            top = [(f"token_id:{t}", _finite(v)) for t, v in zip(lp.top_token_ids,
+                                                                  lp.top_logprobs, strict=False)]
+            if self.chat:
+                self.content.append({
+                    "token": token, "logprob": logprob, "bytes": list(token.encode()),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                     for t, v in top]})
+            else:
+                self.tokens.append(token)
+                self.token_logprobs.append(logprob)
+                self.top_logprobs.append(dict(top))
+                self.text_offset.append(self._offset)
+            self._offset += len(token)
+
+    def take(self) -> Any:
+        """The logprobs added since the last take (for the next chunk); None if there are none."""
+        first, self._taken = self._taken, len(self.content) if self.chat else len(self.tokens)
+        return None if first == self._taken else self._shape(first)
+
+    def result(self) -> Any:
+        return self._shape(0)
+
+    def _shape(self, first: int) -> Any:
+        if self.chat:
+            return {"content": self.content[first:], "refusal": None}
+        return {"tokens": self.tokens[first:], "token_logprobs": self.token_logprobs[first:],
+                "top_logprobs": self.top_logprobs[first:], "text_offset": self.text_offset[first:]}
+
+
+def _finite(value: float | None) -> float:
+    return _NEG_INF if value is None else max(value, _NEG_INF)
+
+
+@dataclass
+class CompletionStream:
+    """One request's events as OpenAI stream chunks (SSE frames), resumable by entry id.
+
+    Feed every followed event, replayed ones included (they rebuild the state and send nothing),
+    so a stream resumed on another gateway continues exactly where the client left off.
+    """
+
+    endpoint: str
+    public_id: str
+    model: str = ""  # the requested model, until the worker's `start` names the one it serves
+    include_usage: bool = False
+    logprobs: bool = False
+    sent: str = ""  # the text the client has
+    created: int = 0
+    finished: bool = False
+    _attempt_text: str = ""
+    _role_sent: bool = False
+    _rerun: bool = False  # a newer attempt that has not yet passed the text already sent
+    _builder: LogprobsBuilder | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.object_id = completion_id(self.endpoint, self.public_id)
+        self.chat = self.endpoint == CHAT
+
+    def feed(self, followed: Followed) -> list[bytes]:
+        frames = self._frames(followed)
+        if not followed.replayed:
+            return frames
+        # NOTE: the end of a stream is several frames and only the first carries the entry id:
+        # a client resuming after it still needs the rest (usage, [DONE]).
+        return frames[1:] if self.finished and frames else []
+
+    def _frames(self, followed: Followed) -> list[bytes]:
+        event, entry_id = followed.event, followed.entry_id
+        if not self.created:
+            self.created = int(entry_id.partition("-")[0]) // 1000
+        if followed.fold is Fold.RESTARTED:
+            self._attempt_text, self._rerun = "", True
+        if isinstance(event, Start):
+            self.model = event.model or self.model
+            if self._role_sent or not self.chat:
+                return []
+            self._role_sent = True
+            return [sse(self._chunk({"role": "assistant", "content": ""}), entry_id)]
+        if self.finished:
+            return []
+        if isinstance(event, Delta):
+            self._attempt_text += event.text
+            return self._extend(self._attempt_text, entry_id, event)
+        if isinstance(event, Error):
+            self.finished = True
+            _, kind = error_status(event.code)
+            return [sse(error_body(event.message, kind, event.code), entry_id), DONE_FRAME]
+        assert isinstance(event, Done)
+        if event.finish_reason == "cancelled":
+            self.finished = True
+            return [sse(error_body("the request was cancelled", "server_error", "cancelled"),
+                        entry_id), DONE_FRAME]
+        frames = self._extend(event.text, entry_id, None)
+        if self.finished:  # the rerun diverged
+            return frames
+        self.finished = True
+        final = self._chunk({} if self.chat else "", event.finish_reason, self._take_logprobs())
+        frames.append(sse(final, None if frames else entry_id))
+        if self.include_usage:
+            usage = {"id": self.object_id, "object": self._object(), "created": self.created,
+                     "model": self.model, "choices": [], "usage": usage_object(event.usage)}
+            frames.append(sse(usage))
+        frames.append(DONE_FRAME)
+        return frames
+
+    def _extend(self, text: str, entry_id: str, delta: Delta | None) -> list[bytes]:
+        """Send what `text` (the attempt's text so far) adds to what the client has."""
+        catching_up = len(text) <= len(self.sent) and self.sent.startswith(text)
+        # NOTE: a rerun's tokens that re-cover sent text were already reported with the text.
+        if self.logprobs and delta is not None and delta.logprobs and not (
+                self._rerun and catching_up):
+            self._builder = self._builder or LogprobsBuilder(self.endpoint)
+            self._builder.add(delta.text, delta.logprobs)
+        if catching_up:
+            return []  # no new text: an empty delta, or a rerun catching up with the sent text
+        if not text.startswith(self.sent):
+            self.finished = True
+            message = ("the request ran again on another worker and its new output differs "
+                       "from the text already streamed; send it again")
+            return [sse(error_body(message, "server_error", "restart_diverged"), entry_id),
+                    DONE_FRAME]
+        new, self.sent, self._rerun = text[len(self.sent):], text, False
+        content = {"content": new} if self.chat else new
+        return [sse(self._chunk(content, None, self._take_logprobs()), entry_id)]
+
+    def _take_logprobs(self) -> Any:
+        return None if self._builder is None else self._builder.take()
+
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, content: Any, finish_reason: str | None = None,
+               logprobs: Any = None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": content, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+        chunk = {"id": self.object_id, "object": self._object(), "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
