@@ -158,7 +158,7 @@ class AsyncClient(_ClientBase):
         async def create() -> bool:
             pipe = self.redis.pipeline(transaction=False)
             queue_group_creation(pipe, self.keys, queue)
-            return group_created(await pipe.execute(raise_on_error=False))
+            return group_created(await pipe.execute(raise_on_error=False), self.keys, queue)
 
         created = await self.call(create)
         self._groups_ready.add(queue)
@@ -238,7 +238,9 @@ class AsyncClient(_ClientBase):
         entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                              dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-        keys, args = self._retry_args(entry, queue)
+        old_result, keys, args = self._retry_args(entry, queue)
+        if old_result is not None:  # first, as in Client.retry_dead_letter
+            await self.call(lambda: self.redis.delete(old_result))
         return as_str(await self.call(lambda: self._retry_script(keys=keys, args=args)))
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:

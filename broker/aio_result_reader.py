@@ -24,7 +24,7 @@ import redis
 import redis.asyncio
 
 from llmq.broker.commands import Followed, ResultFollower, stream_entries
-from llmq.broker.connection import dedicated_connection, translate
+from llmq.broker.connection import dedicated_connection, is_cluster, translate
 from llmq.broker.errors import ResultTimeout
 from llmq.broker.multiplex import (
     FALLBACK_SLICE_MS,
@@ -34,6 +34,8 @@ from llmq.broker.multiplex import (
     LaneIO,
     ReaderBase,
     format_entry_id,
+    merge_replies,
+    single_key_reads,
 )
 from llmq.broker.retry import Backoff, RetryPolicy
 
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 class AsyncResultReader(ReaderBase):
     def __init__(self, client: redis.asyncio.Redis, url: str, policy: RetryPolicy, *,
                  keys_per_lane: int = KEYS_PER_LANE) -> None:
-        super().__init__(url, policy, keys_per_lane)
+        super().__init__(url, policy, keys_per_lane, polled=is_cluster(client))
         self._redis = client
         self._background: set[asyncio.Task] = set()
 
@@ -130,15 +132,18 @@ class AsyncResultReader(ReaderBase):
                 await state.work.wait()
                 continue
             try:
-                if state.conn is None:
-                    state.conn = dedicated_connection(self._redis)
-                    await state.conn.connect()
-                    state.client_id = await self._client_id(state.conn)
-                block = self._block_ms(state)
-                command = self._mux.read_command(state.lane, block)
-                state.wake_pending = False
-                await state.conn.send_command(*command)
-                reply = await state.conn.read_response()
+                if self._polled:
+                    reply = await self._poll(self._mux.read_command(state.lane, None))
+                else:
+                    if state.conn is None:
+                        state.conn = dedicated_connection(self._redis)
+                        await state.conn.connect()
+                        state.client_id = await self._client_id(state.conn)
+                    block = self._block_ms(state)
+                    command = self._mux.read_command(state.lane, block)
+                    state.wake_pending = False
+                    await state.conn.send_command(*command)
+                    reply = await state.conn.read_response()
             except (redis.RedisError, OSError) as exc:
                 self._mux.read_failed(state.lane)
                 await self._drop_connection(state)
@@ -157,6 +162,15 @@ class AsyncResultReader(ReaderBase):
             backoff.reset()
             for sink, entries in self._mux.dispatch(state.lane, reply):
                 sink.put_nowait(entries)
+            if self._polled:
+                await asyncio.sleep(state.pace.after(bool(reply)))
+
+    async def _poll(self, command: list[Any]) -> list[Any]:
+        """One polled round on a cluster: an XREAD per stream, pipelined per node."""
+        pipe = self._redis.pipeline(transaction=False)
+        for key, after, count in single_key_reads(command):
+            pipe.xread({key: after}, count=count)
+        return merge_replies(await pipe.execute())
 
     def _fail(self, lane: Lane, exc: BaseException) -> None:
         error = translate(exc, self._url) or exc

@@ -150,20 +150,23 @@ class _ClientBase:
                 raise reply
         return parse_queue_stats(queue, length, groups, dead)
 
-    def _retry_args(self, entry: DeadLetterEntry, queue: str) -> tuple[list[str], list[Any]]:
-        """RETRY_SCRIPT's keys and args for queueing a dead letter again."""
+    def _retry_args(self, entry: DeadLetterEntry, queue: str
+                    ) -> tuple[str | None, list[str], list[Any]]:
+        """(old result stream to delete first or None, RETRY_SCRIPT's keys, its args)."""
         keys = [self.keys.queue(queue), self.keys.dlq(queue)]
         request_id = entry.dead_letter.request_id
+        old_result = None
         # NOTE: only a producer-given id outlives its entry; a default id (the old entry id)
         # gives way to the new entry's id, and the old result stream stays as it was.
         if request_id and request_id != entry.dead_letter.entry_id:
-            keys += [self.keys.result(request_id), self.keys.idempotency(request_id)]
+            keys.append(self.keys.idempotency(queue, request_id))
+            old_result = self.keys.result(request_id)
         fields = [x for pair in entry.payload.items() for x in pair]
-        return keys, [entry.dlq_entry_id, self.request_ttl, *fields]
+        return old_result, keys, [entry.dlq_entry_id, self.request_ttl, *fields]
 
     def _script_args(self, submission: Submission, queue: str) -> tuple[list[str], list[Any]]:
         assert submission.request_id is not None
-        return ([self.keys.queue(queue), self.keys.idempotency(submission.request_id)],
+        return ([self.keys.queue(queue), self.keys.idempotency(queue, submission.request_id)],
                 [submission.encoding, submission.payload, self.request_ttl])
 
     @staticmethod
@@ -313,7 +316,7 @@ class Client(_ClientBase):
         def create() -> bool:
             pipe = self.redis.pipeline(transaction=False)
             queue_group_creation(pipe, self.keys, queue)
-            return group_created(pipe.execute(raise_on_error=False))
+            return group_created(pipe.execute(raise_on_error=False), self.keys, queue)
 
         created = self.call(create)
         self._groups_ready.add(queue)
@@ -434,7 +437,12 @@ class Client(_ClientBase):
         entries = self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                        dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-        keys, args = self._retry_args(entry, queue)
+        old_result, keys, args = self._retry_args(entry, queue)
+        # NOTE: two steps, as the result stream lives in the request's slot and the rest in the
+        # queue's. The old stream goes first: its failed attempts would otherwise hide the new
+        # run's attempt 1. Should the script then fail, the dead letter stays to retry again.
+        if old_result is not None:
+            self.call(lambda: self.redis.delete(old_result))
         return as_str(self.call(lambda: self._retry_script(keys=keys, args=args)))
 
     def purge_dead_letters(self, queue: str | None = None) -> int:

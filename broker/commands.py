@@ -16,7 +16,14 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError, ResultTimeout
+from llmq.broker.errors import (
+    InvalidRequest,
+    LLMQError,
+    ProtocolError,
+    ResultTimeout,
+    SchemaMismatch,
+    StreamExhausted,
+)
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.protocol import (
@@ -47,7 +54,10 @@ __all__ = [
     "build_submission",
     "dead_letter_to_retry",
     "decode_result_entry",
+    "exhausted_message",
     "group_created",
+    "legacy_stream_message",
+    "stream_exhausted",
     "parse_dead_letters",
     "parse_heartbeats",
     "parse_queue_stats",
@@ -66,7 +76,7 @@ CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matt
 # Idempotent submit for a caller-given request id. One script, so the marker and the entry are
 # written together or not at all: a retry after an ambiguous failure (reply lost) finds the marker
 # and gets the first entry's id back instead of queueing the request twice.
-#   KEYS[1] request stream   KEYS[2] marker llmq:id:<request_id>
+#   KEYS[1] request stream   KEYS[2] marker llmq:id:{<queue>}:<request_id> (the same slot)
 #   ARGV[1] field (json|msgpack)   ARGV[2] payload   ARGV[3] marker TTL in seconds
 # Returns {1, entry_id} when queued, {0, first_entry_id} for a duplicate.
 SUBMIT_SCRIPT = """
@@ -77,18 +87,17 @@ redis.call('SET', KEYS[2], entry, 'EX', ARGV[3])
 return {1, entry}
 """
 
-# A dead letter queued again, atomically: the new entry, the dead letter gone, and, when the
-# request id is known, its old result stream deleted (its attempts numbered from 1 again would
-# otherwise be hidden behind the failed ones) and its idempotency marker naming the new entry
-# (so `llmq result` knows the id before a worker starts it).
-# KEYS: queue, dlq [, result stream, marker]; ARGV: dlq entry id, ttl seconds, then the
-# original entry's fields and values.
+# A dead letter queued again, atomically within the queue's slot: the new entry, the dead letter
+# gone, and, when the request id is the producer's own, its idempotency marker naming the new
+# entry (so `llmq result` knows the id before a worker starts it). The old result stream (another
+# slot) is deleted just before, by the caller: see `Client.retry_dead_letter`.
+# KEYS: queue, dlq [, marker]; ARGV: dlq entry id, ttl seconds, then the original entry's fields
+# and values.
 RETRY_SCRIPT = """
 local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 redis.call('XDEL', KEYS[2], ARGV[1])
-if #KEYS == 4 then
-  redis.call('DEL', KEYS[3])
-  redis.call('SET', KEYS[4], entry, 'EX', ARGV[2])
+if #KEYS == 3 then
+  redis.call('SET', KEYS[3], entry, 'EX', ARGV[2])
 end
 return entry
 """
@@ -232,21 +241,56 @@ def queue_events(pipe: Any, keys: Keys, events: Iterable[tuple[Event, Encoding]]
 def queue_group_creation(pipe: Any, keys: Keys, queue: str) -> None:
     """Queue what creates a queue's stream and consumer group `workers` if missing: XGROUP
     CREATE ... MKSTREAM at id 0 (so requests queued before the group are delivered), and the
-    queue's name in the registry `llmq status` lists. Execute with raise_on_error=False and read
-    the replies with `group_created`."""
+    queue's name in the registry `llmq status` lists; and a look for the queue's version-1
+    stream. Execute with raise_on_error=False and read the replies with `group_created`."""
     pipe.xgroup_create(keys.queue(queue), GROUP, id="0", mkstream=True)
     pipe.sadd(keys.queues(), queue)
+    pipe.exists(keys.legacy_queue(queue))
+    pipe.xinfo_stream(keys.queue(queue))
 
 
-def group_created(replies: list[Any]) -> bool:
+def group_created(replies: list[Any], keys: Keys, queue: str) -> bool:
     """True when `queue_group_creation` created the group, False when it existed (BUSYGROUP);
-    any other error is raised."""
-    created, registered = replies
+    SchemaMismatch beside a v1 stream, StreamExhausted on a stream at the last entry id; any
+    other error is raised."""
+    created, registered, legacy, info = replies
     if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
         raise created
     if isinstance(registered, Exception):
         raise registered
+    if legacy is True or (isinstance(legacy, int) and not isinstance(legacy, bool) and legacy):
+        raise SchemaMismatch(legacy_stream_message(keys, queue))
+    if not isinstance(info, Exception) and stream_exhausted(info):
+        raise StreamExhausted(exhausted_message(keys, queue))
     return not isinstance(created, Exception)
+
+
+def legacy_stream_message(keys: Keys, queue: str) -> str:
+    return (f"found {keys.legacy_queue(queue)}, a request stream of key schema v1; this llmq "
+            f"uses schema v2, where queue {queue!r} is {keys.queue(queue)} (Cluster hash tags "
+            "in every key, see docs/protocol.md). Let the old workers drain it, then delete it "
+            f"(`DEL {keys.legacy_queue(queue)}`), or re-add its entries to the new name; "
+            "producers must write to the new name too")
+
+
+# The last id a stream can take: an XADD with `*` after it can only fail.
+LAST_ENTRY_ID = "18446744073709551615-18446744073709551615"
+
+
+def stream_exhausted(info: Any) -> bool:
+    """Whether XINFO STREAM's reply shows a stream whose last id is the last possible one."""
+    last = info.get("last-generated-id", info.get(b"last-generated-id")) if isinstance(
+        info, Mapping) else None
+    return last is not None and as_str(last) == LAST_ENTRY_ID
+
+
+def exhausted_message(keys: Keys, queue: str) -> str:
+    key = keys.queue(queue)
+    return (f"{key} reached the last possible entry id ({LAST_ENTRY_ID}: someone XADDed that "
+            "id by hand), so no request can be added to it any more. Fix: let the workers "
+            f"finish what is pending (`llmq status`), then `DEL {key}`: the next worker or "
+            "producer creates it again; and take XADD away from whoever wrote that id "
+            "(docs/operations.md, producer credentials)")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from redis.retry import Retry
 
 from llmq.broker.embedded import EmbeddedServer
 from llmq.broker.errors import BrokerError, BrokerUnavailable, LLMQError
+from llmq.broker.redis_url import RedisURL, is_cluster
 from llmq.broker.retry import is_pool_exhausted
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "connect_async",
     "connect_at_most_once",
     "dedicated_connection",
+    "is_cluster",
     "describe_connection",
     "redact_url",
     "resolve_redis_url",
@@ -73,6 +75,9 @@ def redact_url(url: str) -> str:
 
 def describe_connection(client: redis.Redis | redis.asyncio.Redis) -> str:
     """A URL-like description of a client made elsewhere, for error messages."""
+    if is_cluster(client):
+        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_nodes()[:3])
+        return f"redis+cluster://{nodes}/"
     kwargs = client.connection_pool.connection_kwargs
     if path := kwargs.get("path"):
         return f"unix://{path}"
@@ -102,18 +107,26 @@ def connect(url: str | None = None, *, max_connections: int | None = None,
             **options: Any) -> redis.Redis:
     """A redis-py client for `resolve_redis_url(url)`; bytes replies (msgpack needs them).
 
-    With `max_connections`, callers beyond that many wait for a free connection.
+    A `redis+cluster://` URL gives a `RedisCluster`, a `redis+sentinel://` one a client of the
+    current primary (see broker/redis_url.py). With `max_connections`, callers beyond that many
+    wait for a free connection (a cluster client: that many per node).
     """
     url = resolve_redis_url(url)
+    target = RedisURL.parse(url)
     try:
+        if target.kind != "single":
+            return target.client(_client_options(options), max_connections)  # type: ignore[return-value]
         if max_connections is None:
             return redis.Redis.from_url(url, **_client_options(options))
         pool = redis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=POOL_TIMEOUT,
             **_client_options(options))
         return redis.Redis.from_pool(pool)
-    except ValueError as exc:  # redis-py's complaint about a malformed URL
+    except (ValueError, redis.exceptions.RedisClusterException) as exc:
+        # redis-py's complaint about a malformed URL, or no cluster node that answers
         raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+    except redis.RedisError as exc:
+        raise (translate(exc, url) or exc) from None
 
 
 def connect_at_most_once(url: str | None, *, socket_timeout: float = 10.0) -> redis.Redis:
@@ -130,14 +143,17 @@ def connect_async(url: str | None = None, *, max_connections: int | None = None,
                   **options: Any) -> redis.asyncio.Redis:
     """The asyncio counterpart of `connect()`."""
     url = resolve_redis_url(url)
+    target = RedisURL.parse(url)
     try:
+        if target.kind != "single":
+            return target.async_client(_client_options(options), max_connections)
         if max_connections is None:
             return redis.asyncio.Redis.from_url(url, **_client_options(options))
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=POOL_TIMEOUT,
             **_client_options(options))
         return redis.asyncio.Redis.from_pool(pool)
-    except ValueError as exc:
+    except (ValueError, redis.exceptions.RedisClusterException) as exc:
         raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
 
 

@@ -22,6 +22,8 @@ __all__ = [
     "InvalidRequest",
     "LLMQError",
     "ProtocolError",
+    "SchemaMismatch",
+    "StreamExhausted",
     "RequestFailed",
     "RequestRejected",
     "ResultTimeout",
@@ -77,6 +79,15 @@ class InvalidRequest(RequestRejected, ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.INVALID_REQUEST, message)
+
+
+class SchemaMismatch(LLMQError):
+    """Redis holds keys of another key schema version (a v1 request stream): refuse to run
+    beside it rather than split one queue in two."""
+
+
+class StreamExhausted(LLMQError):
+    """A request stream whose last entry id is the last possible one: nothing can be added."""
 
 
 class ProtocolError(LLMQError, ValueError):

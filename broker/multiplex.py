@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FALLBACK_SLICE_MS", "KEYS_PER_LANE", "READ_SLICE_MS", "UNBLOCK_TRIES", "Lane",
-           "LaneIO", "ReadMux", "ReaderBase", "Subscription", "format_entry_id",
-           "parse_entry_id"]
+           "LaneIO", "PollPace", "ReadMux", "ReaderBase", "Subscription", "format_entry_id",
+           "merge_replies", "parse_entry_id", "single_key_reads"]
 
 # NOTE: XREAD BLOCK in slices well under the socket timeout, so a quiet stream never looks like
 # a dead server.
@@ -42,6 +42,12 @@ ENTRIES_PER_STREAM = 512  # COUNT: a long answer arrives in a few reads
 # for that read to end; slices this short bound the wait.
 FALLBACK_SLICE_MS = 100
 UNBLOCK_TRIES = 6  # a read sent but not yet blocked in the server cannot be woken: try again
+
+# NOTE: on a Redis Cluster one XREAD may only name keys of one slot, and result streams are spread
+# over every slot: a lane there is polled, one XREAD per stream without BLOCK, pipelined per node,
+# at a pace that quickens while entries arrive and slows to POLL_MAX_MS when all is quiet.
+POLL_MIN_MS = 2
+POLL_MAX_MS = 50
 
 EntryId = tuple[int, int]
 _ORIGIN: EntryId = (0, 0)
@@ -179,6 +185,37 @@ class ReadMux:
                 self.unsubscribe(sub)
 
 
+def single_key_reads(command: list[Any]) -> list[tuple[str, str, int]]:
+    """(key, after id, count) of each stream a lane's `read_command` (without BLOCK) names."""
+    count = int(command[2])
+    streams = command[command.index("STREAMS") + 1:]
+    half = len(streams) // 2
+    return [(streams[i], streams[half + i], count) for i in range(half)]
+
+
+def merge_replies(replies: list[Any]) -> list[Any]:
+    """Single-key XREAD replies (redis-py's parsed shape) as one multi-key reply for dispatch."""
+    merged: list[Any] = []
+    for reply in replies:
+        if isinstance(reply, dict):
+            merged.extend([key, entries] for key, entries in reply.items())
+        elif reply:
+            merged.extend(reply)
+    return merged
+
+
+class PollPace:
+    """How long a polled lane waits before its next round."""
+
+    def __init__(self) -> None:
+        self.ms = POLL_MIN_MS
+
+    def after(self, got_entries: bool) -> float:
+        """Seconds to wait after a round that did (or did not) bring entries."""
+        self.ms = POLL_MIN_MS if got_entries else min(POLL_MAX_MS, self.ms * 2)
+        return self.ms / 1000
+
+
 @dataclass(eq=False)
 class LaneIO:
     """What a reader keeps per lane: its connection and the loop (task or thread) reading it."""
@@ -189,13 +226,16 @@ class LaneIO:
     conn: Any = None  # the lane's dedicated connection, None until (re)connected
     client_id: int | None = None  # its CLIENT ID, for CLIENT UNBLOCK; None: cannot be woken
     wake_pending: bool = False  # a CLIENT UNBLOCK for the current read is under way
+    pace: PollPace = field(default_factory=PollPace)  # a polled (cluster) lane's pace
 
 
 class ReaderBase:
     """The IO-free half of the sync and asyncio result readers."""
 
-    def __init__(self, url: str, policy: Any, keys_per_lane: int) -> None:
+    def __init__(self, url: str, policy: Any, keys_per_lane: int, *, polled: bool = False
+                 ) -> None:
         self._url = url
+        self._polled = polled  # a cluster: lanes are polled (see POLL_MAX_MS), never blocked
         self._policy = policy  # llmq.broker.retry.RetryPolicy, shared with the client
         self._mux = ReadMux(keys_per_lane)
         self._lanes: dict[int, LaneIO] = {}

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from llmq.broker.commands import Followed, ResultFollower, stream_entries
-from llmq.broker.connection import dedicated_connection, translate
+from llmq.broker.connection import dedicated_connection, is_cluster, translate
 from llmq.broker.errors import ResultTimeout
 from llmq.broker.keys import Keys
 from llmq.broker.multiplex import (
@@ -33,6 +33,8 @@ from llmq.broker.multiplex import (
     ReaderBase,
     Subscription,
     format_entry_id,
+    merge_replies,
+    single_key_reads,
 )
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.broker.transcript import Transcript
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 class ResultReader(ReaderBase):
     def __init__(self, client: redis.Redis, url: str, policy: RetryPolicy, *,
                  keys_per_lane: int = KEYS_PER_LANE) -> None:
-        super().__init__(url, policy, keys_per_lane)
+        super().__init__(url, policy, keys_per_lane, polled=is_cluster(client))
         self._redis = client
         self._lock = threading.Lock()
 
@@ -135,17 +137,22 @@ class ResultReader(ReaderBase):
                 state.work.wait()
                 continue
             try:
-                conn = state.conn
-                if conn is None:
-                    conn = state.conn = dedicated_connection(self._redis)
-                    conn.connect()
-                    state.client_id = self._client_id(conn)
-                block = self._block_ms(state)
-                with self._lock:
-                    command = self._mux.read_command(state.lane, block)
-                    state.wake_pending = False
-                conn.send_command(*command)
-                reply = conn.read_response()
+                if self._polled:
+                    with self._lock:
+                        command = self._mux.read_command(state.lane, None)
+                    reply = self._poll(command)
+                else:
+                    conn = state.conn
+                    if conn is None:
+                        conn = state.conn = dedicated_connection(self._redis)
+                        conn.connect()
+                        state.client_id = self._client_id(conn)
+                    block = self._block_ms(state)
+                    with self._lock:
+                        command = self._mux.read_command(state.lane, block)
+                        state.wake_pending = False
+                    conn.send_command(*command)
+                    reply = conn.read_response()
             except (redis.RedisError, OSError, ValueError, AttributeError) as exc:
                 with self._lock:
                     self._mux.read_failed(state.lane)
@@ -170,6 +177,15 @@ class ResultReader(ReaderBase):
             with self._lock:
                 for sink, entries in self._mux.dispatch(state.lane, reply):
                     sink.put(entries)
+            if self._polled:
+                time.sleep(state.pace.after(bool(reply)))
+
+    def _poll(self, command: list[Any]) -> list[Any]:
+        """One polled round on a cluster: an XREAD per stream, pipelined per node."""
+        pipe = self._redis.pipeline(transaction=False)
+        for key, after, count in single_key_reads(command):
+            pipe.xread({key: after}, count=count)
+        return merge_replies(pipe.execute())
 
     def _fail(self, lane: Lane, exc: BaseException) -> None:
         error = translate(exc, self._url) or exc

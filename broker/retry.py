@@ -17,12 +17,17 @@ import time
 import redis
 import redis.exceptions
 
-__all__ = ["Backoff", "RetryPolicy", "is_pool_exhausted", "is_transient"]
+__all__ = ["Backoff", "RetryPolicy", "is_pool_exhausted", "is_refusal_to_wait_out",
+           "is_transient"]
 
 # Replies a server gives while it cannot serve for a moment (loading its data, a failover, a
 # replica promoted, a script running too long, a cluster reconfiguring).
 _TRANSIENT_REPLIES = ("LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "BUSY ",
-                      "max number of clients reached")
+                      "MOVED ", "ASK ", "max number of clients reached")
+# Cluster states redis-py reports after its own redirects and retries ran out: a failover or a
+# migrating slot that outlasted them, never a wrong command.
+_CLUSTER_ERRORS = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
+                   redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError)
 DEFAULT_RETRY_TIMEOUT = 60.0  # seconds a call (not a follower: its own timeout) keeps retrying
 
 
@@ -38,11 +43,19 @@ def is_transient(exc: BaseException, *, reached: bool) -> bool:
     if isinstance(exc, redis.AuthenticationError):
         return False
     text = str(exc)
-    if is_pool_exhausted(exc) or any(reply in text for reply in _TRANSIENT_REPLIES):
+    if is_pool_exhausted(exc) or isinstance(exc, _CLUSTER_ERRORS) \
+            or any(reply in text for reply in _TRANSIENT_REPLIES):
         return True
     if isinstance(exc, redis.exceptions.OutOfMemoryError | redis.exceptions.NoPermissionError):
         return False
     return reached and isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+
+
+def is_refusal_to_wait_out(exc: BaseException) -> bool:
+    """A command the server refused for now, found among a pipeline's replies: a cluster or
+    failover state, out of memory (noeviction), or NOPERM while an ACL rollout is under way."""
+    return (is_transient(exc, reached=True) or isinstance(
+        exc, redis.exceptions.OutOfMemoryError | redis.exceptions.NoPermissionError))
 
 
 class Backoff:

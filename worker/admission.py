@@ -11,7 +11,7 @@ validates off the busy loop. Per entry, in order:
    `error{invalid_request}` on its result stream, one without goes to the dead-letter stream;
 3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
    `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
-4. cancel flag `llmq:x:<request_id>` (a cancel sent before a worker read the request);
+4. cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 

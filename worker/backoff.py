@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 # Errors that mean "Redis is unreachable or restarting", as opposed to a rejected command.
 # BusyLoadingError is raised while a restarted server loads its AOF; ReadOnlyError while a
 # replica is being promoted.
+# On a cluster: a failover or slot migration that outlasted redis-py's own redirects and retries.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ReadOnlyError,
-    ConnectionError, TimeoutError, OSError,
+    redis.exceptions.ClusterError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
+    redis.exceptions.SlotNotCoveredError, ConnectionError, TimeoutError, OSError,
 )
 
 

@@ -1,10 +1,10 @@
-"""CancelListener: follows `llmq:cancel:<queue>` and aborts in-flight requests it names.
+"""CancelListener: follows `llmq:cancel:{<queue>}` and aborts in-flight requests it names.
 
 Every worker of a queue reads the whole cancel stream (plain XREAD, no group: a cancel concerns
 whichever worker holds the request), from the stream's last entry at start. A cancel for a request
 in flight flags its entries and asks the busy loop to abort them, so generation stops within one
 step and the terminal event says `done{finish_reason: cancelled}`. Requests not read yet are
-covered by the `llmq:x:<request_id>` flag, which admission checks (worker/admission.py).
+covered by the `llmq:x:{<request_id>}` flag, which admission checks (worker/admission.py).
 
 After a Redis outage the stream may have been recreated with lower ids (a restart without
 persistence): the listener then starts again from the beginning of the new stream.

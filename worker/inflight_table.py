@@ -19,7 +19,7 @@ from typing import Any
 @dataclass
 class InFlight:
     entry_id: str  # stream entry id = engine request id
-    request_id: str  # the wire id: names the result stream llmq:r:<request_id>
+    request_id: str  # the wire id: names the result stream llmq:r:{<request_id>}
     attempt: int  # = the entry's delivery count
     encoding: str  # "json" | "msgpack": events go out in the request's encoding
     metadata: Any = None  # echoed back on the terminal event

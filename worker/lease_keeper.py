@@ -195,7 +195,7 @@ class LeaseKeeper:
     def hand_back(self, entry_ids: list[str], *, forgive: bool = False) -> int:
         """Make entries instantly reclaimable by peers (shutdown); returns how many were ours.
 
-        With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:<queue>`, so
+        With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:{<queue>}`, so
         the delivery it used up is not held against it as poison."""
         lost, orphaned = self._claim_owned(entry_ids, HAND_BACK_IDLE_MS)
         owned = sorted(set(entry_ids) - set(lost) - set(orphaned))

@@ -30,8 +30,10 @@ import redis
 
 from llmq.broker import protocol
 from llmq.broker.commands import queue_events
+from llmq.broker.connection import is_cluster
 from llmq.broker.keys import GROUP
 from llmq.broker.protocol import Encoding, Event
+from llmq.broker.retry import is_refusal_to_wait_out
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.worker_context import WorkerContext
@@ -42,23 +44,50 @@ logger = logging.getLogger(__name__)
 # written in bounded pieces rather than one huge MULTI.
 MAX_ITEMS_PER_BATCH = 256
 
-# KEYS[1] request stream; ARGV: group, consumer, entry ids...
-# XACK only the entries still pending under this consumer; return the ones a peer owns now.
+# The acks of a batch, in the queue's slot, as one script: dead letters added, then XACK of the
+# entries still pending under this consumer and their hand-back counts deleted; returns the ids
+# a peer owns now.
+#   KEYS[1] request stream   KEYS[2] hand-back counts   KEYS[3] dead-letter stream
+#   ARGV[1] group   ARGV[2] consumer   ARGV[3] n   ARGV[4 .. 3+n] entry ids
+#   then each dead letter: its number of fields k, then k field / value pairs
 # NOTE: a plain XACK removes an entry from the PEL whoever owns it: a stalled worker finishing
 # late would ack the entry a peer reclaimed and is running as the next attempt, which then could
 # never be reclaimed again if that peer died. Its late terminal event (a lower attempt) is
 # harmless: readers follow the highest attempt.
-_ACK_OWNED = """
+ACK_SCRIPT = """
+local n = tonumber(ARGV[3])
+local i = 4 + n
+while i <= #ARGV do
+  local k = tonumber(ARGV[i])
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 1, i + 2 * k))
+  i = i + 1 + 2 * k
+end
 local mine, taken = {}, {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+for j = 4, 3 + n do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[j], ARGV[j], 1)
   if p[1] then
-    if p[1][2] == ARGV[2] then mine[#mine + 1] = ARGV[i] else taken[#taken + 1] = ARGV[i] end
+    if p[1][2] == ARGV[2] then mine[#mine + 1] = ARGV[j] else taken[#taken + 1] = ARGV[j] end
   end
 end
-if #mine > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(mine)) end
+if #mine > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(mine))
+  redis.call('HDEL', KEYS[2], unpack(mine))
+end
 return taken
 """
+# Lua's unpack has a stack limit in the thousands: ack in slices well below it.
+_ACK_SLICE = 500
+
+
+def ack_script_args(consumer: str, entry_ids: list[str],
+                    dead_letters: list[dict[str, bytes]]) -> list[Any]:
+    """ACK_SCRIPT's ARGV."""
+    args: list[Any] = [GROUP, consumer, len(entry_ids), *entry_ids]
+    for fields in dead_letters:
+        args.append(len(fields))
+        for name, value in fields.items():
+            args += [name, value]
+    return args
 
 
 @dataclass
@@ -82,6 +111,7 @@ class _Batch:
     pop_ids: list[str] = field(default_factory=list)  # forgotten after the write
     finished: list[EngineCoreOutput] = field(default_factory=list)  # for metrics
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
+    events_written: bool = False  # on a cluster: the events are on their nodes, only acks remain
 
     @property
     def num_writes(self) -> int:
@@ -97,7 +127,8 @@ class ResultWriter:
         self.queue_key = ctx.queue_key
         self.handbacks_key = ctx.keys.handbacks(ctx.queue)
         self.dlq_key = ctx.keys.dlq(ctx.queue)
-        self._ack_owned = self.client.register_script(_ACK_OWNED)
+        self.cluster = is_cluster(self.client)
+        self._ack_script = self.client.register_script(ACK_SCRIPT)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._give_up_at: float | None = None
         self.backoff = Backoff("result writer", ctx.state, stop=None)
@@ -223,32 +254,65 @@ class ResultWriter:
                     return
                 self.backoff.failed(e)
 
-    def _queue_writes(self, pipe: Any, batch: _Batch) -> None:
-        """Dead letters, then events (XADD capped, one EXPIRE per result stream)."""
-        for fields in batch.dead_letters:
-            pipe.xadd(self.dlq_key, fields)
+    def write_events(self, pipe: Any, batch: _Batch) -> None:
+        """Queue the batch's events: XADD capped, in order, one EXPIRE per result stream."""
         queue_events(pipe, self.ctx.keys, batch.events, result_ttl=self.ctx.config.result_ttl,
                      result_maxlen=self.ctx.config.result_maxlen)
 
+    def _queue_acks(self, pipe: Any, batch: _Batch) -> int:
+        """Queue ACK_SCRIPT on `pipe` for the batch's acks and dead letters; how many calls."""
+        keys = [self.queue_key, self.handbacks_key, self.dlq_key]
+        ids = batch.ack_ids
+        calls = 0
+        for start in range(0, max(len(ids), 1), _ACK_SLICE):
+            dead_letters = batch.dead_letters if start == 0 else []
+            if not ids[start:start + _ACK_SLICE] and not dead_letters:
+                break
+            self._ack_script(keys=keys, args=ack_script_args(
+                self.ctx.worker_id, ids[start:start + _ACK_SLICE], dead_letters), client=pipe)
+            calls += 1
+        return calls
+
     def _execute(self, batch: _Batch) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        self._queue_writes(pipe, batch)
-        if batch.ack_ids:
-            pipe.hdel(self.handbacks_key, *batch.ack_ids)
-            self._ack_owned(keys=[self.queue_key],
-                            args=[GROUP, self.ctx.worker_id, *batch.ack_ids], client=pipe)
-        results = pipe.execute(raise_on_error=False)
-        for result in results[:-1] if batch.ack_ids else results:
+        """One server: events and acks in one MULTI, the acks after the events (an OOM-refused
+        XADD aborts it whole). A cluster: the events first, pipelined per node, then, once they
+        are all on their nodes, the acks in the queue's slot; a retry after the events landed
+        sends only the acks, so at-least-once holds without a cross-slot transaction."""
+        if self.cluster:
+            if batch.events and not batch.events_written:
+                pipe = self.client.pipeline(transaction=False)
+                self.write_events(pipe, batch)
+                self._log_refused(pipe.execute(raise_on_error=False), raise_transient=True)
+            batch.events_written = True
+            pipe = self.client.pipeline(transaction=False)
+            calls = self._queue_acks(pipe, batch)
+            results = pipe.execute(raise_on_error=False) if calls else []
+            self._log_refused(results, raise_transient=True)
+        else:
+            pipe = self.client.pipeline(transaction=True)
+            self.write_events(pipe, batch)
+            calls = self._queue_acks(pipe, batch)
+            results = pipe.execute(raise_on_error=False)
+            self._log_refused(results[:len(results) - calls], raise_transient=False)
+            results = results[len(results) - calls:]
+        for result in results:
             if isinstance(result, Exception):
-                # NOTE: a command refused at EXEC time (WRONGTYPE on a key someone else created)
-                # will never succeed: log it and go on rather than retry forever.
-                logger.error("a result write failed: %s", result)
-        if batch.ack_ids and isinstance(results[-1], Exception):
-            logger.warning("XACK failed (%s): entries stay pending", results[-1])
-        elif batch.ack_ids and results[-1]:
-            taken = [protocol.as_str(t) for t in results[-1]]
-            logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s", len(taken),
-                           "y" if len(taken) == 1 else "ies", taken[:5])
+                logger.warning("XACK failed (%s): entries stay pending", result)
+            elif result:
+                taken = [protocol.as_str(t) for t in result]
+                logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s",
+                               len(taken), "y" if len(taken) == 1 else "ies", taken[:5])
+
+    @staticmethod
+    def _log_refused(results: list[Any], *, raise_transient: bool) -> None:
+        for result in results:
+            if not isinstance(result, Exception):
+                continue
+            if raise_transient and is_refusal_to_wait_out(result):
+                raise result  # OOM, a failover, a migrating slot: written again with backoff
+            # NOTE: a command refused at EXEC time (WRONGTYPE on a key someone else created)
+            # will never succeed: log it and go on rather than retry forever.
+            logger.error("a result write failed: %s", result)
 
     def _acks_landed(self, ack_ids: list[str]) -> bool:
         """After an ambiguous failure: True when every acked entry is still in the stream but no

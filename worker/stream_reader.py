@@ -3,7 +3,7 @@
 After vLLM v1's EngineCoreProc input thread (socket -> decode -> queue for the busy loop) on a
 Redis consumer group:
 
-    XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:<queue> >
+    XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:{<queue>} >
 
 where room = max_num_seqs - entries in flight. With no room it reads nothing, so unread work
 stays with the group for other workers and the group's lag is a true scaling signal (KEDA's

@@ -172,7 +172,7 @@ class Worker:
         self.table.orphan_all()
         pipe = self._admin.pipeline(transaction=False)
         queue_group_creation(pipe, self.keys, self.config.queue)
-        if group_created(pipe.execute(raise_on_error=False)):
+        if group_created(pipe.execute(raise_on_error=False), self.keys, self.config.queue):
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
         self._group_seen = True

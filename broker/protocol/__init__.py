@@ -6,8 +6,8 @@ msgspec (and llmq.broker's stdlib-only errors and key names), so the engine may 
 without pulling in redis. By concept:
 
     encoding.py   the two encodings of an entry (`json` / `msgpack` field), reading reply fields
-    requests.py   the request object on llmq:q:<queue> and decoding an entry into one
-    events.py     start / delta / done / error on llmq:r:<request_id>, and the terminal-event
+    requests.py   the request object on llmq:q:{<queue>} and decoding an entry into one
+    events.py     start / delta / done / error on llmq:r:{<request_id>}, and the terminal-event
                   builder the worker and `llmq generate -f` share
     records.py    operational records: cancellations, dead letters, worker heartbeats
 

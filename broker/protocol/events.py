@@ -1,4 +1,4 @@
-"""Events on llmq:r:<request_id>: start, delta, then one terminal done or error per attempt.
+"""Events on llmq:r:{<request_id>}: start, delta, then one terminal done or error per attempt.
 
 A reader follows the highest attempt (`llmq.broker.transcript`): a `start` with a higher attempt
 supersedes the text of earlier ones. `terminal_event` builds the done/error closing an attempt

@@ -1,7 +1,7 @@
 """Operational records: cancellations, dead letters and worker heartbeats.
 
 Not part of one request's life on the wire, but what operators and the workers themselves read:
-`llmq:cancel:<queue>` (a stream every worker follows), `llmq:dlq:<queue>` (dead letters, with
+`llmq:cancel:{<queue>}` (a stream every worker follows), `llmq:dlq:{<queue>}` (dead letters, with
 the original payload kept for a retry) and `llmq:w:<worker_id>` (a flat heartbeat hash, readable
 with `redis-cli HGETALL`).
 """
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 DEAD_LETTER_FIELD = "dead_letter"
 
-# --- Cancellations on llmq:cancel:<queue> -------------------------------------------------------
+# --- Cancellations on llmq:cancel:{<queue>} -------------------------------------------------------
 
 
 class CancelNotice(Struct):
@@ -50,7 +50,7 @@ def decode_cancel(fields: Mapping[Any, Any]) -> str | None:
     return None
 
 
-# --- Dead letters on llmq:dlq:<queue> -----------------------------------------------------------
+# --- Dead letters on llmq:dlq:{<queue>} -----------------------------------------------------------
 
 
 class DeadLetter(Struct, kw_only=True):

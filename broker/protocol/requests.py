@@ -1,4 +1,4 @@
-"""Requests on llmq:q:<queue>: the wire's request object and decoding a stream entry into one.
+"""Requests on llmq:q:{<queue>}: the wire's request object and decoding a stream entry into one.
 
 `decode_request_entry` turns any entry, however malformed, into a `DecodedRequest` or a
 `RejectedEntry` and never raises: the payload size is checked before anything is parsed, and

@@ -58,15 +58,17 @@ def connect(acl_server):
 
 # (command, arguments) llmq issues, by the user that issues it: the broker's Client (producer),
 # the worker process (worker/), KEDA's redis-streams scaler (keda). Names from broker/keys.py.
-Q, R, DLQ, CANCEL = "llmq:q:default", "llmq:r:req-1", "llmq:dlq:default", "llmq:cancel:default"
-HB = "llmq:hb:default"
-FLAG, IDEM, HEARTBEAT = "llmq:x:req-1", "llmq:id:req-1", "llmq:w:worker-1"
+Q, R, DLQ, CANCEL = (
+    "llmq:q:{default}", "llmq:r:{req-1}", "llmq:dlq:{default}", "llmq:cancel:{default}")
+HB = "llmq:hb:{default}"
+FLAG, IDEM, HEARTBEAT = "llmq:x:{req-1}", "llmq:id:{default}:req-1", "llmq:w:worker-1"
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
 ALLOWED = {
     "producer": [
         ("PING",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
+        ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # ... and its checks
         ("SADD", "llmq:queues", "default"),
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
         ("EVALSHA", SHA, "2", Q, IDEM, "json", "{}", "86400"),  # submit with one (SUBMIT_SCRIPT)
@@ -75,7 +77,7 @@ ALLOWED = {
         ("SET", FLAG, "1", "EX", "86400"),                    # cancel
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "100", "BLOCK", "5000", "STREAMS", R, "0-0"),  # events / result
-        ("XREAD", "STREAMS", R, "llmq:r:req-2", "0", "0"),
+        ("XREAD", "STREAMS", R, "llmq:r:{req-2}", "0", "0"),
         ("XRANGE", R, "-", "+"), ("XREVRANGE", R, "+", "-", "COUNT", "1"),
         ("XLEN", R), ("XINFO", "STREAM", R),
     ],
@@ -87,6 +89,8 @@ ALLOWED = {
          "STREAMS", Q, ">"),
         ("XACK", Q, "workers", "1-0"),
         ("EVALSHA", SHA, "1", Q, "workers", "worker-1", "0", "1-0"),  # lease renewal script
+        ("EVALSHA", SHA, "3", Q, HB, DLQ, "workers", "worker-1", "1", "1-0"),  # ack script
+        ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # v1 stream? last id reached?
         ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
         ("XCLAIM", Q, "workers", "worker-1", "0", "1-0", "IDLE", "99999999", "JUSTID"),
         ("XAUTOCLAIM", Q, "workers", "worker-1", "30000", "0-0", "COUNT", "10"),
@@ -117,12 +121,12 @@ ALLOWED = {
         ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
         ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
         ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
-        ("HSET", "llmq:sse:alice:r1", "endpoint", "x"), ("HGETALL", "llmq:sse:alice:r1"),
-        ("SET", "llmq:file:alice:file-1", "x", "EX", "60"),
-        ("HGETALL", "llmq:file:alice:file-1:meta"), ("ZADD", "llmq:files:alice", "1", "f"),
-        ("ZREVRANGE", "llmq:batches:alice", "0", "-1"),
-        ("LRANGE", "llmq:batch:b1:output", "0", "-1"), ("SET", "llmq:batch:b1:cancel", "1"),
-        ("RPUSH", "llmq:batch:b1:output", "{}"), ("GET", "llmq:batch:b1:input"),  # batch jobs
+        ("HSET", "llmq:sse:{alice:r1}", "endpoint", "x"), ("HGETALL", "llmq:sse:{alice:r1}"),
+        ("SET", "llmq:file:{alice}:file-1", "x", "EX", "60"),
+        ("HGETALL", "llmq:file:{alice}:file-1:meta"), ("ZADD", "llmq:files:{alice}", "1", "f"),
+        ("ZREVRANGE", "llmq:batches:{alice}", "0", "-1"),
+        ("LRANGE", "llmq:batch:{b1}:output", "0", "-1"), ("SET", "llmq:batch:{b1}:cancel", "1"),
+        ("RPUSH", "llmq:batch:{b1}:output", "{}"), ("GET", "llmq:batch:{b1}:input"),  # batch jobs
         ("SUBSCRIBE", "rq:pubsub:w1"),
         ("HSET", "rq:job:b1", "status", "queued"), ("RPUSH", "rq:queue:llmq-batch", "b1"),
         ("MULTI",), ("EXEC",),
@@ -232,7 +236,7 @@ def test_server_runs_with_aof_and_noeviction(acl_server, connect):
     admin.xadd(Q, {"json": "{}"})
     data_dir = Path(admin.config_get("dir")["dir"])
     deadline = time.monotonic() + 10
-    while not any(b"llmq:q:default" in p.read_bytes() for p in data_dir.rglob("*.aof*")
+    while not any(b"llmq:q:{default}" in p.read_bytes() for p in data_dir.rglob("*.aof*")
                   if p.is_file()):
         assert time.monotonic() < deadline, "the XADD never reached the AOF"
         time.sleep(0.1)

@@ -56,7 +56,7 @@ def _deep(depth: int) -> Any:
 
 
 def test_the_redis_cli_example_from_the_design_decodes_with_documented_defaults() -> None:
-    # Given the entry `XADD llmq:q:default '*' json '{"prompt":"Hi","max_tokens":8}'`
+    # Given the entry `XADD llmq:q:{default} '*' json '{"prompt":"Hi","max_tokens":8}'`
     fields = {b"json": b'{"prompt":"Hi","max_tokens":8}'}
     # When a worker decodes it
     decoded = decode_request_entry(ENTRY_ID.encode(), fields)
