@@ -26,7 +26,6 @@ from llmq.broker.client import _ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
     RETRY_SCRIPT,
-    SUBMIT_SCRIPT,
     DeadLetterEntry,
     Followed,
     QueueStats,
@@ -39,7 +38,8 @@ from llmq.broker.commands import (
     queue_group_creation,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
-from llmq.broker.errors import RequestFailed
+from llmq.broker.errors import BrokerError, RequestFailed
+from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions_async
 from llmq.broker.protocol import (
     Done,
     Encoding,
@@ -81,7 +81,6 @@ class AsyncClient(_ClientBase):
             connection if connection is not None
             else connect_async(self.url, max_connections=max_connections,
                                client_name=client_name))
-        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
         self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = AsyncResultReader(self.redis, self.url, self._policy)
 
@@ -126,13 +125,9 @@ class AsyncClient(_ClientBase):
         await self._ensure_group_once(queue)
 
         async def send() -> Any:
-            if submission.request_id is None:
-                return await self.redis.xadd(self.keys.queue(queue),
-                                             {submission.encoding: submission.payload})
-            keys, args = self._script_args(submission, queue)
-            return await self._submit_script(keys=keys, args=args)
+            return await self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
 
-        return self._submitted_id(submission, await self.call(send))
+        return self._submitted_id(submission, await self._submitting(send, queue))
 
     async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                           queue: str | None = None) -> list[str]:
@@ -143,15 +138,25 @@ class AsyncClient(_ClientBase):
         async def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                if submission.request_id is None:
-                    pipe.xadd(self.keys.queue(queue), {submission.encoding: submission.payload})
-                else:
-                    keys, args = self._script_args(submission, queue)
-                    await self._submit_script(keys=keys, args=args, client=pipe)
+                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
             return await pipe.execute()
 
-        replies = await self.call(send)
+        replies = await self._submitting(send, queue)
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
+
+    async def _submitting(self, send: Callable[[], Awaitable[T]], queue: str) -> T:
+        """send() through `call`, loading the function library once if the server lacks it."""
+        while True:
+            try:
+                return await self.call(send)
+            except BrokerError as exc:
+                failure = self._submit_failed(exc, queue)
+                if failure is not None:
+                    raise failure from None
+                try:
+                    await self.call(lambda: ensure_functions_async(self.redis))
+                except BrokerError as load_error:
+                    logger.info("could not load the function library: %s", load_error)
 
     async def ensure_group(self, queue: str | None = None) -> bool:
         queue = self._queue(queue)

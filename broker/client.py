@@ -32,7 +32,6 @@ from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
     RETRY_SCRIPT,
-    SUBMIT_SCRIPT,
     DeadLetterEntry,
     Followed,
     QueueStats,
@@ -41,6 +40,7 @@ from llmq.broker.commands import (
     as_str,
     build_submission,
     dead_letter_to_retry,
+    exhausted_message,
     group_created,
     parse_dead_letters,
     parse_heartbeats,
@@ -54,7 +54,13 @@ from llmq.broker.connection import (
     resolve_redis_url,
     translate,
 )
-from llmq.broker.errors import InvalidRequest, RequestFailed
+from llmq.broker.errors import BrokerError, InvalidRequest, RequestFailed
+from llmq.broker.functions import (
+    SUBMIT_FUNCTION,
+    ensure_functions,
+    is_missing_function,
+    submit_error,
+)
 from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.protocol import (
     Done,
@@ -96,6 +102,7 @@ class _ClientBase:
         self.url = (describe_connection(connection) if connection is not None
                     else resolve_redis_url(self.settings.redis_url))
         self._groups_ready: set[str] = set()
+        self._functions_tried = False  # loaded the function library after a "not found"
         self._policy = RetryPolicy(retry_timeout)
 
     def _retrying(self, exc: Exception, deadline: float | None, backoff: Backoff) -> float:
@@ -141,14 +148,15 @@ class _ClientBase:
         pipe.xlen(self.keys.queue(queue))
         pipe.xinfo_groups(self.keys.queue(queue))
         pipe.xlen(self.keys.dlq(queue))
+        pipe.xinfo_stream(self.keys.queue(queue))
 
     @staticmethod
     def _parse_stats(queue: str, replies: list[Any]) -> QueueStats:
-        length, groups, dead = replies
+        length, groups, dead, info = replies
         for reply in (length, dead):
             if isinstance(reply, Exception):
                 raise reply
-        return parse_queue_stats(queue, length, groups, dead)
+        return parse_queue_stats(queue, length, groups, dead, info)
 
     def _retry_args(self, entry: DeadLetterEntry, queue: str
                     ) -> tuple[str | None, list[str], list[Any]]:
@@ -164,20 +172,32 @@ class _ClientBase:
         fields = [x for pair in entry.payload.items() for x in pair]
         return old_result, keys, [entry.dlq_entry_id, self.request_ttl, *fields]
 
-    def _script_args(self, submission: Submission, queue: str) -> tuple[list[str], list[Any]]:
-        assert submission.request_id is not None
-        return ([self.keys.queue(queue), self.keys.idempotency(queue, submission.request_id)],
-                [submission.encoding, submission.payload, self.request_ttl])
+    def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
+        """FCALL llmq_submit's arguments: numkeys, keys, then args (broker/functions.py)."""
+        keys = [self.keys.queue(queue), self.keys.submissions(queue)]
+        args: list[Any] = [submission.encoding, submission.payload]
+        if submission.request_id is not None:
+            keys.append(self.keys.idempotency(queue, submission.request_id))
+            args += [self.request_ttl, submission.request_id]
+        return [len(keys), *keys, *args]
 
     @staticmethod
     def _submitted_id(submission: Submission, reply: Any) -> str:
-        """The request id, from an XADD reply (entry id) or the submit script's reply."""
+        """The request id, from the submit function's reply {queued, entry id}."""
         if submission.request_id is None:
-            return as_str(reply)
+            return as_str(reply[1])
         if not int(reply[0]):
             logger.debug("request %s was already submitted; not queued again",
                          submission.request_id)
         return submission.request_id
+
+    def _submit_failed(self, exc: Exception, queue: str) -> Exception | None:
+        """The producer's error for a refused submit; None when loading the library may cure
+        it (the caller then loads it and tries once more)."""
+        if is_missing_function(exc) and not self._functions_tried:
+            self._functions_tried = True
+            return None
+        return submit_error(exc, self.keys.queue(queue), exhausted_message(self.keys, queue))
 
 
 class Client(_ClientBase):
@@ -216,7 +236,6 @@ class Client(_ClientBase):
         self.redis: redis.Redis = (
             connection if connection is not None
             else connect(self.url, max_connections=max_connections, client_name=client_name))
-        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
         self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = ResultReader(self.redis, self.url, self._policy)
 
@@ -274,13 +293,9 @@ class Client(_ClientBase):
         self._ensure_group_once(queue)
 
         def send() -> Any:
-            if submission.request_id is None:
-                return self.redis.xadd(self.keys.queue(queue),
-                                       {submission.encoding: submission.payload})
-            keys, args = self._script_args(submission, queue)
-            return self._submit_script(keys=keys, args=args)
+            return self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
 
-        return self._submitted_id(submission, self.call(send))
+        return self._submitted_id(submission, self._submitting(send, queue))
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                     queue: str | None = None) -> list[str]:
@@ -297,15 +312,25 @@ class Client(_ClientBase):
         def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                if submission.request_id is None:
-                    pipe.xadd(self.keys.queue(queue), {submission.encoding: submission.payload})
-                else:
-                    keys, args = self._script_args(submission, queue)
-                    self._submit_script(keys=keys, args=args, client=pipe)
+                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
             return pipe.execute()
 
-        replies = self.call(send)
+        replies = self._submitting(send, queue)
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
+
+    def _submitting(self, send: Callable[[], T], queue: str) -> T:
+        """send() through `call`, loading the function library once if the server lacks it."""
+        while True:
+            try:
+                return self.call(send)
+            except BrokerError as exc:
+                failure = self._submit_failed(exc, queue)
+                if failure is not None:
+                    raise failure from None
+                try:
+                    self.call(lambda: ensure_functions(self.redis))
+                except BrokerError as load_error:
+                    logger.info("could not load the function library: %s", load_error)
 
     def ensure_group(self, queue: str | None = None) -> bool:
         """Create the queue's stream and consumer group `workers` if missing; True if created.

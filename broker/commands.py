@@ -45,7 +45,6 @@ __all__ = [
     "DEFAULT_REQUEST_TTL",
     "Followed",
     "RETRY_SCRIPT",
-    "SUBMIT_SCRIPT",
     "DeadLetterEntry",
     "QueueStats",
     "ResultFollower",
@@ -72,20 +71,6 @@ logger = logging.getLogger(__name__)
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
-
-# Idempotent submit for a caller-given request id. One script, so the marker and the entry are
-# written together or not at all: a retry after an ambiguous failure (reply lost) finds the marker
-# and gets the first entry's id back instead of queueing the request twice.
-#   KEYS[1] request stream   KEYS[2] marker llmq:id:{<queue>}:<request_id> (the same slot)
-#   ARGV[1] field (json|msgpack)   ARGV[2] payload   ARGV[3] marker TTL in seconds
-# Returns {1, entry_id} when queued, {0, first_entry_id} for a duplicate.
-SUBMIT_SCRIPT = """
-local first = redis.call('GET', KEYS[2])
-if first then return {0, first} end
-local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('SET', KEYS[2], entry, 'EX', ARGV[3])
-return {1, entry}
-"""
 
 # A dead letter queued again, atomically within the queue's slot: the new entry, the dead letter
 # gone, and, when the request id is the producer's own, its idempotency marker naming the new
@@ -302,14 +287,18 @@ class QueueStats:
     dead_letters: int
     consumers: int  # consumers the group knows, live or not (see `Client.workers()` for live)
     group_exists: bool
+    exhausted: bool = False  # the stream reached the last possible entry id: XADD fails
 
 
 def _field(info: Mapping[Any, Any], name: str) -> Any:
     return info.get(name, info.get(name.encode()))
 
 
-def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -> QueueStats:
-    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError) and the DLQ's XLEN."""
+def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int,
+                      info: Any = None) -> QueueStats:
+    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN and
+    XINFO STREAM (its reply, or an error when the stream is missing or the user may not)."""
+    exhausted = not isinstance(info, Exception | None) and stream_exhausted(info)
     if isinstance(groups, Exception):
         if "no such key" not in str(groups).lower():
             raise groups
@@ -319,9 +308,10 @@ def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -
             lag = _field(info, "lag")
             return QueueStats(queue, int(length), None if lag is None else int(lag),
                               int(_field(info, "pending") or 0), int(dead_letters),
-                              int(_field(info, "consumers") or 0), True)
+                              int(_field(info, "consumers") or 0), True, exhausted)
     # NOTE: without a group every entry is unread, so the lag is the length.
-    return QueueStats(queue, int(length), int(length), 0, int(dead_letters), 0, False)
+    return QueueStats(queue, int(length), int(length), 0, int(dead_letters), 0, False,
+                      exhausted)
 
 
 @dataclass(frozen=True)

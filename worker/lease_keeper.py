@@ -36,8 +36,9 @@ from collections.abc import Callable
 
 import redis
 
+from llmq.broker import protocol
 from llmq.broker.errors import ErrorCode
-from llmq.broker.keys import GROUP
+from llmq.broker.keys import GROUP, is_valid_name
 from llmq.broker.protocol import as_str
 from llmq.broker.retention import trim_acked_requests
 from llmq.worker.admission import Admission
@@ -92,7 +93,8 @@ class LeaseKeeper:
 
     def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter, *,
                  heartbeat: Callable[[], dict[str, str]],
-                 ensure_group: Callable[[], None]) -> None:
+                 ensure_group: Callable[[], None],
+                 first_contact: Callable[[], None] = lambda: None) -> None:
         config = ctx.config
         assert config.renew_interval is not None and config.claim_interval is not None
         self.ctx = ctx
@@ -108,6 +110,7 @@ class LeaseKeeper:
         self.claim_interval = config.claim_interval
         self.heartbeat = heartbeat
         self.ensure_group = ensure_group
+        self.first_contact: Callable[[], None] | None = first_contact
         self.heartbeat_ttl = max(10, int(3 * max(self.renew_interval, 1.0)))
         self.stop_event = threading.Event()
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
@@ -145,6 +148,9 @@ class LeaseKeeper:
         self.renew()
 
     def _maintain_once(self, started: float) -> None:
+        if self.first_contact is not None:
+            self.first_contact()
+            self.first_contact = None
         if self.reclaiming and started >= self._next_claim:
             self._next_claim = started + self.claim_interval
             self.reclaim()
@@ -152,6 +158,7 @@ class LeaseKeeper:
         if started >= self._next_cleanup:
             self._next_cleanup = started + 60.0
             self._cleanup_consumers()
+            self.answer_vanished()
             trim_acked_requests(self.client, self.keys, self.ctx.queue)
 
     def _loop(self, work: Callable[[float], None], backoff: Backoff) -> None:
@@ -255,15 +262,68 @@ class LeaseKeeper:
                                     forgiven)
 
     def _dead_letter_deleted(self, entry_ids: list[str]) -> None:
-        # NOTE: the payload is gone, so the request id is unknown (the producer may have given
-        # its own): keep a dead letter for operators; Redis already dropped it from the PEL.
+        # NOTE: the payload is gone, so the request id is known only from the submit function's
+        # record (a raw XADD leaves none): answer it there, and keep a dead letter for operators;
+        # Redis already dropped the entry from the PEL.
         message = "the entry was trimmed or deleted from the request stream while pending"
-        code = ErrorCode.LOST_PAYLOAD
         logger.warning("%d pending entries lost their payload: %s", len(entry_ids), entry_ids[:5])
-        for entry_id in entry_ids:
-            self.writer.put(EntryWrite(
-                entry_id, None, "json", [], ack=True, pop=False,
-                dead_letter=self.admission.dead_letter(entry_id, None, code, message, 0, None)))
+        submitted = self.client.hmget(self.keys.submissions(self.ctx.queue), entry_ids)
+        for entry_id, request_id in zip(entry_ids, submitted, strict=True):
+            self._answer_lost(entry_id, None if request_id is None else as_str(request_id),
+                              message)
+
+    def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
+        code = ErrorCode.LOST_PAYLOAD
+        events = [] if request_id is None else [protocol.Error(
+            request_id=request_id, attempt=1, code=code, message=message)]
+        self.writer.put(EntryWrite(
+            entry_id, request_id, "json", events, ack=True, pop=False,
+            dead_letter=self.admission.dead_letter(entry_id, request_id, code, message, 0,
+                                                   None)))
+
+    def answer_vanished(self) -> int:
+        """Answer `lost_payload` for submissions whose entry left the request stream unread
+        (someone trimmed or deleted it); returns how many. Runs once a minute.
+
+        `llmq:sub:{queue}` names every entry the submit function added until a worker acks it;
+        one that is neither in the stream nor pending vanished. Its request id counts only if
+        its idempotency marker still names that entry (or the id is the entry id), so a
+        record forged by another producer cannot fail someone else's request."""
+        key = self.keys.submissions(self.ctx.queue)
+        answered, cursor = 0, 0
+        while True:
+            cursor, records = self.client.hscan(key, cursor, count=500)
+            if records:
+                answered += self._answer_vanished_in(
+                    {as_str(k): as_str(v) for k, v in records.items()})
+            if not int(cursor):
+                return answered
+
+    def _answer_vanished_in(self, records: dict[str, str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in records:
+            pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+        replies = pipe.execute()
+        vanished = {entry_id: request_id for (entry_id, request_id), present, pending in zip(
+            records.items(), replies[0::2], replies[1::2], strict=True)
+            if not present and not pending}
+        if not vanished:
+            return 0
+        # NOTE: a record names a request id, and its marker must name the entry back.
+        named = [(e, r) for e, r in vanished.items() if r != e and is_valid_name(r)]
+        pipe = self.client.pipeline(transaction=False)
+        for _, request_id in named:
+            pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
+        confirmed = {e for (e, _), marker in zip(named, pipe.execute(), strict=True)
+                     if marker is not None and as_str(marker) == e}
+        message = "the entry was trimmed or deleted from the request stream before a worker read it"
+        for entry_id, request_id in vanished.items():
+            genuine = request_id == entry_id or entry_id in confirmed
+            self._answer_lost(entry_id, request_id if genuine else None, message)
+        logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
+                       len(vanished), self.queue_key)
+        return len(vanished)
 
     # -- 3. heartbeat -----------------------------------------------------------------------------
 

@@ -45,9 +45,11 @@ logger = logging.getLogger(__name__)
 MAX_ITEMS_PER_BATCH = 256
 
 # The acks of a batch, in the queue's slot, as one script: dead letters added, then XACK of the
-# entries still pending under this consumer and their hand-back counts deleted; returns the ids
-# a peer owns now.
+# entries still pending under this consumer and their hand-back counts deleted, and the submit
+# function's record of those and of entries no longer pending at all; returns the ids a peer
+# owns now.
 #   KEYS[1] request stream   KEYS[2] hand-back counts   KEYS[3] dead-letter stream
+#   KEYS[4] submissions
 #   ARGV[1] group   ARGV[2] consumer   ARGV[3] n   ARGV[4 .. 3+n] entry ids
 #   then each dead letter: its number of fields k, then k field / value pairs
 # NOTE: a plain XACK removes an entry from the PEL whoever owns it: a stalled worker finishing
@@ -62,17 +64,25 @@ while i <= #ARGV do
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 1, i + 2 * k))
   i = i + 1 + 2 * k
 end
-local mine, taken = {}, {}
+local mine, taken, done = {}, {}, {}
 for j = 4, 3 + n do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[j], ARGV[j], 1)
   if p[1] then
-    if p[1][2] == ARGV[2] then mine[#mine + 1] = ARGV[j] else taken[#taken + 1] = ARGV[j] end
+    if p[1][2] == ARGV[2] then
+      mine[#mine + 1] = ARGV[j]
+      done[#done + 1] = ARGV[j]
+    else
+      taken[#taken + 1] = ARGV[j]
+    end
+  else
+    done[#done + 1] = ARGV[j]
   end
 end
 if #mine > 0 then
   redis.call('XACK', KEYS[1], ARGV[1], unpack(mine))
   redis.call('HDEL', KEYS[2], unpack(mine))
 end
+if #done > 0 then redis.call('HDEL', KEYS[4], unpack(done)) end
 return taken
 """
 # Lua's unpack has a stack limit in the thousands: ack in slices well below it.
@@ -127,6 +137,7 @@ class ResultWriter:
         self.queue_key = ctx.queue_key
         self.handbacks_key = ctx.keys.handbacks(ctx.queue)
         self.dlq_key = ctx.keys.dlq(ctx.queue)
+        self.submissions_key = ctx.keys.submissions(ctx.queue)
         self.cluster = is_cluster(self.client)
         self._ack_script = self.client.register_script(ACK_SCRIPT)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -259,18 +270,17 @@ class ResultWriter:
         queue_events(pipe, self.ctx.keys, batch.events, result_ttl=self.ctx.config.result_ttl,
                      result_maxlen=self.ctx.config.result_maxlen)
 
-    def _queue_acks(self, pipe: Any, batch: _Batch) -> int:
-        """Queue ACK_SCRIPT on `pipe` for the batch's acks and dead letters; how many calls."""
-        keys = [self.queue_key, self.handbacks_key, self.dlq_key]
+    def _ack_calls(self, batch: _Batch) -> list[tuple[list[str], list[Any]]]:
+        """ACK_SCRIPT's (keys, args) for the batch's acks and dead letters, in slices."""
+        keys = [self.queue_key, self.handbacks_key, self.dlq_key, self.submissions_key]
         ids = batch.ack_ids
-        calls = 0
+        calls = []
         for start in range(0, max(len(ids), 1), _ACK_SLICE):
             dead_letters = batch.dead_letters if start == 0 else []
             if not ids[start:start + _ACK_SLICE] and not dead_letters:
                 break
-            self._ack_script(keys=keys, args=ack_script_args(
-                self.ctx.worker_id, ids[start:start + _ACK_SLICE], dead_letters), client=pipe)
-            calls += 1
+            calls.append((keys, ack_script_args(self.ctx.worker_id, ids[start:start + _ACK_SLICE],
+                                                dead_letters)))
         return calls
 
     def _execute(self, batch: _Batch) -> None:
@@ -284,17 +294,25 @@ class ResultWriter:
                 self.write_events(pipe, batch)
                 self._log_refused(pipe.execute(raise_on_error=False), raise_transient=True)
             batch.events_written = True
-            pipe = self.client.pipeline(transaction=False)
-            calls = self._queue_acks(pipe, batch)
-            results = pipe.execute(raise_on_error=False) if calls else []
-            self._log_refused(results, raise_transient=True)
+            # NOTE: one script call per slice, not pipelined: a cluster pipeline takes no
+            # EVALSHA; a slice is up to 500 acks, so there is rarely more than one.
+            results = []
+            for keys, args in self._ack_calls(batch):
+                try:
+                    results.append(self._ack_script(keys=keys, args=args))
+                except redis.ResponseError as exc:
+                    if is_refusal_to_wait_out(exc):
+                        raise
+                    results.append(exc)
         else:
             pipe = self.client.pipeline(transaction=True)
             self.write_events(pipe, batch)
-            calls = self._queue_acks(pipe, batch)
+            calls = self._ack_calls(batch)
+            for keys, args in calls:
+                self._ack_script(keys=keys, args=args, client=pipe)
             results = pipe.execute(raise_on_error=False)
-            self._log_refused(results[:len(results) - calls], raise_transient=False)
-            results = results[len(results) - calls:]
+            self._log_refused(results[:len(results) - len(calls)], raise_transient=False)
+            results = results[len(results) - len(calls):]
         for result in results:
             if isinstance(result, Exception):
                 logger.warning("XACK failed (%s): entries stay pending", result)

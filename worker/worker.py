@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from llmq.broker import protocol
-from llmq.broker.commands import group_created, queue_group_creation
-from llmq.broker.errors import RequestRejected
+from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
+from llmq.broker.errors import RequestRejected, StreamExhausted
+from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS
@@ -84,7 +85,8 @@ class Worker:
         self.admission = Admission(ctx, self.processor, self.writer, clock=engine.clock)
         self._admin = ctx.connect()
         self.keeper = LeaseKeeper(ctx, self.admission, self.writer,
-                                  heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group)
+                                  heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
+                                  first_contact=self._first_contact)
         self.reader = StreamReader(ctx, self.admission, ensure_group=self.ensure_group,
                                    hand_back=self.keeper.hand_back)
         self.cancels = CancelListener(ctx)
@@ -172,10 +174,35 @@ class Worker:
         self.table.orphan_all()
         pipe = self._admin.pipeline(transaction=False)
         queue_group_creation(pipe, self.keys, self.config.queue)
-        if group_created(pipe.execute(raise_on_error=False), self.keys, self.config.queue):
+        try:
+            created = group_created(pipe.execute(raise_on_error=False), self.keys,
+                                    self.config.queue)
+        except StreamExhausted as exc:
+            # NOTE: keep serving: what is pending or unread still runs, which is the fix's
+            # first step; only new submissions fail (with this message).
+            logger.error("%s", exc)
+            created = False
+        if created:
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
         self._group_seen = True
+        self._load_functions()
+
+    def _first_contact(self) -> None:
+        """Once Redis answers: refuse to run beside a v1 queue, load the function library."""
+        if self._admin.exists(self.keys.legacy_queue(self.config.queue)):
+            logger.error("%s: stopping", legacy_stream_message(self.keys, self.config.queue))
+            self.request_stop()
+            return
+        self._load_functions()
+
+    def _load_functions(self) -> None:
+        """The submit function library, where it is missing or older (producers FCALL it)."""
+        try:
+            ensure_functions(self._admin)
+        except redis.ResponseError as exc:  # NOPERM under a stricter ACL, mostly
+            logger.warning("cannot load the llmq function library (%s): producers' submits "
+                           "fail until an admin runs `llmq admin load-functions`", exc)
 
     # -- the busy loop ----------------------------------------------------------------------------
 

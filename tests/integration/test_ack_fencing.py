@@ -10,7 +10,8 @@ from llmq.worker.result_writer import ACK_SCRIPT, ack_script_args
 
 pytestmark = pytest.mark.redis
 
-KEYS = [Keys().queue("default"), Keys().handbacks("default"), Keys().dlq("default")]
+KEYS = [Keys().queue("default"), Keys().handbacks("default"), Keys().dlq("default"),
+        Keys().submissions("default")]
 KEY = KEYS[0]
 
 
