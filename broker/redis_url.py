@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio
@@ -61,7 +61,14 @@ class RedisURL:
         elif scheme in SENTINEL_SCHEMES:
             kind = "sentinel"
         else:
-            return cls(url, "single")
+            try:
+                parts = urlsplit(url)
+                nodes = [(parts.hostname, parts.port or 6379)] if parts.hostname else []
+                return cls(url, "single", nodes, unquote(parts.username or "") or None,
+                           None if parts.password is None else unquote(parts.password),
+                           scheme == "rediss")
+            except ValueError as exc:
+                raise _invalid(url, str(exc)) from None
         rest, _, query = rest.partition("?")
         netloc, _, path = rest.partition("/")
         userinfo, at, hosts = netloc.rpartition("@")

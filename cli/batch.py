@@ -29,13 +29,19 @@ from llmq.broker.connection import translate_errors
 from llmq.broker.errors import LLMQError
 from llmq.cli.helpers import echo_json, note, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options, redis_url_option
-from llmq.gateway.batch_store import FINAL_STATUSES, BatchStore, batch_status, batch_summary
+from llmq.gateway.batch_store import (
+    FINAL_STATUSES,
+    BatchStore,
+    batch_status,
+    batch_summary,
+    rq_connection,
+)
 
 _DAY = 24 * 3600
 
 
 def _store(client: Client) -> BatchStore:
-    return BatchStore(client.redis, client.keys)
+    return BatchStore(rq_connection(client.redis), client.keys, client.redis)
 
 
 def _fetch(client: Client, batch_id: str) -> Any:
@@ -235,6 +241,8 @@ def batch_worker(burst: bool, name: str | None, redis_url: str | None) -> None:
     client = Client(redis_url)
     client.ping()  # one clear line now, rather than rq's traceback later
     store = _store(client)
-    worker = Worker([store.queue], connection=client.redis, serializer=store.serializer,
+    # NOTE: the jobs (run_batch, in rq's work horse) find llmq's Redis in the environment.
+    os.environ["LLMQ_REDIS_URL"] = client.url
+    worker = Worker([store.queue], connection=store.rq, serializer=store.serializer,
                     name=name)
     worker.work(burst=burst, logging_level="INFO")

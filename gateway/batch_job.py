@@ -25,6 +25,7 @@ names in `input_key`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ import msgspec
 from llmq.broker.client import Client
 from llmq.broker.protocol import Done
 from llmq.broker.result_reader import FollowerGroup
+from llmq.gateway.batch_store import RQ_URL_VAR
 from llmq.gateway.openai_batch import (
     BatchLine,
     BatchLineError,
@@ -61,7 +63,11 @@ def run_batch(batch_id: str, prefix: str, queue: str, max_in_flight: int, ttl: i
 
     job = get_current_job()
     assert job is not None, "run_batch runs inside an rq job"
-    client = Client(connection=job.connection, prefix=prefix, queue=queue)
+    # NOTE: with rq on a Redis of its own (LLMQ_RQ_REDIS_URL), llmq's traffic goes to
+    # LLMQ_REDIS_URL (a cluster, say); otherwise both share rq's connection.
+    separate = bool(os.environ.get(RQ_URL_VAR, "").strip())
+    client = (Client(prefix=prefix, queue=queue) if separate
+              else Client(connection=job.connection, prefix=prefix, queue=queue))
     try:
         return BatchRun(client, batch_id, job, max_in_flight=max_in_flight, ttl=ttl,
                         tenant=tenant, input_key=input_key).run()

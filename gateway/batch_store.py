@@ -8,15 +8,21 @@ calls it from a thread. rq is imported only when a batch is touched.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import redis
 
-from llmq.broker.errors import LLMQError
+from llmq.broker.connection import connect, is_cluster
+from llmq.broker.errors import BrokerUnavailable, LLMQError
 from llmq.broker.keys import Keys
+from llmq.broker.redis_url import RedisURL
 
-__all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "BatchStore", "batch_status", "batch_summary"]
+__all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "RQ_URL_VAR", "BatchStore", "batch_status",
+           "batch_summary", "rq_connection"]
+
+RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
 
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
 FINAL_STATUSES = ("completed", "cancelled", "failed")
@@ -52,12 +58,35 @@ def batch_summary(job: Any) -> dict[str, Any]:
     return summary
 
 
+def rq_connection(llmq_redis: Any) -> redis.Redis:
+    """The Redis rq keeps its queue and jobs in: `LLMQ_RQ_REDIS_URL` when set, else llmq's own.
+
+    rq runs multi-key transactions over keys without hash tags, so it cannot use a Redis
+    Cluster: there it needs a server (or Sentinel group) of its own. Only rq's keys go there;
+    the batch's input, output and the requests themselves stay with llmq."""
+    url = os.environ.get(RQ_URL_VAR, "").strip()
+    if url:
+        if RedisURL.parse(url).kind == "cluster":
+            raise BrokerUnavailable(f"{RQ_URL_VAR} names a Redis Cluster, which rq cannot use: "
+                                    "give it one server or a Sentinel group")
+        return connect(url)
+    if is_cluster(llmq_redis):
+        raise BrokerUnavailable(
+            f"batches run on rq, which cannot use a Redis Cluster: set {RQ_URL_VAR} to a plain "
+            "Redis (or Sentinel) for rq's jobs; the jobs still submit through the cluster")
+    return llmq_redis
+
+
 class BatchStore:
-    def __init__(self, connection: redis.Redis, keys: Keys) -> None:
+    """`connection`: rq's Redis (`rq_connection`); `data`: llmq's, for the batch's own keys
+    (the same one unless llmq runs on a cluster)."""
+
+    def __init__(self, connection: redis.Redis, keys: Keys, data: Any = None) -> None:
         from rq import Queue
         from rq.serializers import JSONSerializer
 
-        self.redis = connection
+        self.rq = connection
+        self.redis = data if data is not None else connection
         self.keys = keys
         self.serializer = JSONSerializer
         self.queue = Queue(BATCH_QUEUE, connection=connection, serializer=JSONSerializer)
@@ -84,7 +113,7 @@ class BatchStore:
         from rq.job import Job
 
         try:
-            return Job.fetch(batch_id, connection=self.redis, serializer=self.serializer)
+            return Job.fetch(batch_id, connection=self.rq, serializer=self.serializer)
         except (NoSuchJobError, ValueError):
             raise LLMQError(f"unknown batch {batch_id}: no such rq job (batches expire after "
                             "their ttl)") from None
@@ -92,7 +121,7 @@ class BatchStore:
     def fetch_many(self, batch_ids: list[str]) -> list[Any]:
         from rq.job import Job
 
-        return [job for job in Job.fetch_many(batch_ids, connection=self.redis,
+        return [job for job in Job.fetch_many(batch_ids, connection=self.rq,
                                               serializer=self.serializer) if job is not None]
 
     def all_ids(self) -> list[str]:

@@ -38,7 +38,7 @@ _STATUS = {"queued": "validating", "in_progress": "in_progress", "finalizing": "
 
 
 def _store(state: GatewayState) -> BatchStore:
-    return BatchStore(state.sync_redis, state.keys)
+    return BatchStore(state.rq_redis, state.keys, state.sync_redis)
 
 
 def batch_object(job: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import as_str
+from llmq.gateway.batch_store import rq_connection
 from llmq.gateway.errors import APIError
 from llmq.gateway.metrics import GatewayMetrics
 from llmq.gateway.pool_view import PoolView
@@ -37,8 +38,9 @@ class GatewayState:
     settings: GatewaySettings
     client: AsyncClient
     pool: PoolView
-    sync_redis: redis.Redis  # for rq (batches), used from worker threads
+    sync_redis: redis.Redis  # llmq's, for batches (files, results), used from worker threads
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    _rq_redis: redis.Redis | None = None
     # True once the server is stopping: streams it ends then were not left by their clients,
     # so their requests keep running (to be resumed on another replica), not cancelled.
     shutting_down: Callable[[], bool] = lambda: False
@@ -46,6 +48,13 @@ class GatewayState:
     @classmethod
     def of(cls, request: Request) -> GatewayState:
         return request.app.state.gateway
+
+    @property
+    def rq_redis(self) -> redis.Redis:
+        """rq's Redis (`rq_connection`): llmq's own unless it is a cluster."""
+        if self._rq_redis is None:
+            self._rq_redis = rq_connection(self.sync_redis)
+        return self._rq_redis
 
     @property
     def keys(self) -> Any:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import redis
 
 from llmq.broker.commands import stream_entries
+from llmq.broker.connection import is_cluster
 from llmq.broker.keys import GROUP
 from llmq.broker.protocol import as_str
 from llmq.worker.admission import Admission
@@ -118,7 +119,10 @@ class StreamReader:
         """This connection's id, for CLIENT UNBLOCK on stop; 0 when the ACL does not allow
         CLIENT ID (then a read racing the stop is handed back instead)."""
         # NOTE: only this thread uses this client, so its pool holds one connection and this
-        # id is the one the XREADGROUP after it blocks on.
+        # id is the one the XREADGROUP after it blocks on. A cluster client keeps a pool per
+        # node: the id would name some other connection, so none (the hand-back covers it).
+        if is_cluster(self.client):
+            return 0
         try:
             return int(self.client.client_id())
         except redis.ResponseError as e:

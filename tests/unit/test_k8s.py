@@ -22,6 +22,8 @@ import pytest
 import yaml
 
 from llmq.broker.keys import DEFAULT_QUEUE, GROUP, Keys
+from llmq.broker.redis_url import RedisURL
+from tests.fixtures.redis_cluster import MASTER_NAME
 from tests.unit.worker_settings import ROOT, worker_settings
 
 K8S_VERSION = "1.33"  # a Kubernetes release in support; the manifests use only GA APIs
@@ -48,6 +50,11 @@ def base() -> list[dict]:
 @pytest.fixture(scope="module")
 def sentinel() -> list[dict]:
     return render("k8s/overlays/sentinel")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> list[dict]:
+    return render("k8s/overlays/cluster")
 
 
 def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
@@ -84,7 +91,7 @@ def acl_hashes(acl_text: str) -> dict[str, str]:
             for m in re.finditer(r"^user (\S+) .*?#([0-9a-f]{64})", acl_text, re.M)}
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_every_rendered_object_validates_offline(overlay, request):
     # Given the rendered manifests
     objects = request.getfixturevalue(overlay)
@@ -116,7 +123,7 @@ def test_the_keda_schema_rejects_what_keda_would():
         jsonschema.validate(bad, KEDA_SCHEMA)
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_keda_watches_the_stream_and_group_the_workers_consume(overlay, request):
     # Given the rendered ScaledObject and the workers' queue setting
     objects = request.getfixturevalue(overlay)
@@ -175,7 +182,7 @@ def test_worker_logs_in_as_the_worker_acl_user(base):
     assert hashlib.sha256(password.encode()).hexdigest() == acl_hashes(acl)["worker"]
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_env_references_come_after_the_variables_they_expand(overlay, request):
     # Given the worker's env list ($(VAR) expands only variables defined earlier in it)
     seen: set[str] = set()
@@ -279,19 +286,45 @@ def test_redis_runs_the_same_config_and_acl_as_compose(base):
     assert [c["metadata"]["name"] for c in redis["spec"]["volumeClaimTemplates"]] == ["data"]
 
 
+def _env(container: dict) -> dict[str, str | None]:
+    return {v["name"]: v.get("value") for v in container["env"]}
+
+
 def test_sentinel_overlay_swaps_the_redis_not_the_queue(sentinel):
     # Given the Sentinel overlay
     kinds = {o["kind"] for o in sentinel}
     scaled = one(sentinel, "ScaledObject")
-    url = {v["name"]: v.get("value") for v in worker_container(sentinel)["env"]}["LLMQ_REDIS_URL"]
-    # Then no in-cluster Redis is rendered, the workers use the master address, and KEDA asks
-    # the Sentinels for the master of the named set
+    url = RedisURL.parse(_env(worker_container(sentinel))["LLMQ_REDIS_URL"])
+    # Then no in-cluster Redis is rendered, llmq asks the same Sentinels as KEDA for the master
+    # set the tests fail over (tests/cluster/test_sentinel.py)
     assert "StatefulSet" not in kinds
-    assert "@redis-master." in url
+    assert (url.kind, url.master_name, url.username) == ("sentinel", MASTER_NAME, "worker")
     for trigger in scaled["spec"]["triggers"]:
         assert trigger["type"] == "redis-sentinel-streams"
-        assert len(trigger["metadata"]["addresses"].split(",")) >= 3
-        assert trigger["metadata"]["sentinelMaster"]
+        addresses = trigger["metadata"]["addresses"].split(",")
+        assert len(addresses) >= 3
+        assert [f"{h}:{p}" for h, p in url.nodes] == addresses
+        assert trigger["metadata"]["sentinelMaster"] == MASTER_NAME
+
+
+def test_cluster_overlay_points_llmq_and_keda_at_the_cluster_and_rq_beside_it(cluster):
+    # Given the Cluster overlay
+    scaled = one(cluster, "ScaledObject")
+    worker = RedisURL.parse(_env(worker_container(cluster))["LLMQ_REDIS_URL"])
+    # Then the workers and KEDA name the same cluster nodes
+    assert worker.kind == "cluster" and worker.username == "worker"
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["type"] == "redis-cluster-streams"
+        assert trigger["metadata"]["addresses"].split(",") == [
+            f"{h}:{p}" for h, p in worker.nodes]
+    # And the gateway and the batch worker reach the cluster for llmq and a plain Redis for rq
+    # (rq cannot use a cluster): the base's single node, kept for rq's keys only
+    assert one(cluster, "StatefulSet", "llmq-redis")
+    for name in ("llmq-gateway", "llmq-batch-worker"):
+        env = _env(gateway_container(cluster, name))
+        assert RedisURL.parse(env["LLMQ_REDIS_URL"]).kind == "cluster"
+        assert RedisURL.parse(env["LLMQ_RQ_REDIS_URL"]).kind == "single"
+        assert "@llmq-redis:" in env["LLMQ_RQ_REDIS_URL"]
 
 
 # -- the gateway ----------------------------------------------------------------------------------
@@ -301,14 +334,15 @@ def gateway_container(objects: list[dict], name: str = "llmq-gateway") -> dict:
     return one(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_gateway_and_batch_worker_log_in_as_the_gateway_acl_user(overlay, request):
     objects = request.getfixturevalue(overlay)
     acl = (ROOT / "deploy" / "acl.conf").read_text()
     for name in ("llmq-gateway", "llmq-batch-worker"):
         container = gateway_container(objects, name)
         env = {v["name"]: v for v in container["env"]}
-        assert env["LLMQ_REDIS_URL"]["value"].startswith("redis://gateway:$(REDIS_PASSWORD)@")
+        url = RedisURL.parse(env["LLMQ_REDIS_URL"]["value"])
+        assert (url.username, url.password) == ("gateway", "$(REDIS_PASSWORD)")
         ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
         password = secret_data(objects, ref["name"])[ref["key"]]
         assert hashlib.sha256(password.encode()).hexdigest() == acl_hashes(acl)["gateway"]
