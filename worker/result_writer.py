@@ -100,6 +100,19 @@ def ack_script_args(consumer: str, entry_ids: list[str],
     return args
 
 
+_Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+class _Recorder:
+    """Stands in for a pipeline: records the commands queued on it, to group them by node."""
+
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
 @dataclass
 class EntryWrite:
     """Events for one entry from outside the engine (admission, reclaim), optionally final."""
@@ -290,9 +303,7 @@ class ResultWriter:
         sends only the acks, so at-least-once holds without a cross-slot transaction."""
         if self.cluster:
             if batch.events and not batch.events_written:
-                pipe = self.client.pipeline(transaction=False)
-                self.write_events(pipe, batch)
-                self._log_refused(pipe.execute(raise_on_error=False), raise_transient=True)
+                self._write_events_per_node(batch)
             batch.events_written = True
             # NOTE: one script call per slice, not pipelined: a cluster pipeline takes no
             # EVALSHA; a slice is up to 500 acks, so there is rarely more than one.
@@ -320,6 +331,42 @@ class ResultWriter:
                 taken = [protocol.as_str(t) for t in result]
                 logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s",
                                len(taken), "y" if len(taken) == 1 else "ies", taken[:5])
+
+    def _write_events_per_node(self, batch: _Batch) -> None:
+        """A cluster's events: one plain pipeline per node, on that node's own connection.
+
+        NOTE: redis-py's cluster pipeline costs several times a plain one in Python (measured
+        by bench/broker.py: the writer fell behind at half the single-node rate), so the
+        events are grouped by node here; what a node refuses with MOVED or ASK (a slot on the
+        move) is sent again, in order, through the cluster client, which follows redirects."""
+        recorder = _Recorder()
+        self.write_events(recorder, batch)
+        by_node: dict[str, tuple[Any, list[_Call]]] = {}
+        for call in recorder.calls:
+            node = self.client.get_node_from_key(call[1][0])
+            by_node.setdefault(node.name, (node, []))[1].append(call)
+        redirected: list[_Call] = []
+        for node, calls in by_node.values():
+            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            for name, args, kwargs in calls:
+                getattr(pipe, name)(*args, **kwargs)
+            try:
+                results = pipe.execute(raise_on_error=False)
+            except TRANSIENT_ERRORS:
+                self.client.nodes_manager.initialize()  # a failover: learn the new map
+                raise
+            moved = [c for c, r in zip(calls, results, strict=True)
+                     if isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED",
+                                                                                  "ASK"))]
+            redirected += moved
+            self._log_refused([r for r in results if not (
+                isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK")))],
+                raise_transient=True)
+        if redirected:
+            pipe = self.client.pipeline(transaction=False)
+            for name, args, kwargs in redirected:
+                getattr(pipe, name)(*args, **kwargs)
+            self._log_refused(pipe.execute(raise_on_error=False), raise_transient=True)
 
     @staticmethod
     def _log_refused(results: list[Any], *, raise_transient: bool) -> None:
