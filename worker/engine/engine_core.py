@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from llmq.broker.protocol import ErrorCode
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import RequestRejected, Scheduler
+from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,18 @@ def check_token_ids(prompt_token_ids: list[int], stop_token_ids: tuple[int, ...]
                                   f"the vocabulary [0, {vocab_size})")
 
 
+def check_structured_output(manager: StructuredOutputManager,
+                            sampling_params: SamplingParams) -> None:
+    """RequestRejected(invalid_request) naming the problem when the request's schema, regex,
+    choices or grammar cannot be compiled; compiled ones are cached for the model runner."""
+    if sampling_params.structured_output is None:
+        return
+    try:
+        manager.compile(sampling_params.structured_output)
+    except GrammarError as e:
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,8 +87,10 @@ class EngineCore:
             2, config.kv_cache_memory_bytes // loaded.model.kv_cache_bytes_per_block(
                 config.block_size))
         self.clock = clock
+        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.arch.vocab_size)
         self.runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, config.threads,
-                                  eos_token_ids=self.tokenizer.eos_token_ids)
+                                  eos_token_ids=self.tokenizer.eos_token_ids,
+                                  structured_output=self.structured_output)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
@@ -85,6 +101,7 @@ class EngineCore:
         """Queue a request; raises RequestRejected (with a code) when it can never run."""
         # NOTE: empty prompts, duplicate ids and over-long prompts are the scheduler's to refuse.
         check_token_ids(prompt_token_ids, sampling_params.stop_token_ids, self.arch.vocab_size)
+        check_structured_output(self.structured_output, sampling_params)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens)

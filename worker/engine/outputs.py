@@ -67,6 +67,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprobs | None]  # per request; None when not asked for or not sampled
     errors: dict[str, str] = field(default_factory=dict)  # request_id -> why (NaN/inf logits)
+    # request_id -> why its grammar failed (tokens it refused; never expected after the gate)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:

@@ -213,6 +213,11 @@ class Scheduler:
                              f"the model produced invalid logits: {runner.errors[request_id]}")
                 outputs.append(self._make_output(request, [], []))
                 continue
+            if request_id in runner.grammar_errors:
+                self._finish(request, RequestStatus.FINISHED_ERROR, ErrorCode.ENGINE_ERROR,
+                             f"structured output: {runner.grammar_errors[request_id]}")
+                outputs.append(self._make_output(request, [], []))
+                continue
             # NOTE: a token is only sampled once every token so far is computed; anything the
             # runner returns in the middle of a prompt is not a real sample.
             if request.num_computed_tokens < request.num_tokens:
