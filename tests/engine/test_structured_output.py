@@ -204,3 +204,13 @@ def test_real_model_answers_in_the_schema_it_was_given(default_model_f32, defaul
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
     assert "Maria" in json.loads(outs[0].text)["name"]
+
+
+def test_each_of_n_completions_follows_the_schema_on_its_own(tiny_model, tiny_model_path):
+    engine = make_engine(tiny_model, tiny_model_path, block_size=4)
+    outs = engine.generate([PROMPT * 5], schema_params(SCHEMAS[1], max_tokens=200,
+                                                       temperature=1.0, seed=3, n=3))
+    assert [o.index for o in outs] == [0, 1, 2]
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMAS[1])

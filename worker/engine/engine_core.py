@@ -133,22 +133,21 @@ class EngineCore:
         """Run prompts to completion (offline, like vLLM's LLM.generate); outputs in input order.
 
         Each returned output is the finished one: `text`, `usage` and `timings` are set and
-        `new_token_ids` holds every output token.
+        `new_token_ids` holds every output token. A prompt with n > 1 gives n outputs in a row,
+        by `index`.
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
-        ids = [f"generate-{i}" for i in range(len(prompts))]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-            self.add_request(request_id, prompt, params)
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        finished: dict[str, EngineCoreOutput] = {}
-        while len(finished) < len(ids):
+        keys = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            self.add_request(f"generate-{i}", prompt, params)
+            keys += [(f"generate-{i}", index) for index in range(params.n)]
+        tokens: dict[tuple[str, int], list[int]] = {key: [] for key in keys}
+        finished: dict[tuple[str, int], EngineCoreOutput] = {}
+        while len(finished) < len(keys):
             for out in self.step():
-                tokens[out.request_id].extend(out.new_token_ids)
+                key = (out.request_id, out.index)
+                tokens[key].extend(out.new_token_ids)
                 if out.finished:
-                    finished[out.request_id] = out
-        results = []
-        for request_id in ids:
-            out = finished[request_id]
-            results.append(dataclasses.replace(out, new_token_ids=tokens[request_id]))
-        return results
+                    finished[key] = out
+        return [dataclasses.replace(finished[key], new_token_ids=tokens[key]) for key in keys]

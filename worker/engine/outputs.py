@@ -100,6 +100,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    index: int = 0  # which of the request's n completions this is
     finish_reason: str | None = None  # stop | length | cancelled | error; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     error_code: str | None = None  # with finish_reason "error": preempted, numerical, ...
