@@ -33,6 +33,7 @@ __all__ = [
     "ENCODINGS",
     "MAX_DEADLINE_MS",
     "MAX_LOGPROBS",
+    "MAX_N",
     "MAX_MESSAGES",
     "MAX_METADATA_BYTES",
     "MAX_PAYLOAD_BYTES",
@@ -48,12 +49,19 @@ __all__ = [
     "Delta",
     "Done",
     "Encoding",
+    "Choice",
     "Error",
     "ErrorCode",
+    "Guided",
+    "JsonSchema",
     "Event",
     "Message",
     "RejectedEntry",
     "Request",
+    "ResponseFormat",
+    "ResponseFormatJsonObject",
+    "ResponseFormatJsonSchema",
+    "ResponseFormatText",
     "Start",
     "Timings",
     "TokenLogprob",
@@ -88,6 +96,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 64  # stop strings, and separately stop_token_ids
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_N = 64  # completions of one prompt (`n`)
 MAX_METADATA_BYTES = 16_384  # metadata is echoed on the terminal event, so it is kept small
 MAX_MODEL_NAME_LEN = 256
 MAX_PRIORITY = 1_000_000
@@ -128,6 +137,46 @@ class Message(Struct, forbid_unknown_fields=True):
     content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
 
 
+class JsonSchema(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """OpenAI's `response_format.json_schema`: the output is JSON valid under `schema`."""
+
+    name: Annotated[str, Meta(max_length=256)] = "response"
+    schema: dict[str, Any] | bool
+    description: str | None = None
+    strict: bool | None = None  # accepted for OpenAI clients; llmq always enforces the schema
+
+
+class ResponseFormatText(Struct, tag="text", forbid_unknown_fields=True):
+    """No constraint: OpenAI's default."""
+
+
+class ResponseFormatJsonObject(Struct, tag="json_object", forbid_unknown_fields=True):
+    """Any JSON object."""
+
+
+class ResponseFormatJsonSchema(Struct, tag="json_schema", forbid_unknown_fields=True):
+    json_schema: JsonSchema
+
+
+# OpenAI's shapes: {"type": "text"}, {"type": "json_object"},
+# {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}.
+ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema
+
+
+class Guided(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """vLLM-style guided decoding beyond JSON: exactly one of the three."""
+
+    regex: Annotated[str, Meta(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None = None
+    grammar: Annotated[str, Meta(min_length=1)] | None = None  # Lark, or GBNF (llama.cpp)
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("regex", "choice", "grammar") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"`guided` takes exactly one of `regex`, `choice`, `grammar`, "
+                             f"got {' and '.join(given) if given else 'none'}")
+
+
 class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """One generation request, exactly as on the wire (docs/protocol.md lists every field)."""
 
@@ -155,6 +204,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     stream: bool = True  # False: no delta events, only start and the terminal event
     metadata: dict[str, Any] | None = None  # echoed back on the terminal event
     model: Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME_LEN)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions, sampled over one prefill
+    response_format: ResponseFormat | None = None  # OpenAI's shapes
+    guided: Guided | None = None  # regex, choice or grammar
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
@@ -168,6 +220,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` "
                              f"({self.max_tokens})")
+        if self.guided is not None and not isinstance(self.response_format,
+                                                      ResponseFormatText | None):
+            raise ValueError("`response_format` and `guided` both constrain the output: give one")
         if self.metadata is not None:
             size = _metadata_size(self.metadata)
             if size > MAX_METADATA_BYTES:
@@ -197,7 +252,25 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.logprobs,
+            "n": self.n,
         }
+
+    def structured_output(self) -> tuple[str, str] | None:
+        """(kind, spec) of the output constraint, as the engine's StructuredOutputParams takes
+        them (the schema and the choices as JSON text); None when the output is free."""
+        fmt, guided = self.response_format, self.guided
+        if isinstance(fmt, ResponseFormatJsonObject):
+            return "json_object", ""
+        if isinstance(fmt, ResponseFormatJsonSchema):
+            return "json_schema", _json_encoder.encode(fmt.json_schema.schema).decode()
+        if guided is None:
+            return None
+        if guided.regex is not None:
+            return "regex", guided.regex
+        if guided.choice is not None:
+            return "choice", _json_encoder.encode(guided.choice).decode()
+        assert guided.grammar is not None
+        return "grammar", guided.grammar
 
 
 def _metadata_size(metadata: dict[str, Any]) -> int:
@@ -255,6 +328,17 @@ class Delta(_EventBase, tag="delta"):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's `n` completions the text belongs to
+
+
+class Choice(Struct):
+    """One of the `n` completions, on a `done` event of a request with n > 1."""
+
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    completion_tokens: int
+    stop_reason: int | str | None = None
 
 
 class Done(_EventBase, tag="done"):
@@ -266,6 +350,9 @@ class Done(_EventBase, tag="done"):
     timings: Timings
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     metadata: dict[str, Any] | None = None
+    # n > 1: every completion, by index; `text`, `finish_reason`, `stop_reason` are choice 0's
+    # and `usage` counts the prompt once and the completions' tokens together.
+    choices: list[Choice] | None = None
 
 
 class Error(_EventBase, tag="error"):

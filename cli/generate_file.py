@@ -17,7 +17,7 @@ from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.scheduler import RequestRejected
 from llmq.worker.inflight_table import InFlight
-from llmq.worker.result_writer import terminal_event
+from llmq.worker.result_writer import combine_choices, terminal_event
 
 _encoder = msgspec.json.Encoder()
 
@@ -29,7 +29,7 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
     parameters, as it would on the wire.
     """
     processor = InputProcessor(engine.tokenizer, engine.config.max_model_len,
-                               engine.arch.vocab_size)
+                               engine.arch.vocab_size, engine.structured_output)
     results: list[protocol.Event | None] = []
     entries: dict[str, InFlight] = {}
     for line_no, line in enumerate(lines, start=1):
@@ -43,7 +43,7 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
             request_id = request.id or request_id
             processed = processor.process(request)
             entry = InFlight(str(index), request_id, attempt=1, encoding="json",
-                             metadata=request.metadata)
+                             metadata=request.metadata, n=request.n)
             engine.add_request(str(index), processed.prompt_token_ids,
                                processed.sampling_params, priority=processed.priority)
             entries[str(index)] = entry
@@ -54,8 +54,17 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
 
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                results[int(out.request_id)] = terminal_event(entries[out.request_id], out)
+            if not out.finished:
+                continue
+            entry = entries[out.request_id]
+            if entry.n == 1:
+                results[int(out.request_id)] = terminal_event(entry, out)
+                continue
+            entry.finished_choices[out.index] = out
+            if len(entry.finished_choices) == entry.n:
+                choices = [entry.finished_choices[i] for i in range(entry.n)]
+                results[int(out.request_id)] = terminal_event(entry, combine_choices(choices),
+                                                              choices)
     for event in results:
         output.write(_encoder.encode(event).decode() + "\n")
     output.flush()

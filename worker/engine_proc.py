@@ -127,7 +127,8 @@ class Worker:
             state=self.state, faults=self.faults, metrics=self.metrics)
         scheduler = getattr(engine, "scheduler", None)
         max_model_len = getattr(scheduler, "max_model_len", None) or engine.config.max_model_len
-        self.processor = InputProcessor(engine.tokenizer, max_model_len, engine.arch.vocab_size)
+        self.processor = InputProcessor(engine.tokenizer, max_model_len, engine.arch.vocab_size,
+                                        getattr(engine, "structured_output", None))
         self.admission = Admission(
             keys=self.keys, queue_name=config.queue, worker_id=config.worker_id,
             model_name=model_name, table=self.table, processor=self.processor,

@@ -19,6 +19,7 @@ acks landed; if they did, the whole transaction did, and it is not written twice
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -33,7 +34,7 @@ import redis
 from llmq.broker import protocol
 from llmq.broker.keys import GROUP, Keys
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
-from llmq.worker.engine.outputs import EngineCoreOutput
+from llmq.worker.engine.outputs import EngineCoreOutput, Timings, Usage
 from llmq.worker.faults import Faults
 from llmq.worker.inflight_table import InFlight, InFlightTable
 
@@ -181,20 +182,31 @@ class ResultWriter:
             # A peer owns the entry now (lease lost): write nothing more, and forget it once the
             # engine has let go of it. Never ack: the peer's attempt will.
             if output.finished:
-                self.table.pop(entry.entry_id)
+                entry.finished_choices[output.index] = output
+                if len(entry.finished_choices) >= entry.n:
+                    self.table.pop(entry.entry_id)
             return
         key = self.keys.result(entry.request_id)
         if entry.stream and (output.new_token_ids or output.new_text):
             delta = protocol.Delta(
                 request_id=entry.request_id, attempt=entry.attempt, seq=entry.seq,
                 text=output.new_text, token_ids=list(output.new_token_ids),
-                logprobs=_logprobs(output) if output.new_logprobs else None)
+                logprobs=_logprobs(output) if output.new_logprobs else None,
+                index=output.index)
             entry.seq += 1
             self._xadd_event(batch, key, delta, entry.encoding)
         if not output.finished:
             return
+        choices = None
+        if entry.n > 1:
+            # NOTE: one terminal event per attempt, once every completion has finished.
+            entry.finished_choices[output.index] = output
+            if len(entry.finished_choices) < entry.n:
+                return
+            choices = [entry.finished_choices[i] for i in range(entry.n)]
+            output = combine_choices(choices)
         entry.terminal = True
-        self._xadd_event(batch, key, terminal_event(entry, output), entry.encoding)
+        self._xadd_event(batch, key, terminal_event(entry, output, choices), entry.encoding)
         batch.ack_ids.append(entry.entry_id)
         batch.pop_ids.append(entry.entry_id)
         batch.finished.append(output)
@@ -298,8 +310,27 @@ class ResultWriter:
             self.metrics.inc_dead_letters(batch.num_dead_letters)
 
 
-def terminal_event(entry: InFlight, output: EngineCoreOutput) -> protocol.Event:
-    """The `done` or `error` event closing an attempt."""
+def combine_choices(choices: list[EngineCoreOutput]) -> EngineCoreOutput:
+    """The n finished completions of one request as one output: choice 0's text, the first
+    failure if any failed, the prompt counted once, and the spans of the whole request."""
+    first = next((c for c in choices if c.finish_reason == "error"), choices[0])
+    usages = [c.usage for c in choices if c.usage is not None]
+    usage = Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                  usages[0].cached_prompt_tokens) if usages else None
+    spans = [c.timings for c in choices if c.timings is not None]
+    timings = None
+    if spans:
+        gaps = [t.per_token for t in spans if t.per_token]
+        timings = Timings(queue=min(t.queue for t in spans), ttft=min(t.ttft for t in spans),
+                          e2e=max(t.e2e for t in spans),
+                          per_token=sum(gaps) / len(gaps) if gaps else 0.0)
+    return dataclasses.replace(first, usage=usage, timings=timings)
+
+
+def terminal_event(entry: InFlight, output: EngineCoreOutput,
+                   choices: list[EngineCoreOutput] | None = None) -> protocol.Event:
+    """The `done` or `error` event closing an attempt; with n > 1, `output` is
+    `combine_choices(choices)` and the `done` event lists every choice."""
     if output.finish_reason == "error":
         return protocol.Error(
             request_id=entry.request_id, attempt=entry.attempt,
@@ -318,7 +349,11 @@ def terminal_event(entry: InFlight, output: EngineCoreOutput) -> protocol.Event:
             queue=max(0.0, timings.queue), ttft=_nonneg(timings.ttft), e2e=max(0.0, timings.e2e),
             per_token=_nonneg(timings.per_token)) if timings else protocol.Timings(0.0, None, 0.0,
                                                                                    None),
-        stop_reason=output.stop_reason, metadata=entry.metadata)
+        stop_reason=output.stop_reason, metadata=entry.metadata,
+        choices=[protocol.Choice(
+            index=c.index, text=c.text or "", finish_reason=c.finish_reason,  # type: ignore[arg-type]
+            completion_tokens=c.usage.completion_tokens if c.usage else 0,
+            stop_reason=c.stop_reason) for c in choices] if choices else None)
 
 
 def _nonneg(value: float | None) -> float | None:

@@ -6,7 +6,9 @@ errors must never take the engine down; vllm-project/vllm#16529, llama.cpp#12178
 
 - invalid_request    no prompt tokens, a chat template that fails on the messages, a sampling
                      field out of bounds (the protocol decoder checks them first; this re-check
-                     covers values only the engine knows, such as min_tokens vs max_tokens)
+                     covers values only the engine knows, such as min_tokens vs max_tokens), a
+                     `response_format` schema, regex, choice or grammar that cannot compile
+                     (compiled here, off the busy loop; the runner finds it in the cache)
 - prompt_too_long    prompt + one output token exceed the context (`max_model_len`)
 - invalid_token_id   a prompt or stop token id outside the vocabulary
 
@@ -23,9 +25,10 @@ from typing import Any
 import msgspec
 
 from llmq.broker.protocol import Request
-from llmq.worker.engine.engine_core import check_token_ids
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.engine_core import check_structured_output, check_token_ids
+from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.scheduler import RequestRejected
+from llmq.worker.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,13 @@ class ProcessedInput:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.structured_output = structured_output or StructuredOutputManager(tokenizer,
+                                                                              vocab_size)
 
     def process(self, request: Request) -> ProcessedInput:
         """Raises RequestRejected(code, message) for a request the engine must never see."""
@@ -65,6 +71,7 @@ class InputProcessor:
                 {"prompt_tokens": len(prompt_token_ids), "limit": self.max_model_len - 1})
         params = self._sampling_params(request)
         check_token_ids(prompt_token_ids, params.stop_token_ids, self.vocab_size)
+        check_structured_output(self.structured_output, params)
         return ProcessedInput(prompt_token_ids, params, request.priority, texts)
 
     def _prompt(self, request: Request) -> tuple[list[int], list[str]]:
@@ -84,8 +91,10 @@ class InputProcessor:
                               "one of prompt, messages or prompt_token_ids is required")
 
     def _sampling_params(self, request: Request) -> SamplingParams:
+        constraint = request.structured_output()
+        structured = StructuredOutputParams(*constraint) if constraint else None
         try:
-            return SamplingParams(**request.sampling_kwargs())
+            return SamplingParams(**request.sampling_kwargs(), structured_output=structured)
         except (ValueError, TypeError) as e:
             raise RequestRejected("invalid_request", str(e)) from None
 
