@@ -7,6 +7,7 @@ round trips never stall a forward pass. Threads:
     StreamReader   XREADGROUP what fits -> Admission -> inbox          (worker/stream_reader.py)
     LeaseKeeper    renew + fence, XAUTOCLAIM dead peers' work, beat    (worker/lease_keeper.py)
     CancelListener cancel stream -> abort                              (worker/cancel_listener.py)
+    ControlListener control stream -> utility calls -> answers         (worker/control_listener.py)
     busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
     ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
 
@@ -40,6 +41,7 @@ from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
 from llmq.worker.admission import AbortRequests, AddRequest, Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState, connect_redis
 from llmq.worker.cancel_listener import CancelListener
+from llmq.worker.control_listener import ControlListener, UtilityCall
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import RequestRejected
@@ -48,6 +50,7 @@ from llmq.worker.inflight_table import InFlightTable
 from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.stream_reader import StreamReader
+from llmq.worker.utility_calls import UtilityCalls
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +153,10 @@ class Worker:
         self.cancels = CancelListener(
             connect_redis(url, socket_timeout=timeout), self.keys.cancel(config.queue),
             self.table, self.inbox, block_ms=config.read_block_ms, state=self.state)
+        self.controls = ControlListener(
+            connect_redis(url, socket_timeout=timeout), self.keys, config.queue,
+            config.worker_id, self.inbox, state=self.state)
+        self.utility = UtilityCalls(self)
         self.started_ms = int(time.time() * 1000)
         self.draining = False
         self._drain_deadline = 0.0
@@ -176,6 +183,7 @@ class Worker:
         self.writer.start()
         self.keeper.start()
         self.cancels.start()
+        self.controls.start()
         self.reader.start()
         exit_code = self._busy_loop()
         self._shutdown(exit_code)
@@ -276,7 +284,7 @@ class Worker:
     def _dead_threads(self) -> list[str]:
         """IO threads that ended on an unexpected exception (they only end when told to)."""
         threads = {"result writer": self.writer, "lease keeper": self.keeper,
-                   "cancel listener": self.cancels}
+                   "cancel listener": self.cancels, "control listener": self.controls}
         if not self.draining:
             threads["stream reader"] = self.reader
         return [name for name, t in threads.items() if not t.is_alive()]
@@ -329,6 +337,8 @@ class Worker:
             elif isinstance(item, AbortRequests):
                 self.engine.abort(item.entry_ids)
                 aborted = True
+            elif isinstance(item, UtilityCall):
+                self.controls.answer(self.utility.run(item.call))
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -339,6 +349,9 @@ class Worker:
         entry = self.table.get(item.entry_id)
         if entry is None or entry.fenced:
             self.table.pop(item.entry_id)
+            return False
+        if self.utility.sleep_level:
+            self.utility.hand_back_admitted(item.entry_id)  # read just before the sleep
             return False
         try:
             self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
@@ -364,6 +377,7 @@ class Worker:
         self.reader.stop()
         self.keeper.reclaiming = False
         self.cancels.stop()
+        self.controls.stop()
         self.reader.join(self.config.read_block_ms / 1000.0 + 1.0)
         flushed = self.writer.stop(self.config.flush_timeout)
         # NOTE: renewals stop before the hand-back, or one could reset the huge IDLE to 0.
@@ -375,6 +389,7 @@ class Worker:
             self._hand_back(left, forgive=exit_code == EXIT_OK)
         self._unregister()
         self.cancels.join(self.config.read_block_ms / 1000.0 + 1.0)
+        self.controls.join(self.config.read_block_ms / 1000.0 + 1.0)
         if self.health is not None:
             self.health.stop()
         logger.warning("worker %s stopped (exit %d, %d entr%s handed back, events %s)",
@@ -415,6 +430,9 @@ class Worker:
         self.metrics.set_engine_state(s.num_running, s.num_waiting, s.kv_cache_usage,
                                       s.prefix_cache_hit_rate, s.num_preemptions)
         down = self.state.down()
+        if self.utility.sleep_level:
+            self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
+            return
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")
 
@@ -431,7 +449,8 @@ class Worker:
             pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
             heartbeat_ms=int(time.time() * 1000),
             running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
-            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2))
+            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2),
+            sleeping=self.utility.sleep_level)
         return protocol.encode_heartbeat(heartbeat)
 
 

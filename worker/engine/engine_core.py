@@ -92,6 +92,7 @@ class EngineCore:
                                   eos_token_ids=self.tokenizer.eos_token_ids,
                                   structured_output=self.structured_output)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
+        self._profiler = None
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
 
@@ -122,6 +123,58 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # -- utility calls (vLLM v1 EngineCore's reset_prefix_cache, sleep, wake_up, profile) ------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake; 1 when the KV cache is freed; 2 when the weights are too."""
+        return self.runner.sleep_level
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level 2: the weights as well); bytes freed. Every request must be
+        finished or aborted first: nothing can run until `wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("requests are still in the engine: abort them first")
+        # NOTE: the cached prefixes point into the KV cache that is about to go.
+        self.reset_prefix_cache()
+        return self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Reallocate what `sleep` freed (reloading the weights after level 2)."""
+        if self.runner.sleep_level == 2:
+            from llmq.worker.engine.model.default_model import ensure_default_model
+            from llmq.worker.engine.model.loader import load_model
+
+            loaded = load_model(self.config.model or ensure_default_model(), self.config.dtype)
+            self.runner.wake_up(loaded.model)
+        else:
+            self.runner.wake_up()
+
+    def start_profile(self) -> None:
+        """Record torch operator timings of every step until `stop_profile`."""
+        import torch.profiler
+
+        if self._profiler is not None:
+            raise RuntimeError("the profiler is already running")
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self, trace_path: str) -> str:
+        """Stop the profiler and write its Chrome trace (chrome://tracing, Perfetto) there."""
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        profiler.export_chrome_trace(trace_path)
+        return trace_path
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -61,6 +61,7 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         self.structured_output = structured_output
+        self.sleep_level = 0
         self._grammar_errors: dict[str, str] = {}  # request_id -> why its matcher failed
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -135,6 +136,24 @@ class ModelRunner:
         grammar_errors, self._grammar_errors = self._grammar_errors, {}
         return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors,
                                  grammar_errors)
+
+    def sleep(self, level: int) -> int:
+        """Drop the KV cache (level 2: the model too); returns the bytes let go."""
+        freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.kv_caches = []
+        if level == 2:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            freed += sum(t.numel() * t.element_size() for t in tensors)
+            self.model = None
+        self.requests.clear()
+        self.sleep_level = level
+        return freed
+
+    def wake_up(self, model=None) -> None:
+        if model is not None:
+            self.model = model
+        self.kv_caches = self.model.make_kv_caches(self.num_kv_blocks, self.block_size)
+        self.sleep_level = 0
 
     def _start_grammar(self, state: CachedRequestState) -> None:
         params = state.sampling_params.structured_output
