@@ -7,8 +7,9 @@ Input line (https://platform.openai.com/docs/guides/batch):
 
 `url` is /v1/completions (`prompt`: a string, or token ids) or /v1/chat/completions
 (`messages`). Body fields map onto the llmq request (vLLM's extras `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` too); a field llmq cannot honour
-(`n` > 1, `logprobs`, `tools`, `response_format`...) fails the line rather than being ignored.
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` too; `response_format` and
+`n` pass through, so each output body lists `n` choices that follow the format); a field llmq
+cannot honour (`logprobs`, `tools`...) fails the line rather than being ignored.
 
 Output line: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
 null}, the body a `text_completion` or `chat.completion` object with usage. Error line: a request
@@ -42,6 +43,7 @@ _SAMPLING = {
     "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "priority": "priority",
+    "n": "n", "response_format": "response_format",
 }
 _IGNORED = {"user", "metadata", "store", "service_tier"}  # no effect on the generated text
 # Error codes that are the caller's fault get 400, like an API server would answer.
@@ -104,13 +106,12 @@ def _request(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request: dict[str, Any] = {}
     input_field = "messages" if url == CHAT else "prompt"
     for name, value in body.items():
+        if name == "n" and value == 1:
+            continue  # the default
         if name in _SAMPLING:
             request[_SAMPLING[name]] = value
         elif name == "max_completion_tokens" and url == CHAT:
             request["max_tokens"] = value
-        elif name == "n":
-            if value != 1:
-                raise BatchLineError("`n` other than 1 is not supported")
         elif name == "stream":
             if value:
                 raise BatchLineError("`stream` must be false in a batch")
@@ -172,17 +173,20 @@ def output_record(line: BatchLine, request_id: str, done: Done, model: str) -> d
              "total_tokens": done.usage.prompt_tokens + done.usage.completion_tokens,
              "prompt_tokens_details": {"cached_tokens": done.usage.cached_prompt_tokens}}
     model = line.model or model
+    choices = [(c.index, c.text, c.finish_reason) for c in done.choices] if done.choices else [
+        (0, done.text, done.finish_reason)]
     if line.url == CHAT:
         body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
                 "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                             "finish_reason": done.finish_reason, "logprobs": None}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "finish_reason": reason, "logprobs": None}
+                            for i, text, reason in choices],
                 "usage": usage}
     else:
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
                 "model": model,
-                "choices": [{"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-                             "logprobs": None}],
+                "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                            for i, text, reason in choices],
                 "usage": usage}
     return {"id": _record_id(request_id), "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": body},
