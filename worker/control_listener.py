@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from llmq.broker.commands import stream_entries
 from llmq.broker.control import REPLY_TTL_S, ControlCall, ControlReply, decode_call, encode_reply
 from llmq.broker.keys import Keys
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
+from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState
+from llmq.worker.stream_follower import StreamFollower
 
 logger = logging.getLogger(__name__)
 
@@ -36,76 +35,30 @@ class UtilityCall:
     call: ControlCall
 
 
-class ControlListener:
+class ControlListener(StreamFollower):
     def __init__(self, client: redis.Redis, keys: Keys, queue_name: str, worker_id: str,
                  inbox: Any, *, state: ConnectionState) -> None:
-        self.client = client
+        super().__init__(client, keys.control(queue_name), block_ms=ANSWER_BLOCK_MS,
+                         state=state, name="control listener")
         self.keys = keys
-        self.control_key = keys.control(queue_name)
         self.worker_id = worker_id
         self.inbox = inbox
-        self.stop_event = threading.Event()
-        self.backoff = Backoff("control listener", state, stop=self.stop_event)
-        self.last_id: str | None = None
         self._answers: queue.SimpleQueue[ControlReply] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="llmq-control-listener",
-                                        daemon=True)
-
-    def start(self) -> None:
-        try:
-            self.last_id = self._stream_last_id()
-        except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
-            pass  # Redis not there yet: the thread finds the end later
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
 
     def answer(self, reply: ControlReply) -> None:
         """Queue an answer for writing (busy loop)."""
         self._answers.put(reply)
 
-    def _stream_last_id(self) -> str:
-        last = self.client.xrevrange(self.control_key, count=1)
-        if not last:
-            return "0-0"
-        entry_id = last[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    def handle(self, entry_id: str, fields: Any) -> None:
+        call = decode_call(fields)
+        if call is None:
+            logger.warning("control entry %s is not a call: ignored", entry_id)
+        elif call.worker in (None, self.worker_id):
+            logger.info("utility call %s: %s %s", call.call_id, call.method, call.args)
+            self.inbox.put(UtilityCall(call))
 
-    def _run(self) -> None:
-        while not self.stop_event.is_set():
-            try:
-                self._write_answers()
-                if self.last_id is None:
-                    self.last_id = self._stream_last_id()
-                reply = self.client.xread({self.control_key: self.last_id},
-                                          block=ANSWER_BLOCK_MS)
-                self.backoff.succeeded()
-            except TRANSIENT_ERRORS as e:
-                self.backoff.failed(e)
-                continue
-            except redis.ResponseError as e:
-                if "UNBLOCKED" not in str(e):
-                    logger.error("control stream read refused: %s", e)
-                    self.stop_event.wait(1.0)
-                continue
-            for entry_id, fields in stream_entries(reply):
-                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                call = decode_call(fields)
-                if call is None:
-                    logger.warning("control entry %s is not a call: ignored", self.last_id)
-                elif call.worker in (None, self.worker_id):
-                    logger.info("utility call %s: %s %s", call.call_id, call.method, call.args)
-                    self.inbox.put(UtilityCall(call))
-        self._write_answers()
-
-    def _write_answers(self) -> None:
+    def before_read(self) -> None:
+        """Write the answers the busy loop queued."""
         while True:
             try:
                 reply = self._answers.get_nowait()
@@ -117,8 +70,8 @@ class ControlListener:
                 pipe.xadd(key, encode_reply(reply))
                 pipe.expire(key, REPLY_TTL_S)
                 pipe.execute()
-            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
-                # NOTE: an answer is worth a retry, not a lost reader thread.
-                logger.warning("answer to %s not written (%s): retrying", reply.call_id, e)
+            except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+                # NOTE: an answer is worth a retry (after the follower's backoff), not a loss.
+                logger.warning("answer to %s not written yet: retrying", reply.call_id)
                 self._answers.put(reply)
                 raise
