@@ -15,6 +15,7 @@ RULES = {
     "llmq.broker.client": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.aio": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.embedded": ("torch", "llmq.worker", "llmq.cli"),
+    "llmq.broker.control": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.worker.engine.request": ("torch", "redis"),
     "llmq.worker.engine.outputs": ("torch", "redis"),
     "llmq.worker.engine.sampling_params": ("torch", "redis"),
@@ -23,6 +24,9 @@ RULES = {
     "llmq.worker.engine.kv_cache_manager": ("torch", "redis"),
     "llmq.worker.engine.scheduler": ("torch", "redis"),
     "llmq.worker.engine.detokenizer": ("torch", "redis"),
+    # NOTE: the gate compiles grammars with it: only the runner's half needs torch, lazily.
+    "llmq.worker.engine.structured_output": ("torch", "redis", "llmq.broker"),
+    "llmq.worker.engine.input_processor": ("torch", "redis"),
     "llmq.worker.metrics": ("torch", "redis"),
     "llmq.worker.health_server": ("torch", "redis"),
     "llmq.worker.engine.model_runner": ("redis", "llmq.broker"),

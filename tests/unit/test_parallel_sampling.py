@@ -158,3 +158,24 @@ def test_n_beyond_max_num_seqs_or_a_duplicate_id_is_refused():
     with pytest.raises(RequestRejected, match="already"):
         engine.scheduler.add_request(Request("r", [1, 2], engine.scheduler.requests[
             "r#0"].sampling_params))
+
+
+def test_a_parent_whose_prefix_is_all_cached_forks_without_computing_anything():
+    # Given a prompt already served once, its full blocks in the prefix cache
+    engine = ParallelEngine(next_token=per_child)
+    prompt = list(range(300, 318))  # 18 tokens: 4 full blocks of 4 before the last token
+    engine.add(prompt, request_id="first", max_tokens=2)
+    engine.run()
+    # When it is asked for again with n=2
+    engine.add(prompt, request_id="again", max_tokens=3, n=2)
+    engine.run()
+    # Then the parent never ran: the children started from the cached blocks
+    assert all("again" not in s.num_scheduled_tokens for s in engine.steps)
+    finals = engine.finals("again")
+    assert [(o.index, o.usage.cached_prompt_tokens) for o in finals] == [(0, 16), (1, 16)]
+    for i in range(2):
+        def as_child(request_id, num_outputs, context, i=i):
+            return per_child(f"x#{i}", num_outputs, context)
+        _, alone = run_alone(prompt, next_token=as_child, max_tokens=3)
+        assert engine.choice_tokens("again", i) == alone
+    assert engine.all_blocks_free()
