@@ -111,9 +111,10 @@ class Llguidance:
     name = "llguidance"
 
     def __init__(self, tok: Tokenizer) -> None:
+        # NOTE: not llguidance.torch: importing it runs a torch.compile decorator (~4 s here),
+        # which would be counted as tokenizer setup; the raw-pointer API is all llmq uses.
         import llguidance
-        import llguidance.torch as llgt
-        self.llg, self.llgt = llguidance, llgt
+        self.llg = llguidance
         self.tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(LlgTokenizerSource(tok)),
             eos_token=sorted(tok.eos_token_ids))
@@ -132,11 +133,13 @@ class Llguidance:
         return self.llg.LLMatcher(self.tokenizer, compiled, log_level=0)
 
     def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
-        self.llgt.fill_next_token_bitmask_par(
-            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                              bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                              bitmask.shape[0])
 
     def fill_one(self, matcher, bitmask: torch.Tensor, row: int) -> None:
-        self.llgt.fill_next_token_bitmask(matcher, bitmask, row)
+        target = bitmask[row]
+        matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     def accept(self, matcher, token_id: int) -> bool:
         return matcher.consume_token(token_id)
