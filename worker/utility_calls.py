@@ -74,7 +74,12 @@ class UtilityCalls:
         threading.Thread(target=w.reader.unblock, args=(w._admin,), daemon=True,
                          name="llmq-pause-reader").start()
         handed_back = self.hand_back_in_flight()
-        freed = w.engine.sleep(level)
+        try:
+            freed = w.engine.sleep(level)
+        except Exception:
+            w.reader.resume()  # still awake: serve again rather than hang half asleep
+            w.keeper.reclaiming = not w.draining
+            raise
         logger.warning("sleeping at level %d: %d MiB freed, %d request(s) handed back", level,
                        freed >> 20, len(handed_back))
         return {"level": level, "freed_bytes": freed, "handed_back": len(handed_back)}
@@ -120,14 +125,16 @@ class UtilityCalls:
         another thread (the busy loop never waits on Redis)."""
         w = self.worker
         ids = w.table.live_entry_ids()
-        if not ids:
+        every = w.table.entry_ids()  # with entries a peer took over, still in the engine
+        if not every:
             return []
         w.table.fence(ids)
-        w.engine.abort(ids)
+        w.engine.abort(every)
         # NOTE: one step delivers the aborts' outputs; the writer drops fenced entries' events
         # and forgets the entries.
         w.writer.put_step(w.engine.step())
-        self.hand_back(ids)
+        if ids:
+            self.hand_back(ids)
         return ids
 
     def hand_back_admitted(self, entry_id: str) -> None:
