@@ -21,6 +21,13 @@ def per_child(request_id: str, num_outputs: int, context: list[int]) -> int:
     return hash((request_id.rsplit("#", 1)[-1], tuple(context))) % (VOCAB - 1)
 
 
+def solo_tokens(prompt: list[int], index: int, max_tokens: int) -> list[int]:
+    """What completion `index` draws when it runs alone as a plain request."""
+    def as_child(request_id, num_outputs, context):
+        return per_child(f"x#{index}", num_outputs, context)
+    return run_alone(prompt, next_token=as_child, max_tokens=max_tokens)[1]
+
+
 class ParallelEngine(Engine):
     """Collects outputs per (request id, index): n completions share one request id."""
 
@@ -76,10 +83,7 @@ def test_n_completions_share_the_prompt_blocks_computed_once():
     assert engine.all_blocks_free() and not engine.scheduler.has_unfinished_requests()
     # And each equals a plain request that reads the same (unshared) prompt
     for i in range(4):
-        def as_child(request_id, num_outputs, context, i=i):
-            return per_child(f"x#{i}", num_outputs, context)
-        _, alone = run_alone(prompt, next_token=as_child, max_tokens=6)
-        assert engine.choice_tokens("r", i) == alone
+        assert engine.choice_tokens("r", i) == solo_tokens(prompt, i, 6)
     assert request.fork_at == 20
 
 
@@ -141,10 +145,7 @@ def test_children_preempted_for_room_still_give_their_solo_outputs():
     # Then preemption happened and changed nothing
     assert engine.scheduler.num_preemptions > 0
     for i in range(4):
-        def as_child(request_id, num_outputs, context, i=i):
-            return per_child(f"x#{i}", num_outputs, context)
-        _, alone = run_alone(prompt, next_token=as_child, max_tokens=12)
-        assert engine.choice_tokens("r", i) == alone
+        assert engine.choice_tokens("r", i) == solo_tokens(prompt, i, 12)
     assert engine.all_blocks_free()
 
 
@@ -174,8 +175,5 @@ def test_a_parent_whose_prefix_is_all_cached_forks_without_computing_anything():
     finals = engine.finals("again")
     assert [(o.index, o.usage.cached_prompt_tokens) for o in finals] == [(0, 16), (1, 16)]
     for i in range(2):
-        def as_child(request_id, num_outputs, context, i=i):
-            return per_child(f"x#{i}", num_outputs, context)
-        _, alone = run_alone(prompt, next_token=as_child, max_tokens=3)
-        assert engine.choice_tokens("again", i) == alone
+        assert engine.choice_tokens("again", i) == solo_tokens(prompt, i, 3)
     assert engine.all_blocks_free()
