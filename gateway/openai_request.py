@@ -75,6 +75,9 @@ def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIReques
     for name, value in body.items():
         if name in _SAMPLING:
             request[_SAMPLING[name]] = value
+        elif batch and name in ("n", "response_format"):
+            if value is not None and not (name == "n" and value == 1):  # 1: the default
+                request[name] = value
         elif name == "max_completion_tokens" and chat:
             if value is not None:
                 request["max_tokens"] = value

@@ -48,17 +48,23 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 
 def completion_object(endpoint: str, object_id: str, model: str, created: int, done: Done,
                       logprobs: Any = None) -> dict[str, Any]:
-    """A whole `chat.completion` or `text_completion` object for a finished request."""
-    if endpoint == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                  "finish_reason": done.finish_reason, "logprobs": logprobs}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-                  "logprobs": logprobs}
-        kind = "text_completion"
-    return {"id": object_id, "object": kind, "created": created, "model": model,
-            "choices": [choice], "usage": usage_object(done.usage)}
+    """A whole `chat.completion` or `text_completion` object for a finished request: one choice,
+    or with n > 1 every one by index (`logprobs` are choice 0's)."""
+    completions = ([(c.index, c.text, c.finish_reason) for c in done.choices] if done.choices
+                   else [(0, done.text, done.finish_reason)])
+    chat = endpoint == CHAT
+    choices = []
+    for index, text, finish_reason in completions:
+        choice: dict[str, Any] = {"index": index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(finish_reason=finish_reason, logprobs=logprobs if index == 0 else None)
+        choices.append(choice)
+    return {"id": object_id, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": usage_object(done.usage)}
 
 
 def error_status(code: str) -> tuple[int, str]:

@@ -224,6 +224,7 @@ def test_wire_limits_match_the_engines_sampling_params() -> None:
     assert protocol.MAX_STOP_STRINGS == sampling_params.MAX_STOP_STRINGS
     assert protocol.MAX_STOP_STRING_LEN == sampling_params.MAX_STOP_STRING_LEN
     assert protocol.MAX_LOGPROBS == sampling_params.MAX_LOGPROBS
+    assert protocol.MAX_N == sampling_params.MAX_N
 
 
 _near_bounds = st.one_of(st.integers(-3, 3), st.floats(-3, 3),
@@ -234,7 +235,7 @@ _near_bounds = st.one_of(st.integers(-3, 3), st.floats(-3, 3),
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(
     ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "logprobs",
-     "presence_penalty", "frequency_penalty", "repetition_penalty"]), _near_bounds))
+     "presence_penalty", "frequency_penalty", "repetition_penalty", "n"]), _near_bounds))
 def test_every_request_the_wire_accepts_builds_sampling_params(params: dict[str, Any]) -> None:
     # Given any parameters near the bounds, sent as msgpack (which can carry NaN)
     from llmq.worker.engine.sampling_params import SamplingParams
@@ -312,7 +313,7 @@ def test_events_are_plain_json_objects_tagged_by_type() -> None:
     event = Delta("r1", 2, 0, "Hel", [9906])
     assert json.loads(protocol.encode_event(event)["json"]) == {
         "type": "delta", "request_id": "r1", "attempt": 2, "seq": 0, "text": "Hel",
-        "token_ids": [9906], "logprobs": None}
+        "token_ids": [9906], "logprobs": None, "index": 0}
 
 
 def test_minus_infinity_logprobs_travel_as_null_in_json() -> None:
