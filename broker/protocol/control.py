@@ -22,7 +22,7 @@ Methods and their `args`:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -32,6 +32,8 @@ from llmq.broker.protocol.requests import RequestId
 
 __all__ = ["METHODS", "ControlCall", "ControlReply", "decode_call", "decode_reply",
            "encode_call", "encode_reply"]
+
+T = TypeVar("T")
 
 METHODS: tuple[str, ...] = ("reset_prefix_cache", "sleep", "wake_up", "profile", "stats")
 
@@ -66,23 +68,21 @@ def encode_reply(reply: ControlReply) -> dict[str, bytes]:
     return {"json": json_encoder.encode(reply)}
 
 
-def _json_payload(fields: Mapping[Any, Any]) -> bytes | None:
-    items = field_items(fields) if fields else []
-    return items[0][1] if len(items) == 1 and items[0][0] == "json" else None
-
-
 def decode_call(fields: Mapping[Any, Any]) -> ControlCall | None:
     """The call in a control-stream entry; None when the entry is not one (logged by callers)."""
-    payload = _json_payload(fields)
-    try:
-        return _call_decoder.decode(payload) if payload is not None else None
-    except (msgspec.MsgspecError, RecursionError):
-        return None
+    return _decode(_call_decoder, fields)
 
 
 def decode_reply(fields: Mapping[Any, Any]) -> ControlReply | None:
-    payload = _json_payload(fields)
+    return _decode(_reply_decoder, fields)
+
+
+def _decode(decoder: msgspec.json.Decoder[T], fields: Mapping[Any, Any]) -> T | None:
+    """The struct in an entry's one `json` field; None for any other entry."""
+    items = field_items(fields) if fields else []
+    if len(items) != 1 or items[0][0] != "json":
+        return None
     try:
-        return _reply_decoder.decode(payload) if payload is not None else None
+        return decoder.decode(items[0][1])
     except (msgspec.MsgspecError, RecursionError):
         return None

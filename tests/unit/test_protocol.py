@@ -379,3 +379,19 @@ def test_heartbeats_are_flat_string_hashes_that_read_back_typed() -> None:
 
 def test_entry_time_is_the_servers_millisecond_clock() -> None:
     assert protocol.entry_time_ms(b"1796013460689-3") == 1796013460689
+
+
+def test_control_calls_round_trip_and_anything_else_is_not_a_call() -> None:
+    # Given a utility call as `llmq admin` writes it
+    call = protocol.ControlCall(call_id="call-1", method="sleep", args={"level": 1})
+    fields = {k.encode(): v for k, v in protocol.encode_call(call).items()}
+    # Then a worker reads it back as it was
+    assert protocol.decode_call(fields) == call
+    # And entries that are not calls are None: another field, bad JSON, an id that could not
+    # name a key, a missing method
+    for junk in ({b"msgpack": b"\x80"}, {b"json": b"{"},
+                 {b"json": b'{"call_id": "{x}", "method": "stats"}'},
+                 {b"json": b'{"call_id": "call-2"}'}):
+        assert protocol.decode_call(junk) is None
+    reply = protocol.ControlReply(call_id="call-1", worker="w1", ok=True, result={"level": 1})
+    assert protocol.decode_reply(protocol.encode_reply(reply)) == reply
