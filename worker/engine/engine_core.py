@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
@@ -69,7 +70,7 @@ class EngineCore:
                                   eos_token_ids=self.tokenizer.eos_token_ids,
                                   structured_output=self.structured_output)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
-        self._profiler = None
+        self._profiler: Any = None  # torch.profiler.profile while `start_profile` records
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
 

@@ -33,6 +33,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmq.worker.engine.sampling_params import StructuredOutputParams
@@ -130,7 +131,7 @@ class StructuredOutputManager:
         self._template(params)
 
     def matcher(self, params: StructuredOutputParams,
-                output_token_ids: list[int] = ()) -> GrammarMatcher:
+                output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A matcher at the start of the grammar, advanced over tokens already generated (a
         request resumed after preemption); raises GrammarError if those tokens do not fit."""
         matcher = GrammarMatcher(self._template(params).deep_copy())
