@@ -13,7 +13,9 @@ both, no mode flag.
     llmq:cancel:{<queue>}   stream    cancellations every worker of the queue follows (XREAD `$`)
     llmq:hb:{<queue>}       hash      entry id -> times a draining worker handed it back; those
                                       deliveries do not count towards `max_deliveries`
-    llmq:ctl:{<queue>}      stream    control calls to the queue's workers (utility calls)
+    llmq:ctl:{<queue>}      stream    utility calls (reset_prefix_cache, sleep, wake_up, profile,
+                                      stats) every worker of the queue follows (XREAD `$`);
+                                      admin-only (deploy/acl.conf)
     llmq:sub:{<queue>}      hash      entry id -> request id of each submission through the submit
                                       function until it is acked, so one that vanished unread is
                                       still answered (`lost_payload`)
@@ -34,7 +36,7 @@ both, no mode flag.
                                       member whose `llmq:w:` hash has expired is dead and is
                                       removed by whoever notices
     llmq:queues             set       queue names that have a consumer group (for `llmq status`)
-    llmq:ctlr:<call_id>     stream    the answers to one control call
+    llmq:ctlr:<call_id>     stream    the workers' answers to one utility call, with TTL
 
   batch slot, tag = the batch id (the batch job rewrites its output and errors together):
     llmq:batch:{<batch_id>}:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
@@ -151,7 +153,7 @@ class Keys:
         return f"{self.prefix}:sub:{_tag('queue', queue)}"
 
     def control(self, queue: str) -> str:
-        """Control stream of `queue`: utility calls its workers follow."""
+        """Utility-call stream every worker of `queue` follows (admin-only)."""
         return f"{self.prefix}:ctl:{_tag('queue', queue)}"
 
     def idempotency(self, queue: str, request_id: str) -> str:
@@ -193,7 +195,7 @@ class Keys:
         return f"{self.prefix}:queues"
 
     def control_reply(self, call_id: str) -> str:
-        """The workers' answers to one control call."""
+        """Answers to one utility call, one entry per worker."""
         return f"{self.prefix}:ctlr:{validate_name('call_id', call_id)}"
 
     # -- a batch's slot ---------------------------------------------------------------------------

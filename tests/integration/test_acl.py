@@ -64,6 +64,7 @@ Q, R, DLQ, CANCEL = (
 HB = "llmq:hb:{default}"
 FLAG, IDEM, HEARTBEAT = "llmq:x:{req-1}", "llmq:id:{default}:req-1", "llmq:w:worker-1"
 SUB = "llmq:sub:{default}"
+CTL, CTLR = "llmq:ctl:{default}", "llmq:ctlr:call-1"  # utility calls and their answers
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
 ALLOWED = {
@@ -115,6 +116,13 @@ ALLOWED = {
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
+        ("XREVRANGE", CTL, "+", "-", "COUNT", "1"),                # utility calls
+        ("XREAD", "BLOCK", "200", "STREAMS", CTL, "0-0"),
+        ("XADD", CTLR, "*", "json", "{}"), ("EXPIRE", CTLR, "3600"),  # ... their answers
+    ],
+    "admin": [                                # `llmq admin`: the only one who sends calls
+        ("XADD", CTL, "MAXLEN", "~", "1000", "*", "json", "{}"),
+        ("XREAD", "BLOCK", "1000", "STREAMS", CTLR, "0-0"),
     ],
     "gateway": [
         ("PING",), ("CLIENT", "ID"), ("CLIENT", "UNBLOCK", "5"),   # waking its result reader
@@ -166,6 +174,8 @@ DENIED = {
         ("SCRIPT", "LOAD", "return 1"), ("FUNCTION", "LOAD", "#!lua name=x\n"),
         ("FUNCTION", "FLUSH"), ("FCALL", "llmq_submit", "1", "session:42", "json", "{}"),
         ("SUBSCRIBE", "llmq"),
+        ("XADD", CTL, "*", "json", "{}"),         # putting workers to sleep, profiling them
+        ("XREAD", "STREAMS", CTLR, "0"), ("XADD", CTLR, "*", "json", "{}"),
     ],
     "worker": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -179,6 +189,8 @@ DENIED = {
         ("DEL", R), ("DEL", DLQ), ("XRANGE", DLQ, "-", "+"),
         ("XREADGROUP", "GROUP", "workers", "w", "STREAMS", "other:q:default", ">"),
         ("GET", "session:42"),
+        ("XADD", CTL, "*", "json", "{}"),         # calling its peers
+        ("XREAD", "STREAMS", CTLR, "0"), ("DEL", CTL),
     ],
     "gateway": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -196,7 +208,7 @@ DENIED = {
         ("XINFO", "STREAM", Q, "FULL"),           # ... FULL would list entries
         ("XREADGROUP", "GROUP", "workers", "k", "STREAMS", Q, ">"),
         ("XADD", Q, "*", "json", "{}"), ("XACK", Q, "workers", "1-0"),
-        ("XINFO", "GROUPS", "other:q:default"), ("XLEN", R),
+        ("XINFO", "GROUPS", "other:q:default"), ("XLEN", R), ("XADD", CTL, "*", "json", "{}"),
         ("CONFIG", "GET", "*"), ("FLUSHALL",), ("KEYS", "*"),
     ],
     "healthcheck": [("INFO",), ("GET", Q), ("CONFIG", "GET", "*"), ("FLUSHALL",)],

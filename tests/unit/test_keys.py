@@ -81,7 +81,7 @@ def test_valid_names_pass_unchanged(name: str) -> None:
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=lambda n: repr(n)[:20])
 @pytest.mark.parametrize("build", ["queue", "dlq", "cancel", "result", "cancel_flag",
-                                   "legacy_queue", "worker"])
+                                   "legacy_queue", "worker", "control", "control_reply"])
 def test_bad_names_never_become_keys(build: str, name: str) -> None:
     # Given a name with a hash tag, a glob, a newline, or 10k characters
     # When any key is built from it
