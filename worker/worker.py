@@ -196,7 +196,7 @@ class Worker:
 
     def _first_contact(self) -> None:
         """Once Redis answers: refuse to run beside a v1 queue, load the function library."""
-        if self._admin.exists(self.keys.legacy_queue(self.config.queue)):
+        if self.admin.exists(self.keys.legacy_queue(self.config.queue)):
             logger.error("%s: stopping", legacy_stream_message(self.keys, self.config.queue))
             self.request_stop()
             return
@@ -205,7 +205,7 @@ class Worker:
     def _load_functions(self) -> None:
         """The submit function library, where it is missing or older (producers FCALL it)."""
         try:
-            ensure_functions(self._admin)
+            ensure_functions(self.admin)
         except redis.ResponseError as exc:  # NOPERM under a stricter ACL, mostly
             logger.warning("cannot load the llmq function library (%s): producers' submits "
                            "fail until an admin runs `llmq admin load-functions`", exc)
