@@ -15,6 +15,7 @@ import redis
 
 from llmq.broker import protocol
 from llmq.broker.embedded import free_port
+from llmq.broker.keys import Keys
 from tests.integration.worker_harness import WorkerProcess, wait_for, wait_terminal, xadd_json
 
 pytestmark = [pytest.mark.model, pytest.mark.redis]
@@ -46,7 +47,7 @@ def test_readyz_follows_loading_serving_draining_and_metrics_count_a_real_run(
     port = free_port()
     # Given a worker starting on the real model with its metrics port open
     w = WorkerProcess(valkey_server.url, default_model_path, tmp_path, "observed",
-                      drain=30.0, extra=["--metrics-port", str(port), "--max-model-len", "1024",
+                      drain=120.0, extra=["--metrics-port", str(port), "--max-model-len", "1024",
                                          "--kv-cache-memory-bytes", str(64 << 20)]).start()
     try:
         # Then while the model loads, /readyz answers 503 and says why
@@ -76,12 +77,12 @@ def test_readyz_follows_loading_serving_draining_and_metrics_count_a_real_run(
         long_id = "long"
         xadd_json(r, {"id": long_id, "prompt": "Tell a long story.", "max_tokens": 400,
                       "ignore_eos": True, "temperature": 0})
-        wait_for(lambda: r.xlen(f"llmq:r:{long_id}") >= 3, 60, "the long request to stream")
+        wait_for(lambda: r.xlen(Keys().result(long_id)) >= 3, 60, "the long request to stream")
         w.signal(signal.SIGTERM)
         # Then /readyz turns 503 "draining" while the worker finishes it, and it exits 0
         wait_for(lambda: get(port, "/readyz") == (503, "draining\n"), 10,
                  "/readyz to say draining")
-        assert w.wait(60) == 0
+        assert w.wait(150) == 0
         assert isinstance(wait_terminal(r, long_id, 5), protocol.Done)
     finally:
         w.stop()
