@@ -1,0 +1,120 @@
+"""Linear: y = x W^T (+ b), with W held in the forms that are fastest for the step's batch.
+
+References: vLLM `layers/linear.py` (one module per projection, weights loaded in slices into a
+fused matrix), gpt-fast `quantize.py` (`WeightOnlyInt4Linear` over `_weight_int4pack_mm`),
+torch.compile's CPU freezing pass (the oneDNN ops used for the dense form).
+
+Forms, chosen per call by the number of rows (tokens) in x:
+
+- int4 (`--weights native`, GGUF Q4/Q5/Q8 tensors): `Int4Weight`, up to `INT4_MAX_ROWS` rows.
+  A decode step of a few sequences reads the weights once; int4 reads 1/4 of float32's bytes.
+- dense: the weight prepacked for oneDNN in float32 (`fp32`, and `native` above the
+  crossover) or bfloat16 (`bf16`). Above a few rows the GEMM is compute-bound, and on CPUs
+  without AMX float32 oneDNN beats both bfloat16 and the int4 kernel (bench/kernels.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gguf_loader import QuantizedTensor
+from .int4_weight import Int4Weight, can_run_int4, decode_terms
+
+logger = logging.getLogger(__name__)
+
+# NOTE: measured with bench/kernels.py on a 2-vCPU Xeon (AVX-512, no AMX), one thread: the int4
+# kernel wins up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x of float32 oneDNN; M=16:
+# 1.3-1.4x), float32 oneDNN from there on.
+INT4_MAX_ROWS = 8
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # NOTE: torch.empty, not zeros: load_weights overwrites every element, and untouched
+    # pages cost no memory until then.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear(nn.Module):
+    """One projection (or several fused by rows: QKV, gate/up).
+
+    NOTE: oneDNN on a prepacked weight, not F.linear: torch's default float32 GEMM (MKL) runs
+    2-2.5x slower than oneDNN on a prepacked weight, and bfloat16 F.linear re-packs the weight
+    into oneDNN's blocked layout on every call (up to 4x slower for a one-token GEMM).
+    """
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype
+                 ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self._packed: torch.Tensor | None = None
+        self.int4: Int4Weight | None = None
+        self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
+
+    def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
+        """Remember the GGUF blocks of some rows, for `finalize` to build the int4 form."""
+        self._quantized_rows.append((rows or slice(0, self.out_features), tensor))
+
+    def finalize(self, native: bool, keep_dense: bool = False) -> None:
+        """Build the forms once the weights are loaded: int4 from the GGUF blocks (`native`),
+        and the oneDNN-packed dense weight. Unless it is shared (a tied head), the dense copy
+        is freed: the packed one replaces it, and keeping both doubles the weights' RSS."""
+        if native:
+            self.int4 = self._build_int4()
+        self._quantized_rows = []
+        if self._packed is not None or not _onednn_available():
+            return
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if not keep_dense:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _build_int4(self) -> Int4Weight | None:
+        parts = sorted(self._quantized_rows, key=lambda part: part[0].start)
+        qtypes = {tensor.qtype for _, tensor in parts}
+        covered = sum(rows.stop - rows.start for rows, _ in parts)
+        shape = (self.out_features, self.in_features)
+        # NOTE: fused rows of mixed types (Q4_K_M keeps some attn_v in Q6_K) stay dense.
+        if covered != self.out_features or len(qtypes) != 1:
+            return None
+        qtype = qtypes.pop()
+        if not can_run_int4(qtype, shape):
+            return None
+        data = np.concatenate([tensor.data for _, tensor in parts])  # [out, row_bytes]
+        return Int4Weight(decode_terms(qtype, data, shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every form held (the RSS the weights cost)."""
+        dense = self._packed if self._packed is not None else self.weight
+        int4 = self.int4.nbytes if self.int4 is not None else 0
+        return dense.numel() * dense.element_size() + int4
+
+    def input_dtype(self, num_rows: int) -> torch.dtype:
+        """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
+        if self.int4 is not None and num_rows <= INT4_MAX_ROWS:
+            return torch.bfloat16
+        return self.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_rows, in] -> [num_rows, out], in bfloat16 from the int4 form and in the
+        weight's dtype from the dense one (callers cast where they need another)."""
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            y = self.int4(x.to(torch.bfloat16))
+            return y if self.bias is None else y.add_(self.bias)
+        x = x.to(self.weight.dtype)
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self._packed, self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
