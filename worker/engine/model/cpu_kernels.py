@@ -72,6 +72,8 @@ def _build(directory: Path) -> Path | None:
 class CpuKernels:
     """The compiled kernels behind typed Python wrappers; `load()` builds them once."""
 
+    MAX_GROUP = 8  # decode_attention has kernels for up to 8 query heads per kv head
+
     _instance: CpuKernels | None = None
     _tried = False
 
@@ -79,13 +81,14 @@ class CpuKernels:
         i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
         self._decode_attention = _bind(
             library.llmq_decode_attention,
-            [ptr, i64, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32])
+            [ptr, i64, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32],
+            ctypes.c_int32)
         self._add_rms_norm = _bind(library.llmq_add_rms_norm,
                                    [ptr, ptr, i32, ptr, i64, i64, f32, ptr, i32])
         self._silu_mul = _bind(library.llmq_silu_mul, [ptr, i32, i64, i64, ptr, i32])
         self._rope_store = _bind(
             library.llmq_rope_store,
-            [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, ptr, ptr])
+            [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, ptr])
 
     @classmethod
     def load(cls) -> CpuKernels | None:
@@ -120,11 +123,14 @@ class CpuKernels:
         _check(kv_cache, block_tables, seq_lens, out)
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
             raise ValueError("decode_attention: q must be float32 with contiguous rows")
-        self._decode_attention(
+        done = self._decode_attention(
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), _is_bf16(kv_cache),
             block_tables.data_ptr(), seq_lens.data_ptr(), num_seqs, block_tables.shape[1],
             num_heads, num_kv_heads, num_blocks, block_size, head_dim, scale, out.data_ptr(),
             _is_bf16(out))
+        if not done:
+            raise ValueError(f"decode_attention: no kernel for {num_heads // num_kv_heads} "
+                             "query heads per kv head")
         return out
 
     def add_rms_norm(self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
@@ -169,13 +175,13 @@ class CpuKernels:
                          tokens, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
                          cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                          kv_cache.data_ptr(), _is_bf16(kv_cache),
-                         kv_cache.shape[2] * kv_cache.shape[3], q.data_ptr(),
+                         kv_cache.shape[2] * kv_cache.shape[3], kv_cache.shape[3], q.data_ptr(),
                          0 if kv is None else kv.data_ptr())
         return q, kv
 
 
-def _bind(fn, argtypes: list):  # -> the ctypes function, typed
-    fn.argtypes, fn.restype = argtypes, None
+def _bind(fn, argtypes: list, restype=None):  # -> the ctypes function, typed
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 

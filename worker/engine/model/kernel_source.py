@@ -14,6 +14,7 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,6 +38,42 @@ inline void store(bf16* p, int64_t i, float x) {
     }
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch's .to(bfloat16)
     p[i] = (bf16)(u >> 16);
+}
+
+// 16 floats: GCC's vector extension, one zmm with AVX-512, two ymm with AVX2.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
+inline v16 load16(const bf16* p) {
+    h16 h;
+    memcpy(&h, p, 32);
+    u16 w = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &w, 64);
+    return v;
+}
+
+// The sum of 16 lanes by halving (a shuffle tree), not lane by lane.
+inline float hsum(v16 v) {
+    v = v + __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v + __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v + __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v + __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+// x . y over n floats: 16 lanes at a time, then the tail.
+template <typename C>
+inline float dot(const float* x, const C* y, int64_t n) {
+    v16 acc = {};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) acc += load16(x + d) * load16(y + d);
+    float sum = hsum(acc);
+    for (; d < n; ++d) sum += x[d] * load(y, d);
+    return sum;
 }
 
 // Call f with a null pointer of the element type a flag names: float32 (0) or bfloat16 (1).
@@ -71,69 +108,139 @@ inline float silu(float g) {
 
 thread_local std::vector<float> scratch;
 
+// Ask for a block's rows before they are needed: a sequence's blocks lie anywhere in the
+// cache, so the hardware prefetcher cannot guess the next one.
+template <typename C>
+inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) {
+    const char* p = (const char*)rows;
+    const int64_t bytes = block_size * head_dim * (int64_t)sizeof(C);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+// Scores and weighted V of one block for G query heads sharing a kv head, with the running
+// max, sum and output of an online softmax (flash-decoding). kt [head_dim, block_size]: the
+// block's keys transposed; v [block_size, head_dim]; n <= block_size tokens of it are used.
+// G is a template argument so the per-head accumulators live in registers.
+template <int G, typename C>
+void attend_block(const float* qs, const C* kt, const C* v, int64_t n, int64_t block_size,
+                  int64_t head_dim, float* scores, float* acc, float* run_max, float* run_sum) {
+    // scores[g][i] = q_g . k_i: 16 keys per multiply-add, no horizontal sums
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        v16 s[G] = {};
+        if (m == 16) {
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const v16 k = load16(kt + d * block_size + i0);
+                for (int g = 0; g < G; ++g) s[g] += qs[g * head_dim + d] * k;
+            }
+            for (int g = 0; g < G; ++g) memcpy(scores + g * block_size + i0, &s[g], 64);
+        } else {
+            for (int g = 0; g < G; ++g)
+                for (int64_t i = 0; i < m; ++i) {
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; ++d)
+                        dot += qs[g * head_dim + d] * load(kt, d * block_size + i0 + i);
+                    scores[g * block_size + i0 + i] = dot;
+                }
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        float* sg = scores + g * block_size;
+        float mx = run_max[g];
+        for (int64_t i = 0; i < n; ++i) mx = sg[i] > mx ? sg[i] : mx;
+        const float rescale = exp_neg(run_max[g] - mx);  // ~0 on the first block
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            sg[i] = exp_neg(sg[i] - mx);
+            sum += sg[i];
+        }
+        run_max[g] = mx;
+        run_sum[g] = run_sum[g] * rescale + sum;
+        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= rescale;
+    }
+    // acc[g] += sum_i p[g][i] * v_i, 16 dims at a time with the G accumulators in registers
+    int64_t d0 = 0;
+    for (; d0 + 16 <= head_dim; d0 += 16) {
+        v16 a[G];
+        for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, 64);
+        for (int64_t i = 0; i < n; ++i) {
+            const v16 x = load16(v + i * head_dim + d0);
+            for (int g = 0; g < G; ++g) a[g] += scores[g * block_size + i] * x;
+        }
+        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], 64);
+    }
+    for (; d0 < head_dim; ++d0)
+        for (int64_t i = 0; i < n; ++i)
+            for (int g = 0; g < G; ++g)
+                acc[g * head_dim + d0] += scores[g * block_size + i] * load(v, i * head_dim + d0);
+}
+
 // One decode query per sequence, K/V read through the block table where they lie.
-// q [seqs, heads, head_dim] float32 with rows q_stride apart; cache
-// [2, kv_heads, num_blocks, block_size, head_dim]; tables [seqs, max_blocks];
-// out [seqs, heads, head_dim].
-template <typename C, typename O>
+// q [seqs, heads, head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks,
+// block_size * head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks];
+// out [seqs, heads, head_dim]. The blocks two ahead are prefetched while one is worked on.
+template <int G, typename C, typename O>
 void decode_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
                       const int64_t* seq_lens, int64_t seqs, int64_t max_blocks, int64_t heads,
                       int64_t kv_heads, int64_t num_blocks, int64_t block_size,
                       int64_t head_dim, float scale, O* out) {
-    const int64_t group = heads / kv_heads;
     const int64_t head_stride = num_blocks * block_size * head_dim;
-    int64_t max_len = 0;
-    for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-    scratch.resize((size_t)(group * (max_len + 2 * head_dim)));
-    float* scores = scratch.data();            // [group, len]
-    float* qs = scores + group * max_len;      // [group, head_dim]: q * scale
-    float* acc = qs + group * head_dim;        // [group, head_dim]
+    const int64_t block_stride = block_size * head_dim;
+    const int64_t ahead = 2;
+    scratch.resize((size_t)(G * (block_size + 2 * head_dim + 2)));
+    float* scores = scratch.data();              // [G, block_size]
+    float* qs = scores + G * block_size;         // [G, head_dim]: q * scale
+    float* acc = qs + G * head_dim;              // [G, head_dim]
+    float* run_max = acc + G * head_dim;         // [G]
+    float* run_sum = run_max + G;                // [G]
     for (int64_t s = 0; s < seqs; ++s) {
         const int64_t len = seq_lens[s];
+        const int64_t num_used = (len + block_size - 1) / block_size;
         const int64_t* table = tables + s * max_blocks;
         for (int64_t h = 0; h < kv_heads; ++h) {
-            const float* qh = q + s * q_stride + h * group * head_dim;
-            for (int64_t i = 0; i < group * head_dim; ++i) qs[i] = qh[i] * scale;
+            const float* qh = q + s * q_stride + h * G * head_dim;
+            for (int64_t i = 0; i < G * head_dim; ++i) qs[i] = qh[i] * scale;
+            memset(acc, 0, sizeof(float) * G * head_dim);
+            for (int g = 0; g < G; ++g) run_max[g] = -INFINITY, run_sum[g] = 0.0f;
             const C* k_head = cache + h * head_stride;
             const C* v_head = cache + (kv_heads + h) * head_stride;
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const C* k = k_head + slot * head_dim;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float* qg = qs + g * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(k, d);
-                    scores[g * len + t] = dot;
-                }
+            for (int64_t b = 0; b < ahead && b < num_used; ++b) {
+                prefetch_block(k_head + table[b] * block_stride, block_size, head_dim);
+                prefetch_block(v_head + table[b] * block_stride, block_size, head_dim);
             }
-            for (int64_t g = 0; g < group; ++g) {
-                float* sg = scores + g * len;
-                float mx = sg[0];
-                for (int64_t t = 1; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; ++t) {
-                    sg[t] = exp_neg(sg[t] - mx);
-                    sum += sg[t];
+            for (int64_t b = 0; b < num_used; ++b) {
+                if (b + ahead < num_used) {
+                    prefetch_block(k_head + table[b + ahead] * block_stride, block_size, head_dim);
+                    prefetch_block(v_head + table[b + ahead] * block_stride, block_size, head_dim);
                 }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+                const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                    : block_size;
+                attend_block<G>(qs, k_head + table[b] * block_stride,
+                                v_head + table[b] * block_stride, n, block_size, head_dim,
+                                scores, acc, run_max, run_sum);
             }
-            memset(acc, 0, sizeof(float) * group * head_dim);
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const C* v = v_head + slot * head_dim;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float p = scores[g * len + t];
-                    float* ag = acc + g * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * load(v, d);
-                }
+            O* oh = out + (s * heads + h * G) * head_dim;
+            for (int g = 0; g < G; ++g) {
+                const float inv = 1.0f / run_sum[g];
+                for (int64_t d = 0; d < head_dim; ++d)
+                    store(oh, g * head_dim + d, acc[g * head_dim + d] * inv);
             }
-            O* oh = out + (s * heads + h * group) * head_dim;
-            for (int64_t i = 0; i < group * head_dim; ++i) store(oh, i, acc[i]);
         }
+    }
+}
+
+// decode_attention<G> for the group sizes of common models (query heads per kv head).
+template <typename C, typename O, typename... A> bool decode_attention_g(int64_t group, A... a) {
+    switch (group) {
+        case 1: decode_attention<1, C, O>(a...); return true;
+        case 2: decode_attention<2, C, O>(a...); return true;
+        case 3: decode_attention<3, C, O>(a...); return true;
+        case 4: decode_attention<4, C, O>(a...); return true;
+        case 5: decode_attention<5, C, O>(a...); return true;
+        case 6: decode_attention<6, C, O>(a...); return true;
+        case 7: decode_attention<7, C, O>(a...); return true;
+        case 8: decode_attention<8, C, O>(a...); return true;
+        default: return false;
     }
 }
 
@@ -173,7 +280,7 @@ template <typename X, typename C>
 void rope_store(const X* qkv, int64_t qkv_stride, int64_t tokens, int64_t heads,
                 int64_t kv_heads, int64_t head_dim, const int64_t* positions,
                 const float* cos_table, const float* sin_table, const int64_t* slots,
-                C* cache, int64_t num_slots, float* q_out, float* kv_out) {
+                C* cache, int64_t num_slots, int64_t block_size, float* q_out, float* kv_out) {
     const int64_t half = head_dim / 2;
     std::vector<float> row((size_t)head_dim);
     for (int64_t t = 0; t < tokens; ++t) {
@@ -194,11 +301,16 @@ void rope_store(const X* qkv, int64_t qkv_stride, int64_t tokens, int64_t heads,
             }
             if (hh < heads) continue;
             const int64_t kvh = hh - heads;  // K heads, then V heads: the cache's order too
-            C* slot = cache + (kvh * num_slots + slots[t]) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) store(slot, d, dst[d]);
+            // K blocks are [head_dim, block_size] (transposed), V blocks [block_size, head_dim]
+            const bool is_k = kvh < kv_heads;
+            const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+            C* base = cache + (kvh * num_slots + block * block_size) * head_dim;
+            const int64_t step = is_k ? block_size : 1;
+            C* first = base + (is_k ? offset : offset * head_dim);
+            for (int64_t d = 0; d < head_dim; ++d) store(first, d * step, dst[d]);
             if (kv_out) {
                 float* ko = kv_out + (t * 2 * kv_heads + kvh) * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) ko[d] = load((const C*)slot, d);
+                for (int64_t d = 0; d < head_dim; ++d) ko[d] = load((const C*)first, d * step);
             }
         }
     }
@@ -208,16 +320,21 @@ void rope_store(const X* qkv, int64_t qkv_stride, int64_t tokens, int64_t heads,
 
 extern "C" {
 
-void llmq_decode_attention(const float* q, int64_t q_stride, const void* cache,
-                           int32_t cache_bf16, const int64_t* tables, const int64_t* seq_lens,
-                           int64_t seqs, int64_t max_blocks, int64_t heads, int64_t kv_heads,
-                           int64_t num_blocks, int64_t block_size, int64_t head_dim,
-                           float scale, void* out, int32_t out_bf16) {
+// Returns 0 when the group size (heads / kv_heads) has no kernel: the caller falls back.
+int32_t llmq_decode_attention(const float* q, int64_t q_stride, const void* cache,
+                              int32_t cache_bf16, const int64_t* tables, const int64_t* seq_lens,
+                              int64_t seqs, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                              int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                              float scale, void* out, int32_t out_bf16) {
+    bool done = false;
     typed(cache_bf16, [&](auto c) { typed(out_bf16, [&](auto o) {
-        decode_attention(q, q_stride, (decltype(c))cache, tables, seq_lens, seqs, max_blocks,
-                         heads, kv_heads, num_blocks, block_size, head_dim, scale,
-                         (decltype(o))out);
+        using C = std::remove_pointer_t<decltype(c)>;
+        using O = std::remove_pointer_t<decltype(o)>;
+        done = decode_attention_g<C, O>(heads / kv_heads, q, q_stride, (const C*)cache, tables,
+                                        seq_lens, seqs, max_blocks, heads, kv_heads, num_blocks,
+                                        block_size, head_dim, scale, (O*)out);
     }); });
+    return done ? 1 : 0;
 }
 
 void llmq_add_rms_norm(float* h, const void* y, int32_t y_bf16, const float* w, int64_t rows,
@@ -238,10 +355,11 @@ void llmq_rope_store(const void* qkv, int32_t qkv_bf16, int64_t qkv_stride, int6
                      int64_t heads, int64_t kv_heads, int64_t head_dim,
                      const int64_t* positions, const float* cos_table, const float* sin_table,
                      const int64_t* slots, void* cache, int32_t cache_bf16, int64_t num_slots,
-                     float* q_out, float* kv_out) {
+                     int64_t block_size, float* q_out, float* kv_out) {
     typed(qkv_bf16, [&](auto x) { typed(cache_bf16, [&](auto c) {
         rope_store((decltype(x))qkv, qkv_stride, tokens, heads, kv_heads, head_dim, positions,
-                   cos_table, sin_table, slots, (decltype(c))cache, num_slots, q_out, kv_out);
+                   cos_table, sin_table, slots, (decltype(c))cache, num_slots, block_size, q_out,
+                   kv_out);
     }); });
 }
 
