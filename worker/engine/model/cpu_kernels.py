@@ -26,8 +26,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .block_quant import BlockQuant
 from .kernel_source import SOURCE
 
 logger = logging.getLogger(__name__)
@@ -69,10 +71,44 @@ def _build(directory: Path) -> Path | None:
     return target
 
 
+class QuantMatrix:
+    """A BlockQuant laid out for `CpuKernels.quant_matmul`: tiles of 16 rows (zero-padded),
+    each [in / 2, 16] bytes of 4-bit q (byte r of entry p: column 2p of row r in the low
+    nibble, 2p + 1 in the high) or [in, 16] int8, with float32 scales and offsets
+    [in / group, 16] per tile."""
+
+    def __init__(self, bq: BlockQuant) -> None:
+        out_features, in_features = bq.shape
+        self.out_features, self.in_features = out_features, in_features
+        self.group, self.bits = bq.group, bq.bits
+        tiles = -(-out_features // 16)
+        pad = tiles * 16 - out_features
+
+        def tiled(a: np.ndarray) -> torch.Tensor:  # [out, c] -> [tiles, c, 16]
+            a = np.pad(a, ((0, pad), (0, 0)))
+            return torch.from_numpy(np.ascontiguousarray(
+                a.reshape(tiles, 16, -1).transpose(0, 2, 1)))
+
+        q = bq.q.astype(np.uint8)  # int8 keeps its bits
+        if bq.bits == 4:
+            q = q[:, 0::2] | (q[:, 1::2] << 4)  # [out, in / 2]
+        self.q = tiled(q)
+        self.scales, self.offsets = tiled(bq.scales), tiled(bq.offsets)
+
+    @staticmethod
+    def supports(bq: BlockQuant) -> bool:
+        return bq.group % 8 == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+
 class CpuKernels:
     """The compiled kernels behind typed Python wrappers; `load()` builds them once."""
 
     MAX_GROUP = 8  # decode_attention has kernels for up to 8 query heads per kv head
+    MAX_QUANT_ROWS = 8  # quant_matmul has kernels for up to 8 rows
 
     _instance: CpuKernels | None = None
     _tried = False
@@ -86,6 +122,9 @@ class CpuKernels:
         self._add_rms_norm = _bind(library.llmq_add_rms_norm,
                                    [ptr, ptr, i32, ptr, i64, i64, f32, ptr, i32])
         self._silu_mul = _bind(library.llmq_silu_mul, [ptr, i32, i64, i64, ptr, i32])
+        self._quant_matmul = _bind(
+            library.llmq_quant_matmul,
+            [ptr, i64, i64, ptr, i32, ptr, ptr, i64, i64, i64, ptr, i64], ctypes.c_int32)
         self._rope_store = _bind(
             library.llmq_rope_store,
             [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, ptr])
@@ -132,6 +171,19 @@ class CpuKernels:
             raise ValueError(f"decode_attention: no kernel for {num_heads // num_kv_heads} "
                              "query heads per kv head")
         return out
+
+    def quant_matmul(self, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+        """x [rows <= 8, in] float32 -> x W^T [rows, out] float32, in float32 arithmetic."""
+        rows = x.shape[0]
+        y = torch.empty(rows, w.out_features)
+        if x.dtype != torch.float32 or x.stride(1) != 1:
+            raise ValueError("quant_matmul: x must be float32 with contiguous rows")
+        if not self._quant_matmul(x.data_ptr(), x.stride(0), rows, w.q.data_ptr(), w.bits,
+                                  w.scales.data_ptr(), w.offsets.data_ptr(), w.out_features,
+                                  w.in_features, w.group, y.data_ptr(), y.stride(0)):
+            raise ValueError(f"quant_matmul: no kernel for {rows} rows, {w.bits}-bit groups "
+                             f"of {w.group}")
+        return y
 
     def add_rms_norm(self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                      eps: float, out_dtype: torch.dtype) -> torch.Tensor:

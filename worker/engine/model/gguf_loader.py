@@ -9,7 +9,8 @@ llama.cpp's order: the model rotates them with one complex multiply (llama.py `R
 Llama GGUFs store them so already; Qwen2 GGUFs (and HF folders) are permuted into it.
 
 Quantized tensors can be yielded as `QuantizedTensor` (their raw blocks) instead of float32, for
-`--weights native`: the model builds its int4 forms from the blocks and dequantizes the rest.
+`--weights native`: the model builds its quantized forms from the blocks and dequantizes the
+rest.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ References: vLLM `csrc/cpu/attention.cpp` (paged decode attention reading blocks
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <string.h>
 #include <type_traits>
 #include <vector>
@@ -47,6 +50,12 @@ typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
+// NOTE: a shuffle of lane 0 (one vbroadcastss), not `f + v16{}`: without -ffast-math that
+// first adds 0.0 (which would turn -0.0 into +0.0), nor a loop (sixteen masked broadcasts).
+inline v16 splat(float f) {
+    v16 v = {f};
+    return __builtin_shuffle(v, i16{});
+}
 inline v16 load16(const bf16* p) {
     h16 h;
     memcpy(&h, p, 32);
@@ -316,6 +325,107 @@ void rope_store(const X* qkv, int64_t qkv_stride, int64_t tokens, int64_t heads,
     }
 }
 
+
+// 16 quantized weights -> 16 floats. NOTE: intrinsics where AVX-512 is there: GCC widens
+// vector-extension bytes one byte at a time.
+#ifdef __AVX512F__
+inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+inline v16 widen_int8(const uint8_t* p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#else
+inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+    for (int i = 0; i < 16; ++i) lo[i] = (float)(p[i] & 15), hi[i] = (float)(p[i] >> 4);
+}
+inline v16 widen_int8(const uint8_t* p) {
+    v16 w;
+    for (int i = 0; i < 16; ++i) w[i] = (float)(int8_t)p[i];
+    return w;
+}
+#endif
+
+// y[m, n] = sum_k x[m, k] * w[n, k] for a block-quantized w: per group of `group` columns,
+// w = q * scale + offset. Weights come in tiles of 16 rows, vectorised across the rows (as
+// torch's int4 "tinygemm" does): no horizontal sums, and one unpack serves all M rows of x.
+// Tile layout: BITS 4: [K / 2][16] bytes, byte r of entry p holding q[r][2p] (low nibble) and
+// q[r][2p + 1] (high nibble); BITS 8: [K][16] int8. scales, offsets: [groups][16] per tile.
+// x [M, K] float32 (rows x_stride apart), xsum [M, groups] its sums per group; y [M, N]
+// float32 (rows y_stride apart). All arithmetic in float32.
+template <int M, int BITS>
+void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
+                const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
+                int64_t y_stride, int64_t rows) {
+    constexpr int P = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // partial sums: shorter FMA chains
+    const int64_t groups = K / group;
+    v16 acc[M] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group;
+        v16 t[M][P] = {};
+        // NOTE: the partial-sum index is a compile-time constant (an unrolled inner loop), so
+        // t stays in registers. Groups are even and at least 16 wide: P always divides.
+        if (BITS == 4) {
+            for (int64_t p0 = 0; p0 < group / 2; p0 += P) {
+#pragma GCC unroll 4
+                for (int i = 0; i < P; ++i) {
+                    const int64_t p = p0 + i;
+                    v16 lo, hi;
+                    unpack_nibbles(q + (k0 / 2 + p) * 16, lo, hi);
+                    for (int m = 0; m < M; ++m) {
+                        const float* xm = x + m * x_stride + k0 + 2 * p;
+                        t[m][i] += lo * xm[0] + hi * xm[1];
+                    }
+                }
+            }
+        } else {
+            for (int64_t j0 = 0; j0 < group; j0 += P) {
+#pragma GCC unroll 4
+                for (int i = 0; i < P; ++i) {
+                    const v16 w = widen_int8(q + (k0 + j0 + i) * 16);
+                    for (int m = 0; m < M; ++m) t[m][i] += w * x[m * x_stride + k0 + j0 + i];
+                }
+            }
+        }
+        const v16 sc = load16(scales + g * 16), off = load16(offsets + g * 16);
+        for (int m = 0; m < M; ++m) {
+            v16 sum = t[m][0];
+            for (int i = 1; i < P; ++i) sum += t[m][i];
+            acc[m] += sum * sc + off * xsum[m * groups + g];
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = acc[m][r];
+}
+
+template <int M, int BITS>
+void quant_matmul(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
+                  const float* scales, const float* offsets, int64_t N, int64_t K,
+                  int64_t group, float* y, int64_t y_stride) {
+    const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16;
+    const int64_t tile_scales = K / group * 16;
+    for (int64_t n = 0; n < N; n += 16)
+        quant_tile<M, BITS>(x, x_stride, xsum, q + n / 16 * tile_bytes,
+                            scales + n / 16 * tile_scales, offsets + n / 16 * tile_scales,
+                            K, group, y + n, y_stride, N - n < 16 ? N - n : 16);
+}
+
+template <int BITS, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
+    switch (rows) {
+        case 1: quant_matmul<1, BITS>(a...); return true;
+        case 2: quant_matmul<2, BITS>(a...); return true;
+        case 3: quant_matmul<3, BITS>(a...); return true;
+        case 4: quant_matmul<4, BITS>(a...); return true;
+        case 5: quant_matmul<5, BITS>(a...); return true;
+        case 6: quant_matmul<6, BITS>(a...); return true;
+        case 7: quant_matmul<7, BITS>(a...); return true;
+        case 8: quant_matmul<8, BITS>(a...); return true;
+        default: return false;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -361,6 +471,28 @@ void llmq_rope_store(const void* qkv, int32_t qkv_bf16, int64_t qkv_stride, int6
                    cos_table, sin_table, slots, (decltype(c))cache, num_slots, block_size, q_out,
                    kv_out);
     }); });
+}
+
+
+// Returns 0 for shapes with no kernel (rows > 8, or a group the layout does not allow).
+int32_t llmq_quant_matmul(const float* x, int64_t x_stride, int64_t rows, const uint8_t* q,
+                          int32_t bits, const float* scales, const float* mins, int64_t N,
+                          int64_t K, int64_t group, float* y, int64_t y_stride) {
+    if (K % group || group % 8 || (bits != 4 && bits != 8)) return 0;
+    const int64_t groups = K / group;
+    std::vector<float> xsum((size_t)(rows * groups));  // [rows, groups]: sum of x per group
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < group; ++k) s += x[m * x_stride + g * group + k];
+            xsum[m * groups + g] = s;
+        }
+    const bool done = bits == 4
+        ? quant_matmul_m<4>(rows, x, x_stride, xsum.data(), q, scales, mins, N, K, group, y,
+                            y_stride)
+        : quant_matmul_m<8>(rows, x, x_stride, xsum.data(), q, scales, mins, N, K, group, y,
+                            y_stride);
+    return done ? 1 : 0;
 }
 
 }

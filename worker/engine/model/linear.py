@@ -6,11 +6,14 @@ torch.compile's CPU freezing pass (the oneDNN ops used for the dense form).
 
 Forms, chosen per call by the number of rows (tokens) in x:
 
-- int4 (`--weights native`, GGUF Q4/Q5/Q8 tensors): `Int4Weight`, up to `INT4_MAX_ROWS` rows.
-  A decode step of a few sequences reads the weights once; int4 reads 1/4 of float32's bytes.
+- quantized (`--weights native`, GGUF block-quantized tensors), up to `QUANT_MAX_ROWS` rows:
+  a decode step of a few sequences reads each weight once, and 4-bit weights are 1/8 of
+  float32's bytes. With the compiled kernels (cpu_kernels.py) it is a `QuantMatrix`, run in
+  float32 arithmetic (the file's own numbers, exactly); without them torch's int4 kernel
+  (`Int4Weight`, bfloat16 in and out) where the type maps onto it.
 - dense: the weight prepacked for oneDNN in float32 (`fp32`, and `native` above the
   crossover) or bfloat16 (`bf16`). Above a few rows the GEMM is compute-bound, and on CPUs
-  without AMX float32 oneDNN beats both bfloat16 and the int4 kernel (bench/kernels.py).
+  without AMX float32 oneDNN beats both bfloat16 and the int4 kernels (bench/kernels.py).
 """
 
 from __future__ import annotations
@@ -22,15 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_quant import BLOCK_QUANT_TYPES, BlockQuant
+from .cpu_kernels import CpuKernels, QuantMatrix
 from .gguf_loader import QuantizedTensor
-from .int4_weight import Int4Weight, can_run_int4, decode_terms
+from .int4_weight import Int4Weight
 
 logger = logging.getLogger(__name__)
 
-# NOTE: measured with bench/kernels.py on a 2-vCPU Xeon (AVX-512, no AMX), one thread: the int4
-# kernel wins up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x of float32 oneDNN; M=16:
-# 1.3-1.4x), float32 oneDNN from there on.
-INT4_MAX_ROWS = 8
+# NOTE: measured with bench/kernels.py on a 2-vCPU Xeon (AVX-512, no AMX), one thread: the
+# quantized kernels win up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x of float32 oneDNN;
+# M=16: 1.3-1.4x), float32 oneDNN from there on.
+QUANT_MAX_ROWS = 8
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -60,19 +65,25 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._packed: torch.Tensor | None = None
-        self.int4: Int4Weight | None = None
+        self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
+        self._kernels: CpuKernels | None = None
         self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows, for `finalize` to build the int4 form."""
         self._quantized_rows.append((rows or slice(0, self.out_features), tensor))
 
-    def finalize(self, native: bool, keep_dense: bool = False) -> None:
-        """Build the forms once the weights are loaded: int4 from the GGUF blocks (`native`),
-        and the oneDNN-packed dense weight. Unless it is shared (a tied head), the dense copy
-        is freed: the packed one replaces it, and keeping both doubles the weights' RSS."""
+    def finalize(self, native: bool, kernels: CpuKernels | None, keep_dense: bool = False
+                 ) -> None:
+        """Build the forms once the weights are loaded: quantized from the GGUF blocks
+        (`native`), and the oneDNN-packed dense weight. Unless it is shared (a tied head), the
+        dense copy is freed: the packed one replaces it, and keeping both doubles the RSS."""
         if native:
-            self.int4 = self._build_int4()
+            bq = self._block_quant()
+            if bq is not None and kernels is not None and QuantMatrix.supports(bq):
+                self.quant, self._kernels = QuantMatrix(bq), kernels
+            elif bq is not None:
+                self.quant = Int4Weight.from_block_quant(bq)
         self._quantized_rows = []
         if self._packed is not None or not _onednn_available():
             return
@@ -80,38 +91,42 @@ class Linear(nn.Module):
         if not keep_dense:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
-    def _build_int4(self) -> Int4Weight | None:
+    def _block_quant(self) -> BlockQuant | None:
         parts = sorted(self._quantized_rows, key=lambda part: part[0].start)
         qtypes = {tensor.qtype for _, tensor in parts}
         covered = sum(rows.stop - rows.start for rows, _ in parts)
-        shape = (self.out_features, self.in_features)
         # NOTE: fused rows of mixed types (Q4_K_M keeps some attn_v in Q6_K) stay dense.
         if covered != self.out_features or len(qtypes) != 1:
             return None
         qtype = qtypes.pop()
-        if not can_run_int4(qtype, shape):
+        if qtype not in BLOCK_QUANT_TYPES:
             return None
         data = np.concatenate([tensor.data for _, tensor in parts])  # [out, row_bytes]
-        return Int4Weight(decode_terms(qtype, data, shape))
+        return BlockQuant.from_gguf(qtype, data, (self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:
         """Bytes of every form held (the RSS the weights cost)."""
         dense = self._packed if self._packed is not None else self.weight
-        int4 = self.int4.nbytes if self.int4 is not None else 0
-        return dense.numel() * dense.element_size() + int4
+        quant = self.quant.nbytes if self.quant is not None else 0
+        return dense.numel() * dense.element_size() + quant
 
     def input_dtype(self, num_rows: int) -> torch.dtype:
         """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
-        if self.int4 is not None and num_rows <= INT4_MAX_ROWS:
+        if isinstance(self.quant, Int4Weight) and num_rows <= QUANT_MAX_ROWS:
             return torch.bfloat16
-        return self.weight.dtype
+        return torch.float32 if self.quant is not None else self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_rows, in] -> [num_rows, out], in bfloat16 from the int4 form and in the
-        weight's dtype from the dense one (callers cast where they need another)."""
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            y = self.int4(x.to(torch.bfloat16))
+        """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized form,
+        bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers cast
+        where they need another)."""
+        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+            if isinstance(self.quant, QuantMatrix):
+                assert self._kernels is not None
+                y = self._kernels.quant_matmul(x.float(), self.quant)
+            else:
+                y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
         x = x.to(self.weight.dtype)
         if self._packed is not None:

@@ -13,7 +13,7 @@ Every step runs each linear layer once over all scheduled tokens of all sequence
 Precision: `dtype` is the KV cache's. Activations (the residual stream, norms, RoPE) are float32
 except on the all-bfloat16 path (`weights="bf16"` with a bfloat16 cache), which keeps today's
 bfloat16 numerics. `weights` says how the projections are held (linear.py): `native` (GGUF
-int4 kernels for small batches, float32 GEMMs for large ones), `bf16` or `fp32`.
+quantized kernels for small batches, float32 GEMMs for large ones), `bf16` or `fp32`.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
 
         Takes an iterator so a loader can dequantize one tensor at a time. A `QuantizedTensor`
         is dequantized into the dense weight and, with `weights="native"`, also kept for the
-        projection's int4 form. Call it once: afterwards the projections build their forms
+        projection's quantized form. Call it once: afterwards the projections build their forms
         (linear.py) and free the dense copies they no longer need.
         """
         arch = self.arch
@@ -356,6 +356,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"missing {len(missing)} weights, e.g. {missing[:3]}")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.finalize(native, keep_dense=module.weight is self.embed_tokens)
+                module.finalize(native, self.kernels,
+                                keep_dense=module.weight is self.embed_tokens)
         logger.info("weights %s: %.0f MiB in the projections", self.weights,
                     sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
