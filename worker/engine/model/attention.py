@@ -242,20 +242,21 @@ class PagedAttention:
         dtype) is filled and returned as [num_tokens, num_heads * hd]."""
         num_tokens = q.shape[0]
         kv_heads, group, head_dim = self.num_kv_heads, self.group, self.head_dim
-        cache_dtype = kv_cache.dtype
         nd = meta.num_decodes
         if nd and self.kernels is not None and q.dtype == torch.float32:
             # K/V read where they lie, through the block tables: no gather.
             self.kernels.decode_attention(q[:nd], kv_cache, meta.block_tables[:nd],
                                           meta.seq_lens_tensor[:nd], self.scale, out[:nd])
         elif nd:
-            gathered = self._gather(kv_cache, meta.decode_block_ids)
+            # NOTE: in the queries' dtype: float32 queries over a bfloat16 cache attend in
+            # float32, as the compiled kernel does.
+            gathered = self._gather(kv_cache, meta.decode_block_ids).to(q.dtype)
             gathered = gathered.view(2, kv_heads * nd, -1, head_dim)  # [2, kh * nd, ctx, hd]
             # [kv_heads * nd, group, hd]: each (kv head, sequence) is one small matmul batch,
             # so the query heads of a group share their K/V without repeating it.
             qd = q[:nd].view(nd, kv_heads, group, head_dim).transpose(0, 1).reshape(
-                kv_heads * nd, group, head_dim).to(cache_dtype)
-            scores = torch.baddbmm(meta.decode_bias(kv_heads, cache_dtype), qd,
+                kv_heads * nd, group, head_dim)
+            scores = torch.baddbmm(meta.decode_bias(kv_heads, q.dtype), qd,
                                    gathered[0].transpose(1, 2), alpha=self.scale)
             # NOTE: the CPU softmax accumulates in float32 whatever the dtype, like HF's upcast.
             probs = torch.softmax(scores, dim=-1)  # [kv_heads * nd, group, ctx]
