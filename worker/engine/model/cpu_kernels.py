@@ -146,8 +146,8 @@ class CpuKernels:
         except (OSError, subprocess.SubprocessError) as e:
             logger.warning("CPU kernels unavailable: %s", e)
         if cls._instance is None:
-            logger.warning("no C++ compiler for the CPU kernels: decode attention gathers "
-                           "K/V blocks in torch instead (slower, same results)")
+            logger.warning("no CPU kernels (no C++ compiler, or it failed): the engine runs "
+                           "plain torch ops instead (slower, same results to rounding)")
         return cls._instance
 
     def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,

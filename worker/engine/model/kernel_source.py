@@ -85,6 +85,17 @@ inline float dot(const float* x, const C* y, int64_t n) {
     return sum;
 }
 
+inline void store16(float* p, v16 x) { memcpy(p, &x, 64); }
+inline void store16(bf16* p, v16 x) {  // round to nearest even, NaN kept, as store() does
+    u16 u;
+    memcpy(&u, &x, 64);
+    const u16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u16 nan = (u >> 16) | 64u;
+    const u16 r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    const h16 h = __builtin_convertvector(r, h16);
+    memcpy(p, &h, 32);
+}
+
 // Call f with a null pointer of the element type a flag names: float32 (0) or bfloat16 (1).
 template <typename F> void typed(int32_t is_bf16, F f) {
     if (is_bf16) f((bf16*)nullptr); else f((float*)nullptr);
@@ -110,6 +121,33 @@ inline float exp_neg(float x) {
     return p * scale;
 }
 
+// exp_neg on 16 lanes (the same polynomial); round to nearest by the 1.5 * 2^23 trick.
+inline v16 exp_neg16(v16 x) {
+    const v16 lo = splat(-87.0f);
+    x = x < lo ? lo : x;
+    const v16 magic = splat(12582912.0f);
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, 64);
+    return p * scale;
+}
+
+inline v16 silu16(v16 g) {
+    const v16 neg = g < 0.0f ? g : -g;  // -|g|
+    const v16 e = exp_neg16(neg);
+    return g * (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+}
+
 inline float silu(float g) {
     float e = exp_neg(g < 0.0f ? g : -g);  // e^-|g|
     return g * (g < 0.0f ? e : 1.0f) / (1.0f + e);
@@ -126,68 +164,101 @@ inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) 
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-// Scores and weighted V of one block for G query heads sharing a kv head, with the running
-// max, sum and output of an online softmax (flash-decoding). kt [head_dim, block_size]: the
-// block's keys transposed; v [block_size, head_dim]; n <= block_size tokens of it are used.
+inline float hmax(v16 v) {
+    v16 w = __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    v = v > w ? v : w;
+    return v[0];
+}
+
+// s[0..n) <- exp(s - max) / sum, 16 lanes at a time.
+inline void softmax(float* s, int64_t n) {
+    float mx = s[0];
+    int64_t i = 0;
+    if (n >= 16) {
+        v16 m = load16(s);
+        for (i = 16; i + 16 <= n; i += 16) {
+            const v16 x = load16(s + i);
+            m = x > m ? x : m;
+        }
+        mx = hmax(m);
+    }
+    for (; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    v16 vsum = {};
+    float sum = 0.0f;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const v16 e = exp_neg16(load16(s + i) - mx);
+        memcpy(s + i, &e, 64);
+        vsum += e;
+    }
+    for (; i < n; ++i) sum += (s[i] = exp_neg(s[i] - mx));
+    const float inv = 1.0f / (hsum(vsum) + sum);
+    for (i = 0; i + 16 <= n; i += 16) {
+        const v16 e = load16(s + i) * inv;
+        memcpy(s + i, &e, 64);
+    }
+    for (; i < n; ++i) s[i] *= inv;
+}
+
+// Scores of one block for G query heads sharing a kv head. kt [head_dim, block_size]: the
+// block's keys transposed; n <= block_size of them are used; scores[g] gets n entries.
 // G is a template argument so the per-head accumulators live in registers.
 template <int G, typename C>
-void attend_block(const float* qs, const C* kt, const C* v, int64_t n, int64_t block_size,
-                  int64_t head_dim, float* scores, float* acc, float* run_max, float* run_sum) {
-    // scores[g][i] = q_g . k_i: 16 keys per multiply-add, no horizontal sums
+void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
+                  int64_t head_dim, float* scores, int64_t stride) {
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
         const int64_t m = n - i0 < 16 ? n - i0 : 16;
-        v16 s[G] = {};
-        if (m == 16) {
+        if (m == 16) {  // 16 keys per multiply-add, no horizontal sums
+            v16 s[G] = {};
             for (int64_t d = 0; d < head_dim; ++d) {
                 const v16 k = load16(kt + d * block_size + i0);
                 for (int g = 0; g < G; ++g) s[g] += qs[g * head_dim + d] * k;
             }
-            for (int g = 0; g < G; ++g) memcpy(scores + g * block_size + i0, &s[g], 64);
+            for (int g = 0; g < G; ++g) memcpy(scores + g * stride + i0, &s[g], 64);
         } else {
             for (int g = 0; g < G; ++g)
                 for (int64_t i = 0; i < m; ++i) {
                     float dot = 0.0f;
                     for (int64_t d = 0; d < head_dim; ++d)
                         dot += qs[g * head_dim + d] * load(kt, d * block_size + i0 + i);
-                    scores[g * block_size + i0 + i] = dot;
+                    scores[g * stride + i0 + i] = dot;
                 }
         }
     }
-    for (int g = 0; g < G; ++g) {
-        float* sg = scores + g * block_size;
-        float mx = run_max[g];
-        for (int64_t i = 0; i < n; ++i) mx = sg[i] > mx ? sg[i] : mx;
-        const float rescale = exp_neg(run_max[g] - mx);  // ~0 on the first block
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-            sg[i] = exp_neg(sg[i] - mx);
-            sum += sg[i];
-        }
-        run_max[g] = mx;
-        run_sum[g] = run_sum[g] * rescale + sum;
-        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= rescale;
-    }
-    // acc[g] += sum_i p[g][i] * v_i, 16 dims at a time with the G accumulators in registers
+}
+
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], 16 dims at
+// a time with the G accumulators in registers.
+template <int G, typename C>
+void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
+                  float* acc) {
     int64_t d0 = 0;
     for (; d0 + 16 <= head_dim; d0 += 16) {
         v16 a[G];
         for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, 64);
         for (int64_t i = 0; i < n; ++i) {
             const v16 x = load16(v + i * head_dim + d0);
-            for (int g = 0; g < G; ++g) a[g] += scores[g * block_size + i] * x;
+            for (int g = 0; g < G; ++g) a[g] += p[g * stride + i] * x;
         }
         for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], 64);
     }
     for (; d0 < head_dim; ++d0)
         for (int64_t i = 0; i < n; ++i)
             for (int g = 0; g < G; ++g)
-                acc[g * head_dim + d0] += scores[g * block_size + i] * load(v, i * head_dim + d0);
+                acc[g * head_dim + d0] += p[g * stride + i] * load(v, i * head_dim + d0);
 }
 
 // One decode query per sequence, K/V read through the block table where they lie.
 // q [seqs, heads, head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks,
 // block_size * head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks];
-// out [seqs, heads, head_dim]. The blocks two ahead are prefetched while one is worked on.
+// out [seqs, heads, head_dim]. Two passes per (sequence, kv head): scores of every key, one
+// softmax, then the weighted values; the next blocks (and the next pair's first ones) are
+// prefetched while one is worked on: a sequence's blocks lie anywhere in the cache.
 template <int G, typename C, typename O>
 void decode_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
                       const int64_t* seq_lens, int64_t seqs, int64_t max_blocks, int64_t heads,
@@ -196,44 +267,56 @@ void decode_attention(const float* q, int64_t q_stride, const C* cache, const in
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const int64_t block_stride = block_size * head_dim;
     const int64_t ahead = 2;
-    scratch.resize((size_t)(G * (block_size + 2 * head_dim + 2)));
-    float* scores = scratch.data();              // [G, block_size]
-    float* qs = scores + G * block_size;         // [G, head_dim]: q * scale
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    const int64_t stride = (max_len + 15) / 16 * 16;
+    scratch.resize((size_t)(G * (stride + 2 * head_dim)));
+    float* scores = scratch.data();              // [G, stride]
+    float* qs = scores + G * stride;             // [G, head_dim]: q * scale
     float* acc = qs + G * head_dim;              // [G, head_dim]
-    float* run_max = acc + G * head_dim;         // [G]
-    float* run_sum = run_max + G;                // [G]
+    auto k_block = [&](int64_t s, int64_t h, int64_t b) {
+        return cache + h * head_stride + tables[s * max_blocks + b] * block_stride;
+    };
+    auto v_block = [&](int64_t s, int64_t h, int64_t b) {
+        return cache + (kv_heads + h) * head_stride + tables[s * max_blocks + b] * block_stride;
+    };
     for (int64_t s = 0; s < seqs; ++s) {
         const int64_t len = seq_lens[s];
         const int64_t num_used = (len + block_size - 1) / block_size;
-        const int64_t* table = tables + s * max_blocks;
         for (int64_t h = 0; h < kv_heads; ++h) {
             const float* qh = q + s * q_stride + h * G * head_dim;
             for (int64_t i = 0; i < G * head_dim; ++i) qs[i] = qh[i] * scale;
-            memset(acc, 0, sizeof(float) * G * head_dim);
-            for (int g = 0; g < G; ++g) run_max[g] = -INFINITY, run_sum[g] = 0.0f;
-            const C* k_head = cache + h * head_stride;
-            const C* v_head = cache + (kv_heads + h) * head_stride;
-            for (int64_t b = 0; b < ahead && b < num_used; ++b) {
-                prefetch_block(k_head + table[b] * block_stride, block_size, head_dim);
-                prefetch_block(v_head + table[b] * block_stride, block_size, head_dim);
-            }
+            if (s == 0 && h == 0)
+                for (int64_t b = 0; b < ahead && b < num_used; ++b)
+                    prefetch_block(k_block(s, h, b), block_size, head_dim);
             for (int64_t b = 0; b < num_used; ++b) {
-                if (b + ahead < num_used) {
-                    prefetch_block(k_head + table[b + ahead] * block_stride, block_size, head_dim);
-                    prefetch_block(v_head + table[b + ahead] * block_stride, block_size, head_dim);
-                }
+                if (b + ahead < num_used)
+                    prefetch_block(k_block(s, h, b + ahead), block_size, head_dim);
+                else  // the V blocks of this pair come next
+                    prefetch_block(v_block(s, h, b + ahead - num_used), block_size, head_dim);
                 const int64_t n = len - b * block_size < block_size ? len - b * block_size
                                                                     : block_size;
-                attend_block<G>(qs, k_head + table[b] * block_stride,
-                                v_head + table[b] * block_stride, n, block_size, head_dim,
-                                scores, acc, run_max, run_sum);
+                block_scores<G>(qs, k_block(s, h, b), n, block_size, head_dim,
+                                scores + b * block_size, stride);
+            }
+            for (int g = 0; g < G; ++g) softmax(scores + g * stride, len);
+            memset(acc, 0, sizeof(float) * G * head_dim);
+            // the pair after this one: its sequence, its head
+            const int64_t s2 = h + 1 < kv_heads ? s : s + 1, h2 = h + 1 < kv_heads ? h + 1 : 0;
+            const int64_t next_used = s2 < seqs ? (seq_lens[s2] + block_size - 1) / block_size
+                                                : 0;
+            for (int64_t b = 0; b < num_used; ++b) {
+                if (b + ahead < num_used)
+                    prefetch_block(v_block(s, h, b + ahead), block_size, head_dim);
+                else if (b + ahead - num_used < next_used)  // the next pair's first K blocks
+                    prefetch_block(k_block(s2, h2, b + ahead - num_used), block_size, head_dim);
+                const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                    : block_size;
+                block_values<G>(scores + b * block_size, stride, v_block(s, h, b), n, head_dim,
+                                acc);
             }
             O* oh = out + (s * heads + h * G) * head_dim;
-            for (int g = 0; g < G; ++g) {
-                const float inv = 1.0f / run_sum[g];
-                for (int64_t d = 0; d < head_dim; ++d)
-                    store(oh, g * head_dim + d, acc[g * head_dim + d] * inv);
-            }
+            for (int64_t i = 0; i < G * head_dim; ++i) store(oh, i, acc[i]);
         }
     }
 }
@@ -259,15 +342,23 @@ void add_rms_norm(float* h, const Y* y, const float* w, int64_t rows, int64_t di
                   O* out) {
     for (int64_t r = 0; r < rows; ++r) {
         float* hr = h + r * dim;
-        if (y) {
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) hr[d] += load(y + r * dim, d);
-        }
+        O* orow = out + r * dim;
+        v16 vss = {};
         float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t d = 0; d < dim; ++d) ss += hr[d] * hr[d];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int64_t d = 0; d < dim; ++d) store(out + r * dim, d, hr[d] * inv * w[d]);
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16) {
+            v16 x = load16(hr + d);
+            if (y) x += load16(y + r * dim + d);
+            store16(hr + d, x);
+            vss += x * x;
+        }
+        for (; d < dim; ++d) {
+            if (y) hr[d] += load(y + r * dim, d);
+            ss += hr[d] * hr[d];
+        }
+        const float inv = 1.0f / sqrtf((hsum(vss) + ss) / (float)dim + eps);
+        for (d = 0; d + 16 <= dim; d += 16) store16(orow + d, load16(hr + d) * inv * load16(w + d));
+        for (; d < dim; ++d) store(orow, d, hr[d] * inv * w[d]);
     }
 }
 
@@ -276,8 +367,11 @@ template <typename G, typename O>
 void silu_mul(const G* gate_up, int64_t rows, int64_t dim, O* out) {
     for (int64_t r = 0; r < rows; ++r) {
         const G* g = gate_up + r * 2 * dim;
-        for (int64_t d = 0; d < dim; ++d)
-            store(out + r * dim, d, silu(load(g, d)) * load(g, dim + d));
+        O* orow = out + r * dim;
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16)
+            store16(orow + d, silu16(load16(g + d)) * load16(g + dim + d));
+        for (; d < dim; ++d) store(orow, d, silu(load(g, d)) * load(g, dim + d));
     }
 }
 
