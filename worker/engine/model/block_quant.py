@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import gguf
 import numpy as np
+import torch
 
 Q = gguf.GGMLQuantizationType
 BLOCK_QUANT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0})
@@ -65,6 +66,27 @@ class BlockQuant:
         return cls(q.astype(np.int8).reshape(out_features, in_features),
                    scales.astype(np.float32).reshape(out_features, groups),
                    offsets.astype(np.float32).reshape(out_features, groups), group, bits)
+
+
+class QuantizedEmbedding:
+    """Rows of a block-quantized embedding, dequantized on lookup (as gguf-py would: exact),
+    so the table is never held dense: 1/4 of float32's bytes for a Q8_0 table."""
+
+    def __init__(self, bq: BlockQuant) -> None:
+        self.group = bq.group
+        self.q = torch.from_numpy(bq.q)  # [vocab, hidden] int8
+        self.scales = torch.from_numpy(bq.scales)  # [vocab, hidden / group] float32
+        self.offsets = torch.from_numpy(bq.offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] -> [n, hidden] float32."""
+        n, hidden = ids.shape[0], self.q.shape[1]
+        q = self.q[ids].float().view(n, -1, self.group)  # [n, groups, group]
+        return (q * self.scales[ids][..., None] + self.offsets[ids][..., None]).view(n, hidden)
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:

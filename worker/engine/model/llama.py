@@ -27,6 +27,7 @@ from torch import nn
 
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
+from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
 from .cpu_kernels import CpuKernels
 from .gguf_loader import QuantizedTensor
 from .linear import Linear, _param
@@ -180,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(arch.vocab_size, arch.hidden_size, False, weight_dtype)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
+        # native: a quantized embedding is looked up from its blocks, not a dense table
+        self.embed_quant: QuantizedEmbedding | None = None
         self.rotary = Rotary(arch.head_dim, arch.rope_theta)
         # The fused paged path (float32 activations) runs on the compiled CPU kernels; without
         # them (no compiler) or on the bfloat16 path, the same steps run as torch ops.
@@ -213,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         eps, act_dtype = self.arch.rms_norm_eps, self.act_dtype
         freqs = self.rotary.freqs(positions)  # [num_tokens, 1, head_dim / 2] complex64
         # NOTE: a fresh tensor (embedding output), so the residual adds below go in place.
-        h = F.embedding(input_ids, self.embed_tokens).to(act_dtype)  # [num_tokens, hidden]
+        h = self.embed(input_ids).to(act_dtype)  # [num_tokens, hidden]
         for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_layernorm, eps)  # [num_tokens, hidden_size]
             q, kv = layer.self_attn.qkv(x, freqs, act_dtype)
@@ -240,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(max(meta.seq_lens))  # [positions, head_dim / 2]
         with_kv = bool(meta.prefills)  # only prefills read this step's K/V outside the cache
         layers = self._layers
-        h = F.embedding(input_ids, self.embed_tokens).float()  # [n, hidden] residual stream
+        h = self.embed(input_ids).float()  # [n, hidden] residual stream
         first = layers[0]
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
@@ -260,6 +263,12 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = kernels.add_rms_norm(h, mlp.down_proj(act), self.norm, eps, torch.float32)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [n] -> a fresh [n, hidden_size] tensor (the residual adds go in place)."""
+        if self.embed_quant is not None:
+            return self.embed_quant(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -349,14 +358,23 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, QuantizedTensor):
                 if native and linear is not None:
                     linear.add_quantized(rows, tensor)
+                if (native and param is self.embed_tokens
+                        and tensor.qtype in BLOCK_QUANT_TYPES):
+                    self.embed_quant = QuantizedEmbedding(
+                        BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape))
                 tensor = tensor.dequantize()
             dest.copy_(tensor)
         if targets:
             missing = sorted(targets)
             raise ValueError(f"missing {len(missing)} weights, e.g. {missing[:3]}")
+        # NOTE: the dense table stays only where lookups still need it; the tied head then
+        # keeps just its packed copy.
+        keep_embedding = self.embed_quant is None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(native, self.kernels,
-                                keep_dense=module.weight is self.embed_tokens)
+                                keep_dense=keep_embedding and module.weight is self.embed_tokens)
+        if not keep_embedding:
+            self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         logger.info("weights %s: %.0f MiB in the projections", self.weights,
                     sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
