@@ -71,13 +71,30 @@ def _build(directory: Path) -> Path | None:
     return target
 
 
+class QMat(ctypes.Structure):
+    """The kernels' view of a QuantMatrix (kernel_source.py `QMat`)."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """One layer for `CpuKernels.decode_layers` (kernel_source.py `DecoderLayer`)."""
+
+    _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("cache", ctypes.c_void_p)]
+
+
 class QuantMatrix:
     """A BlockQuant laid out for `CpuKernels.quant_matmul`: tiles of 16 rows (zero-padded),
     each [in / 2, 16] bytes of 4-bit q (byte r of entry p: column 2p of row r in the low
     nibble, 2p + 1 in the high) or [in, 16] int8, with float32 scales and offsets
-    [in / group, 16] per tile."""
+    [in / group, 16] per tile; plus the projection's bias, which the kernel adds."""
 
-    def __init__(self, bq: BlockQuant) -> None:
+    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = bq.shape
         self.out_features, self.in_features = out_features, in_features
         self.group, self.bits = bq.group, bq.bits
@@ -94,6 +111,10 @@ class QuantMatrix:
             q = q[:, 0::2] | (q[:, 1::2] << 4)  # [out, in / 2]
         self.q = tiled(q)
         self.scales, self.offsets = tiled(bq.scales), tiled(bq.offsets)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+                           0 if self.bias is None else self.bias.data_ptr(), out_features,
+                           in_features, bq.group, bq.bits, 0)
 
     @staticmethod
     def supports(bq: BlockQuant) -> bool:
@@ -122,9 +143,12 @@ class CpuKernels:
         self._add_rms_norm = _bind(library.llmq_add_rms_norm,
                                    [ptr, ptr, i32, ptr, i64, i64, f32, ptr, i32])
         self._silu_mul = _bind(library.llmq_silu_mul, [ptr, i32, i64, i64, ptr, i32])
-        self._quant_matmul = _bind(
-            library.llmq_quant_matmul,
-            [ptr, i64, i64, ptr, i32, ptr, ptr, i64, i64, i64, ptr, i64], ctypes.c_int32)
+        self._quant_matmul = _bind(library.llmq_quant_matmul,
+                                   [ptr, i64, i64, ptr, ptr, i64], ctypes.c_int32)
+        self._decode_layers = _bind(
+            library.llmq_decode_layers,
+            [ptr, i64, ptr, i64, i64, i64, ptr, f32, i64, i64, i64, i64, i64, i32, ptr, ptr,
+             ptr, ptr, ptr, i64, ptr, f32, ptr], ctypes.c_int32)
         self._rope_store = _bind(
             library.llmq_rope_store,
             [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, ptr])
@@ -178,12 +202,32 @@ class CpuKernels:
         y = torch.empty(rows, w.out_features)
         if x.dtype != torch.float32 or x.stride(1) != 1:
             raise ValueError("quant_matmul: x must be float32 with contiguous rows")
-        if not self._quant_matmul(x.data_ptr(), x.stride(0), rows, w.q.data_ptr(), w.bits,
-                                  w.scales.data_ptr(), w.offsets.data_ptr(), w.out_features,
-                                  w.in_features, w.group, y.data_ptr(), y.stride(0)):
+        if not self._quant_matmul(x.data_ptr(), x.stride(0), rows, ctypes.byref(w.struct),
+                                  y.data_ptr(), y.stride(0)):
             raise ValueError(f"quant_matmul: no kernel for {rows} rows, {w.bits}-bit groups "
                              f"of {w.group}")
         return y
+
+    def decode_layers(self, layers: ctypes.Array, h: torch.Tensor, intermediate_size: int,
+                      final_norm: torch.Tensor, eps: float, num_heads: int,
+                      kv_cache: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Every layer of a decode step of rows <= 8 sequences in one call (DecoderLayer array,
+        one per layer, all projections QuantMatrix). h [rows, hidden] float32: the embedded
+        tokens, updated in place. kv_cache: layer 0's cache (all share its shape and dtype).
+        Returns the final-normed hidden states, or None if some shape has no kernel."""
+        rows, hidden = h.shape
+        _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        out = torch.empty(rows, hidden)
+        _check(h, final_norm, positions, cos, sin, slot_mapping, block_tables, seq_lens)
+        done = self._decode_layers(
+            layers, len(layers), h.data_ptr(), rows, hidden, intermediate_size,
+            final_norm.data_ptr(), eps, num_heads, kv_heads, head_dim, num_blocks, block_size,
+            _is_bf16(kv_cache), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            seq_lens.data_ptr(), scale, out.data_ptr())
+        return out if done else None
 
     def add_rms_norm(self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                      eps: float, out_dtype: torch.dtype) -> torch.Tensor:

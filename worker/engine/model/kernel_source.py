@@ -520,6 +520,88 @@ template <int BITS, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
     }
 }
 
+
+// A block-quantized projection as the fused decode step sees it (QuantMatrix in Python).
+struct QMat {
+    const uint8_t* q;
+    const float* scales;
+    const float* offsets;
+    const float* bias;  // or null
+    int64_t out_features, in_features, group;
+    int32_t bits, unused;
+};
+
+// y = x W^T (+ bias) for rows <= 8; false for shapes with no kernel.
+bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, float* y,
+              int64_t y_stride) {
+    const int64_t K = w.in_features, group = w.group, N = w.out_features;
+    if (K % group || group % 8 || (w.bits != 4 && w.bits != 8)) return false;
+    const int64_t groups = K / group;
+    std::vector<float> xsum((size_t)(rows * groups));  // [rows, groups]: sum of x per group
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < group; ++k) s += x[m * x_stride + g * group + k];
+            xsum[m * groups + g] = s;
+        }
+    const bool done = w.bits == 4
+        ? quant_matmul_m<4>(rows, x, x_stride, xsum.data(), w.q, w.scales, w.offsets, N, K,
+                            group, y, y_stride)
+        : quant_matmul_m<8>(rows, x, x_stride, xsum.data(), w.q, w.scales, w.offsets, N, K,
+                            group, y, y_stride);
+    if (done && w.bias)
+        for (int64_t m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * y_stride + n] += w.bias[n];
+    return done;
+}
+
+struct DecoderLayer {
+    QMat qkv, o, gate_up, down;
+    const float* input_norm;
+    const float* post_norm;
+    void* cache;  // [2, kv_heads, num_blocks, block_size * head_dim]
+};
+
+// A whole decode step for rows <= 8 sequences, every projection block-quantized: the layers
+// of llama.py's `_run_fused` in one call, no Python between the ops. h [rows, hidden] float32
+// is the embedded tokens (updated in place: the residual stream); out [rows, hidden] gets the
+// final-normed hidden states.
+template <typename C>
+bool decode_layers(const DecoderLayer* layers, int64_t num_layers, float* h, int64_t rows,
+                   int64_t hidden, int64_t inter, const float* final_norm, float eps,
+                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+                   int64_t block_size, const int64_t* positions, const float* cos_table,
+                   const float* sin_table, const int64_t* slots, const int64_t* tables,
+                   int64_t max_blocks, const int64_t* seq_lens, float scale, float* out) {
+    const int64_t q_dim = heads * head_dim, qkv_dim = q_dim + 2 * kv_heads * head_dim;
+    const int64_t wide = hidden > inter ? hidden : inter;
+    std::vector<float> x((size_t)(rows * wide)), qkv((size_t)(rows * qkv_dim));
+    std::vector<float> q((size_t)(rows * q_dim)), o((size_t)(rows * q_dim));
+    std::vector<float> gate_up((size_t)(rows * 2 * inter)), y((size_t)(rows * hidden));
+    add_rms_norm(h, (const float*)nullptr, layers[0].input_norm, rows, hidden, eps, x.data());
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const DecoderLayer& L = layers[l];
+        C* cache = (C*)L.cache;
+        if (!quant_mm(x.data(), hidden, rows, L.qkv, qkv.data(), qkv_dim)) return false;
+        rope_store(qkv.data(), qkv_dim, rows, heads, kv_heads, head_dim, positions, cos_table,
+                   sin_table, slots, cache, num_blocks * block_size, block_size, q.data(),
+                   (float*)nullptr);
+        if (!decode_attention_g<C, float>(heads / kv_heads, q.data(), q_dim, (const C*)cache,
+                                          tables, seq_lens, rows, max_blocks, heads, kv_heads,
+                                          num_blocks, block_size, head_dim, scale, o.data()))
+            return false;
+        if (!quant_mm(o.data(), q_dim, rows, L.o, y.data(), hidden)) return false;
+        add_rms_norm(h, y.data(), L.post_norm, rows, hidden, eps, x.data());
+        if (!quant_mm(x.data(), hidden, rows, L.gate_up, gate_up.data(), 2 * inter)) return false;
+        silu_mul(gate_up.data(), rows, inter, x.data());
+        if (!quant_mm(x.data(), inter, rows, L.down, y.data(), hidden)) return false;
+        const bool last = l + 1 == num_layers;
+        add_rms_norm(h, y.data(), last ? final_norm : layers[l + 1].input_norm, rows, hidden,
+                     eps, last ? out : x.data());
+    }
+    return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -568,24 +650,29 @@ void llmq_rope_store(const void* qkv, int32_t qkv_bf16, int64_t qkv_stride, int6
 }
 
 
-// Returns 0 for shapes with no kernel (rows > 8, or a group the layout does not allow).
-int32_t llmq_quant_matmul(const float* x, int64_t x_stride, int64_t rows, const uint8_t* q,
-                          int32_t bits, const float* scales, const float* mins, int64_t N,
-                          int64_t K, int64_t group, float* y, int64_t y_stride) {
-    if (K % group || group % 8 || (bits != 4 && bits != 8)) return 0;
-    const int64_t groups = K / group;
-    std::vector<float> xsum((size_t)(rows * groups));  // [rows, groups]: sum of x per group
-    for (int64_t m = 0; m < rows; ++m)
-        for (int64_t g = 0; g < groups; ++g) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < group; ++k) s += x[m * x_stride + g * group + k];
-            xsum[m * groups + g] = s;
-        }
-    const bool done = bits == 4
-        ? quant_matmul_m<4>(rows, x, x_stride, xsum.data(), q, scales, mins, N, K, group, y,
-                            y_stride)
-        : quant_matmul_m<8>(rows, x, x_stride, xsum.data(), q, scales, mins, N, K, group, y,
-                            y_stride);
+// Returns 0 for shapes with no kernel (rows > 8, groups not a multiple of 8).
+int32_t llmq_quant_matmul(const float* x, int64_t x_stride, int64_t rows, const QMat* w,
+                          float* y, int64_t y_stride) {
+    return quant_mm(x, x_stride, rows, *w, y, y_stride) ? 1 : 0;
+}
+
+// Returns 0 (having done nothing usable) when some shape has no kernel.
+int32_t llmq_decode_layers(const DecoderLayer* layers, int64_t num_layers, float* h,
+                           int64_t rows, int64_t hidden, int64_t inter, const float* final_norm,
+                           float eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t num_blocks, int64_t block_size, int32_t cache_bf16,
+                           const int64_t* positions, const float* cos_table,
+                           const float* sin_table, const int64_t* slots, const int64_t* tables,
+                           int64_t max_blocks, const int64_t* seq_lens, float scale,
+                           float* out) {
+    bool done = false;
+    typed(cache_bf16, [&](auto c) {
+        using C = std::remove_pointer_t<decltype(c)>;
+        done = decode_layers<C>(layers, num_layers, h, rows, hidden, inter, final_norm, eps,
+                                heads, kv_heads, head_dim, num_blocks, block_size, positions,
+                                cos_table, sin_table, slots, tables, max_blocks, seq_lens,
+                                scale, out);
+    });
     return done ? 1 : 0;
 }
 

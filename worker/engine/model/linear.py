@@ -81,7 +81,7 @@ class Linear(nn.Module):
         if native:
             bq = self._block_quant()
             if bq is not None and kernels is not None and QuantMatrix.supports(bq):
-                self.quant, self._kernels = QuantMatrix(bq), kernels
+                self.quant, self._kernels = QuantMatrix(bq, self.bias), kernels
             elif bq is not None:
                 self.quant = Int4Weight.from_block_quant(bq)
         self._quantized_rows = []
@@ -122,11 +122,10 @@ class Linear(nn.Module):
         bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers cast
         where they need another)."""
         if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
-            if isinstance(self.quant, QuantMatrix):
+            if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
                 assert self._kernels is not None
-                y = self._kernels.quant_matmul(x.float(), self.quant)
-            else:
-                y = self.quant(x.to(torch.bfloat16))
+                return self._kernels.quant_matmul(x.float(), self.quant)
+            y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
         x = x.to(self.weight.dtype)
         if self._packed is not None:

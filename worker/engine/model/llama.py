@@ -18,6 +18,7 @@ quantized kernels for small batches, float32 GEMMs for large ones), `bf16` or `f
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Iterable
 
@@ -28,9 +29,9 @@ from torch import nn
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
-from .cpu_kernels import CpuKernels
+from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
 from .gguf_loader import QuantizedTensor
-from .linear import Linear, _param
+from .linear import QUANT_MAX_ROWS, Linear, _param
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         # native: a quantized embedding is looked up from its blocks, not a dense table
         self.embed_quant: QuantizedEmbedding | None = None
+        # native with the kernels: small decode steps run every layer in one kernel call
+        self._one_call = False
+        self._one_call_layers: tuple[tuple[int, ...], ctypes.Array] | None = None
         self.rotary = Rotary(arch.head_dim, arch.rope_theta)
         # The fused paged path (float32 activations) runs on the compiled CPU kernels; without
         # them (no compiler) or on the bfloat16 path, the same steps run as torch ops.
@@ -244,6 +248,16 @@ class LlamaForCausalLM(nn.Module):
         with_kv = bool(meta.prefills)  # only prefills read this step's K/V outside the cache
         layers = self._layers
         h = self.embed(input_ids).float()  # [n, hidden] residual stream
+        if self._one_call and meta.num_decodes == meta.num_seqs and n <= QUANT_MAX_ROWS:
+            # NOTE: a few decodes: the whole step in one kernel call. The ~9 calls a layer
+            # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step.
+            out = kernels.decode_layers(
+                self._decoder_layers(kv_caches), h, arch.intermediate_size, self.norm, eps,
+                arch.num_heads, kv_caches[0], meta.positions, cos, sin, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens_tensor, self.paged_attention.scale)
+            if out is None:
+                raise RuntimeError("decode_layers: a shape checked at load has no kernel")
+            return out
         first = layers[0]
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
@@ -263,6 +277,21 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = kernels.add_rms_norm(h, mlp.down_proj(act), self.norm, eps, torch.float32)
         return x
+
+    def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
+        """The layers as the one-call kernel reads them, built once per set of caches."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._one_call_layers is None or self._one_call_layers[0] != key:
+            structs = []
+            for layer, cache in zip(self._layers, kv_caches, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                structs.append(DecoderLayer(
+                    *(p.quant.struct for p in projections),  # type: ignore[union-attr]
+                    layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
+                    cache.data_ptr()))
+            self._one_call_layers = (key, (DecoderLayer * len(structs))(*structs))
+        return self._one_call_layers[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [n] -> a fresh [n, hidden_size] tensor (the residual adds go in place)."""
@@ -376,5 +405,9 @@ class LlamaForCausalLM(nn.Module):
                                 keep_dense=keep_embedding and module.weight is self.embed_tokens)
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
+        self._one_call = (self.kernels is not None and self.paged_attention.kernels is not None
+                          and all(isinstance(p.quant, QuantMatrix) for layer in self._layers
+                                  for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)))
         logger.info("weights %s: %.0f MiB in the projections", self.weights,
                     sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
