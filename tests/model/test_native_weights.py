@@ -102,6 +102,25 @@ def test_the_compiled_path_and_the_torch_path_agree(tiny_model_path, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
 
 
+@needs_kernels
+def test_a_decode_step_in_one_kernel_call_equals_the_step_op_by_op(tiny_model_path):
+    # Given the native tiny model, and a copy that runs its decode steps op by op
+    one_call = load_model(tiny_model_path, "bfloat16", weights="native").model
+    op_by_op = load_model(tiny_model_path, "bfloat16", weights="native").model
+    assert one_call._one_call
+    op_by_op._one_call = False
+
+    # When both decode 5 prompts (5 rows: within the one-call kernel's 8)
+    prompts = random_prompts(one_call.arch.vocab_size, [4, 30, 11, 1, 18])
+    ours, our_logits = greedy_paged(one_call, prompts, 10)
+    theirs, their_logits = greedy_paged(op_by_op, prompts, 10)
+
+    # Then the tokens and the logits are the same (the same kernels, in the same order)
+    assert ours == theirs
+    for a, b in zip(our_logits, their_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
 # ---- the default model ------------------------------------------------------------------------
 
 
