@@ -33,11 +33,11 @@ run: install model
 	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
 test: install model redis-server
-	$(BIN)/ruff check broker worker cli tests bench
+	$(BIN)/ruff check broker worker cli gateway tests bench
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check broker worker cli tests bench
+	$(BIN)/ruff check broker worker cli gateway tests bench
 
 bench: install model
 	$(BIN)/python bench/model.py

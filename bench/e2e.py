@@ -95,8 +95,7 @@ def start_worker(url: str, args: argparse.Namespace, model_path: str, log: Path
             "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "LLMQ_FAULT": ""})
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 
 
 def main() -> None:

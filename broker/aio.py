@@ -7,33 +7,39 @@
 
 Only the IO differs: commands are built and replies parsed by `llmq.broker.commands`, events are
 folded by `Transcript`, and requests validated by the worker's own decoder, as in the sync client.
+Any number of `events()` may run at once: one reader follows every result stream on a few
+connections (`llmq.broker.aio_result_reader`), and transient failures are retried as in `Client`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
 
+from llmq.broker.aio_result_reader import AsyncResultReader
 from llmq.broker.client import _ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
     RETRY_SCRIPT,
-    SUBMIT_SCRIPT,
     DeadLetterEntry,
+    Followed,
     QueueStats,
     ResultFollower,
     as_str,
     dead_letter_to_retry,
+    group_created,
     parse_dead_letters,
     parse_heartbeats,
+    queue_group_creation,
 )
-from llmq.broker.connection import connect_async, translate_errors
-from llmq.broker.errors import RequestFailed
-from llmq.broker.keys import GROUP
+from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
+from llmq.broker.errors import BrokerError, RequestFailed
+from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions_async
 from llmq.broker.protocol import (
     Done,
     Encoding,
@@ -41,11 +47,14 @@ from llmq.broker.protocol import (
     Event,
     WorkerHeartbeat,
 )
+from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
 
 __all__ = ["AsyncClient"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class AsyncClient(_ClientBase):
@@ -61,13 +70,19 @@ class AsyncClient(_ClientBase):
         request_ttl: int = DEFAULT_REQUEST_TTL,
         settings: BrokerSettings | None = None,
         connection: redis.asyncio.Redis | None = None,
+        retry_timeout: float | None = DEFAULT_RETRY_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client_name: str | None = None,
     ) -> None:
-        self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection)
+        self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection,
+                        retry_timeout)
         self._owns_connection = connection is None
-        self.redis: redis.asyncio.Redis = (connection if connection is not None
-                                           else connect_async(self.url))
-        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self.redis: redis.asyncio.Redis = (
+            connection if connection is not None
+            else connect_async(self.url, max_connections=max_connections,
+                               client_name=client_name))
         self._retry_script = self.redis.register_script(RETRY_SCRIPT)
+        self.reader = AsyncResultReader(self.redis, self.url, self._policy)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -76,12 +91,24 @@ class AsyncClient(_ClientBase):
         await self.close()
 
     async def close(self) -> None:
+        await self.reader.aclose()
         if self._owns_connection:
             await self.redis.aclose()
 
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """await fn() with the retries and error translation of `Client.call`."""
+        deadline, backoff = self._policy.deadline(), Backoff()
+        while True:
+            try:
+                result = await fn()
+            except redis.RedisError as exc:
+                await asyncio.sleep(self._retrying(exc, deadline, backoff))
+                continue
+            self._policy.reached = True
+            return result
+
     async def ping(self) -> None:
-        with translate_errors(self.url):
-            await self.redis.ping()
+        await self.call(self.redis.ping)
 
     async def submit(
         self,
@@ -95,44 +122,50 @@ class AsyncClient(_ClientBase):
     ) -> str:
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            await self._ensure_group_once(queue)
-            if submission.request_id is None:
-                reply = await self.redis.xadd(self.keys.queue(queue),
-                                              {submission.encoding: submission.payload})
-            else:
-                keys, args = self._script_args(submission, queue)
-                reply = await self._submit_script(keys=keys, args=args)
-        return self._submitted_id(submission, reply)
+        await self._ensure_group_once(queue)
+
+        async def send() -> Any:
+            return await self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+
+        return self._submitted_id(submission, await self._submitting(send, queue))
 
     async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                           queue: str | None = None) -> list[str]:
         submissions = self._submissions(requests)
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            await self._ensure_group_once(queue)
+        await self._ensure_group_once(queue)
+
+        async def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                if submission.request_id is None:
-                    pipe.xadd(self.keys.queue(queue), {submission.encoding: submission.payload})
-                else:
-                    keys, args = self._script_args(submission, queue)
-                    await self._submit_script(keys=keys, args=args, client=pipe)
-            replies = await pipe.execute()
+                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+            return await pipe.execute()
+
+        replies = await self._submitting(send, queue)
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
+
+    async def _submitting(self, send: Callable[[], Awaitable[T]], queue: str) -> T:
+        """send() through `call`, loading the function library once if the server lacks it."""
+        while True:
+            try:
+                return await self.call(send)
+            except BrokerError as exc:
+                failure = self._submit_failed(exc, queue)
+                if failure is not None:
+                    raise failure from None
+                try:
+                    await self.call(lambda: ensure_functions_async(self.redis))
+                except BrokerError as load_error:
+                    logger.info("could not load the function library: %s", load_error)
 
     async def ensure_group(self, queue: str | None = None) -> bool:
         queue = self._queue(queue)
-        key = self.keys.queue(queue)
-        with translate_errors(self.url):
-            try:
-                await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
-                created = True
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-                created = False
-            await self.redis.sadd(self.keys.queues(), queue)
+        async def create() -> bool:
+            pipe = self.redis.pipeline(transaction=False)
+            queue_group_creation(pipe, self.keys, queue)
+            return group_created(await pipe.execute(raise_on_error=False), self.keys, queue)
+
+        created = await self.call(create)
         self._groups_ready.add(queue)
         return created
 
@@ -142,12 +175,14 @@ class AsyncClient(_ClientBase):
 
     async def events(self, request_id: str, *, timeout: float | None = None
                      ) -> AsyncIterator[Event]:
-        follower = ResultFollower(self.keys, request_id, timeout)
-        with translate_errors(self.url):
-            while not follower.finished:
-                reply = await self.redis.xread(**follower.next_read())
-                for event in follower.events(reply):
-                    yield event
+        async for followed in self.follow(request_id, timeout=timeout):
+            yield followed.event
+
+    async def follow(self, request_id: str, *, timeout: float | None = None,
+                     after: str | None = None) -> AsyncIterator[Followed]:
+        follower = ResultFollower(self.keys, request_id, timeout, after=after)
+        async for followed in self.reader.follow(follower):
+            yield followed
 
     async def result(self, request_id: str, timeout: float | None = None) -> Done:
         async for event in self.events(request_id, timeout=timeout):
@@ -159,55 +194,67 @@ class AsyncClient(_ClientBase):
 
     async def cancel(self, request_id: str, *, queue: str | None = None) -> None:
         queue = self._queue(queue)
-        with translate_errors(self.url):
+
+        async def send() -> None:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_cancel(pipe, request_id, queue)
             await pipe.execute()
 
+        await self.call(send)
+
     async def stats(self, queue: str | None = None) -> QueueStats:
         queue = self._queue(queue)
-        with translate_errors(self.url):
+
+        async def read() -> QueueStats:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, await pipe.execute(raise_on_error=False))
 
+        return await self.call(read)
+
     async def queues(self) -> list[str]:
-        with translate_errors(self.url):
-            return sorted(as_str(m) for m in await self.redis.smembers(self.keys.queues()))
+        members = await self.call(lambda: self.redis.smembers(self.keys.queues()))
+        return sorted(as_str(m) for m in members)
 
     async def workers(self) -> list[WorkerHeartbeat]:
-        with translate_errors(self.url):
+        async def read() -> list[WorkerHeartbeat]:
             worker_ids = [as_str(m) for m in await self.redis.zrange(self.keys.workers(), 0, -1)]
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in worker_ids:
                 pipe.hgetall(self.keys.worker(worker_id))
-            hashes = await pipe.execute()
-            live, dead = parse_heartbeats(worker_ids, hashes)
+            live, dead = parse_heartbeats(worker_ids, await pipe.execute())
             if dead:
-                await self.redis.zrem(self.keys.workers(), *dead)
-        return live
+                try:
+                    await self.redis.zrem(self.keys.workers(), *dead)
+                except redis.exceptions.NoPermissionError:
+                    pass  # a user that may only read the registry still sees the live ones
+            return live
+
+        return await self.call(read)
 
     async def dead_letters(self, queue: str | None = None, *,
                            count: int = 100) -> list[DeadLetterEntry]:
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            entries = await self.redis.xrange(self.keys.dlq(queue), count=count)
+        entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), count=count))
         return parse_dead_letters(entries)
 
     async def retry_dead_letter(self, dlq_entry_id: str, *, queue: str | None = None) -> str:
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            entries = await self.redis.xrange(self.keys.dlq(queue), dlq_entry_id, dlq_entry_id)
-            entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-            keys, args = self._retry_args(entry, queue)
-            new_id = await self._retry_script(keys=keys, args=args)
-        return as_str(new_id)
+        entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
+                                                             dlq_entry_id))
+        entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
+        old_result, keys, args = self._retry_args(entry, queue)
+        if old_result is not None:  # first, as in Client.retry_dead_letter
+            await self.call(lambda: self.redis.delete(old_result))
+        return as_str(await self.call(lambda: self._retry_script(keys=keys, args=args)))
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:
         queue = self._queue(queue)
-        with translate_errors(self.url):
+
+        async def purge() -> int:
             pipe = self.redis.pipeline(transaction=True)
             pipe.xlen(self.keys.dlq(queue))
             pipe.delete(self.keys.dlq(queue))
-            count, _ = await pipe.execute()
-        return int(count)
+            return int((await pipe.execute())[0])
+
+        return await self.call(purge)

@@ -8,7 +8,11 @@
             ...
         done = client.result(request_id, timeout=60)   # or RequestFailed(code, message)
 
-Every Redis failure surfaces as `BrokerUnavailable` or `BrokerError` with a one-line message.
+Any number of `events()` may run at once (in threads): one reader per client follows every
+result stream on a few connections (`llmq.broker.result_reader`). A transient Redis failure (a
+reset, a timeout, a failover, a full pool) is retried — a submit with the same request id, a
+follower from the last entry it got — until `retry_timeout` (a follower: its own timeout); other
+failures surface as `BrokerUnavailable` or `BrokerError` with a one-line message naming the cause.
 `llmq.broker.aio.AsyncClient` is the asyncio twin; both build and parse their commands with
 `llmq.broker.commands`, and follow a result stream with its `ResultFollower` (which folds events
 with `llmq.broker.transcript.Transcript`), so only the IO differs.
@@ -17,9 +21,10 @@ with `llmq.broker.transcript.Transcript`), so only the IO differs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -27,26 +32,36 @@ from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
     RETRY_SCRIPT,
-    SUBMIT_SCRIPT,
     DeadLetterEntry,
+    Followed,
     QueueStats,
     ResultFollower,
     Submission,
     as_str,
     build_submission,
     dead_letter_to_retry,
+    exhausted_message,
+    group_created,
     parse_dead_letters,
     parse_heartbeats,
     parse_queue_stats,
+    queue_group_creation,
 )
 from llmq.broker.connection import (
+    DEFAULT_MAX_CONNECTIONS,
     connect,
     describe_connection,
     resolve_redis_url,
-    translate_errors,
+    translate,
 )
-from llmq.broker.errors import InvalidRequest, RequestFailed
-from llmq.broker.keys import GROUP, NAME_PATTERN, Keys, is_valid_name, validate_name
+from llmq.broker.errors import BrokerError, InvalidRequest, RequestFailed
+from llmq.broker.functions import (
+    SUBMIT_FUNCTION,
+    ensure_functions,
+    is_missing_function,
+    submit_error,
+)
+from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.protocol import (
     Done,
     Encoding,
@@ -55,11 +70,15 @@ from llmq.broker.protocol import (
     WorkerHeartbeat,
     encode_cancel,
 )
+from llmq.broker.result_reader import FollowerGroup, ResultReader
+from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff, RetryPolicy
 from llmq.broker.settings import BrokerSettings
 
 __all__ = ["Client"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _ClientBase:
@@ -67,7 +86,7 @@ class _ClientBase:
 
     def _configure(self, redis_url: str | None, queue: str | None, prefix: str | None,
                    encoding: Encoding, request_ttl: int, settings: BrokerSettings | None,
-                   connection: Any) -> None:
+                   connection: Any, retry_timeout: float | None) -> None:
         overrides = {k: v for k, v in
                      {"redis_url": redis_url, "queue": queue, "prefix": prefix}.items()
                      if v is not None}
@@ -83,6 +102,16 @@ class _ClientBase:
         self.url = (describe_connection(connection) if connection is not None
                     else resolve_redis_url(self.settings.redis_url))
         self._groups_ready: set[str] = set()
+        self._functions_tried = False  # loaded the function library after a "not found"
+        self._policy = RetryPolicy(retry_timeout)
+
+    def _retrying(self, exc: Exception, deadline: float | None, backoff: Backoff) -> float:
+        """The delay before trying a failed call again; raises the translated error if none."""
+        if not self._policy.should_retry(exc, deadline):
+            raise (translate(exc, self.url) or exc) from None
+        delay = backoff.delay()
+        logger.warning("Redis at %s: %s; retrying in %.2fs", self.url, exc, delay)
+        return delay
 
     def _queue(self, queue: str | None) -> str:
         return validate_name("queue", queue or self.settings.queue)
@@ -119,40 +148,56 @@ class _ClientBase:
         pipe.xlen(self.keys.queue(queue))
         pipe.xinfo_groups(self.keys.queue(queue))
         pipe.xlen(self.keys.dlq(queue))
+        pipe.xinfo_stream(self.keys.queue(queue))
 
     @staticmethod
     def _parse_stats(queue: str, replies: list[Any]) -> QueueStats:
-        length, groups, dead = replies
+        length, groups, dead, info = replies
         for reply in (length, dead):
             if isinstance(reply, Exception):
                 raise reply
-        return parse_queue_stats(queue, length, groups, dead)
+        return parse_queue_stats(queue, length, groups, dead, info)
 
-    def _retry_args(self, entry: DeadLetterEntry, queue: str) -> tuple[list[str], list[Any]]:
-        """RETRY_SCRIPT's keys and args for queueing a dead letter again."""
+    def _retry_args(self, entry: DeadLetterEntry, queue: str
+                    ) -> tuple[str | None, list[str], list[Any]]:
+        """(old result stream to delete first or None, RETRY_SCRIPT's keys, its args)."""
         keys = [self.keys.queue(queue), self.keys.dlq(queue)]
         request_id = entry.dead_letter.request_id
+        old_result = None
         # NOTE: only a producer-given id outlives its entry; a default id (the old entry id)
         # gives way to the new entry's id, and the old result stream stays as it was.
         if request_id and request_id != entry.dead_letter.entry_id:
-            keys += [self.keys.result(request_id), self.keys.idempotency(request_id)]
+            keys.append(self.keys.idempotency(queue, request_id))
+            old_result = self.keys.result(request_id)
         fields = [x for pair in entry.payload.items() for x in pair]
-        return keys, [entry.dlq_entry_id, self.request_ttl, *fields]
+        return old_result, keys, [entry.dlq_entry_id, self.request_ttl, *fields]
 
-    def _script_args(self, submission: Submission, queue: str) -> tuple[list[str], list[Any]]:
-        assert submission.request_id is not None
-        return ([self.keys.queue(queue), self.keys.idempotency(submission.request_id)],
-                [submission.encoding, submission.payload, self.request_ttl])
+    def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
+        """FCALL llmq_submit's arguments: numkeys, keys, then args (broker/functions.py)."""
+        keys = [self.keys.queue(queue), self.keys.submissions(queue)]
+        args: list[Any] = [submission.encoding, submission.payload]
+        if submission.request_id is not None:
+            keys.append(self.keys.idempotency(queue, submission.request_id))
+            args += [self.request_ttl, submission.request_id]
+        return [len(keys), *keys, *args]
 
     @staticmethod
     def _submitted_id(submission: Submission, reply: Any) -> str:
-        """The request id, from an XADD reply (entry id) or the submit script's reply."""
+        """The request id, from the submit function's reply {queued, entry id}."""
         if submission.request_id is None:
-            return as_str(reply)
+            return as_str(reply[1])
         if not int(reply[0]):
             logger.debug("request %s was already submitted; not queued again",
                          submission.request_id)
         return submission.request_id
+
+    def _submit_failed(self, exc: Exception, queue: str) -> Exception | None:
+        """The producer's error for a refused submit; None when loading the library may cure
+        it (the caller then loads it and tries once more)."""
+        if is_missing_function(exc) and not self._functions_tried:
+            self._functions_tried = True
+            return None
+        return submit_error(exc, self.keys.queue(queue), exhausted_message(self.keys, queue))
 
 
 class Client(_ClientBase):
@@ -164,6 +209,11 @@ class Client(_ClientBase):
     encoding:    "json" or "msgpack" for the requests it sends (events come back the same way).
     request_ttl: seconds a request id is remembered: idempotent submit and the cancel flag.
     connection:  an existing `redis.Redis` (must not decode responses) instead of a URL.
+    retry_timeout: seconds a call retries transient failures once the server was reached (None:
+                 for ever); a server never reached fails at once. Followers use their timeout.
+    max_connections: the pool's size for calls (callers beyond it wait for a free one); the
+                 result reader adds one connection per 2,000 followed streams.
+    client_name: the name its connections show in CLIENT LIST.
     """
 
     def __init__(
@@ -176,12 +226,18 @@ class Client(_ClientBase):
         request_ttl: int = DEFAULT_REQUEST_TTL,
         settings: BrokerSettings | None = None,
         connection: redis.Redis | None = None,
+        retry_timeout: float | None = DEFAULT_RETRY_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        client_name: str | None = None,
     ) -> None:
-        self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection)
+        self._configure(redis_url, queue, prefix, encoding, request_ttl, settings, connection,
+                        retry_timeout)
         self._owns_connection = connection is None
-        self.redis: redis.Redis = connection if connection is not None else connect(self.url)
-        self._submit_script = self.redis.register_script(SUBMIT_SCRIPT)
+        self.redis: redis.Redis = (
+            connection if connection is not None
+            else connect(self.url, max_connections=max_connections, client_name=client_name))
         self._retry_script = self.redis.register_script(RETRY_SCRIPT)
+        self.reader = ResultReader(self.redis, self.url, self._policy)
 
     def __enter__(self) -> Client:
         return self
@@ -190,13 +246,26 @@ class Client(_ClientBase):
         self.close()
 
     def close(self) -> None:
+        self.reader.close()
         if self._owns_connection:
             self.redis.close()
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() (any redis-py calls on `self.redis`), tried again through transient failures
+        (see `RetryPolicy`) and with its errors translated, as the client's own calls are."""
+        deadline, backoff = self._policy.deadline(), Backoff()
+        while True:
+            try:
+                result = fn()
+            except redis.RedisError as exc:
+                time.sleep(self._retrying(exc, deadline, backoff))
+                continue
+            self._policy.reached = True
+            return result
+
     def ping(self) -> None:
         """Return when the server answers; BrokerUnavailable (saying how to fix it) when not."""
-        with translate_errors(self.url):
-            self.redis.ping()
+        self.call(self.redis.ping)
 
     # --- submitting ------------------------------------------------------------------------------
 
@@ -221,15 +290,12 @@ class Client(_ClientBase):
         """
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            self._ensure_group_once(queue)
-            if submission.request_id is None:
-                reply = self.redis.xadd(self.keys.queue(queue),
-                                        {submission.encoding: submission.payload})
-            else:
-                keys, args = self._script_args(submission, queue)
-                reply = self._submit_script(keys=keys, args=args)
-        return self._submitted_id(submission, reply)
+        self._ensure_group_once(queue)
+
+        def send() -> Any:
+            return self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+
+        return self._submitted_id(submission, self._submitting(send, queue))
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                     queue: str | None = None) -> list[str]:
@@ -241,17 +307,30 @@ class Client(_ClientBase):
         """
         submissions = self._submissions(requests)
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            self._ensure_group_once(queue)
+        self._ensure_group_once(queue)
+
+        def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                if submission.request_id is None:
-                    pipe.xadd(self.keys.queue(queue), {submission.encoding: submission.payload})
-                else:
-                    keys, args = self._script_args(submission, queue)
-                    self._submit_script(keys=keys, args=args, client=pipe)
-            replies = pipe.execute()
+                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+            return pipe.execute()
+
+        replies = self._submitting(send, queue)
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
+
+    def _submitting(self, send: Callable[[], T], queue: str) -> T:
+        """send() through `call`, loading the function library once if the server lacks it."""
+        while True:
+            try:
+                return self.call(send)
+            except BrokerError as exc:
+                failure = self._submit_failed(exc, queue)
+                if failure is not None:
+                    raise failure from None
+                try:
+                    self.call(lambda: ensure_functions(self.redis))
+                except BrokerError as load_error:
+                    logger.info("could not load the function library: %s", load_error)
 
     def ensure_group(self, queue: str | None = None) -> bool:
         """Create the queue's stream and consumer group `workers` if missing; True if created.
@@ -259,16 +338,12 @@ class Client(_ClientBase):
         The group starts at id 0, so requests queued before it existed are still delivered.
         """
         queue = self._queue(queue)
-        key = self.keys.queue(queue)
-        with translate_errors(self.url):
-            try:
-                self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
-                created = True
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-                created = False
-            self.redis.sadd(self.keys.queues(), queue)
+        def create() -> bool:
+            pipe = self.redis.pipeline(transaction=False)
+            queue_group_creation(pipe, self.keys, queue)
+            return group_created(pipe.execute(raise_on_error=False), self.keys, queue)
+
+        created = self.call(create)
         self._groups_ready.add(queue)
         return created
 
@@ -284,13 +359,26 @@ class Client(_ClientBase):
         Follows the attempt rule (see `Transcript`): events of superseded attempts are skipped;
         a `Start` whose attempt is higher than a previous one tells the reader to drop the text
         shown so far. Ends after the terminal event (`Done` or `Error`) of the current attempt.
-        Raises ResultTimeout when `timeout` seconds pass first (None waits for ever).
+        Raises ResultTimeout when `timeout` seconds pass first (None waits for ever); Redis
+        outages meanwhile are waited out.
         """
-        follower = ResultFollower(self.keys, request_id, timeout)
-        with translate_errors(self.url):
-            while not follower.finished:
-                reply = self.redis.xread(**follower.next_read())
-                yield from follower.events(reply)
+        for followed in self.follow(request_id, timeout=timeout):
+            yield followed.event
+
+    def follow(self, request_id: str, *, timeout: float | None = None,
+               after: str | None = None) -> Iterator[Followed]:
+        """Like `events()`, with each event's result stream entry id, to resume from.
+
+        `after`: an entry id this reader saw last; events up to it come marked `replayed`.
+        """
+        yield from self.reader.follow(ResultFollower(self.keys, request_id, timeout,
+                                                     after=after))
+
+    def follow_many(self, request_ids: Iterable[str] = ()) -> FollowerGroup:
+        """Follow many requests at once; the group's `poll()` returns those that ended."""
+        group = FollowerGroup(self.reader, self.keys)
+        group.add(request_ids)
+        return group
 
     def result(self, request_id: str, timeout: float | None = None) -> Done:
         """The `Done` event of the request (finish_reason stop, length or cancelled).
@@ -312,44 +400,57 @@ class Client(_ClientBase):
         notifies the workers of `queue` that may be running it.
         """
         queue = self._queue(queue)
-        with translate_errors(self.url):
+
+        def send() -> None:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_cancel(pipe, request_id, queue)
             pipe.execute()
+
+        self.call(send)
 
     # --- inspecting ------------------------------------------------------------------------------
 
     def stats(self, queue: str | None = None) -> QueueStats:
         """Length, lag, pending, dead letters and consumers of a queue."""
         queue = self._queue(queue)
-        with translate_errors(self.url):
+
+        def read() -> QueueStats:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, pipe.execute(raise_on_error=False))
 
+        return self.call(read)
+
     def queues(self) -> list[str]:
         """Names of the queues that have a consumer group."""
-        with translate_errors(self.url):
-            return sorted(as_str(m) for m in self.redis.smembers(self.keys.queues()))
+        return sorted(as_str(m) for m in self.call(lambda: self.redis.smembers(
+            self.keys.queues())))
 
     def workers(self) -> list[WorkerHeartbeat]:
         """Live workers' latest heartbeats; expired ones are removed from the registry."""
-        with translate_errors(self.url):
+        def read() -> list[WorkerHeartbeat]:
             worker_ids = [as_str(m) for m in self.redis.zrange(self.keys.workers(), 0, -1)]
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in worker_ids:
                 pipe.hgetall(self.keys.worker(worker_id))
-            hashes = pipe.execute()
-            live, dead = parse_heartbeats(worker_ids, hashes)
+            live, dead = parse_heartbeats(worker_ids, pipe.execute())
             if dead:
-                self.redis.zrem(self.keys.workers(), *dead)
-        return live
+                self._forget_workers(dead)
+            return live
+
+        return self.call(read)
+
+    def _forget_workers(self, dead: list[str]) -> None:
+        # NOTE: a user that may only read the registry (the gateway) still sees the live ones.
+        try:
+            self.redis.zrem(self.keys.workers(), *dead)
+        except redis.exceptions.NoPermissionError:
+            pass
 
     def dead_letters(self, queue: str | None = None, *, count: int = 100) -> list[DeadLetterEntry]:
         """The oldest `count` dead letters of a queue."""
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            entries = self.redis.xrange(self.keys.dlq(queue), count=count)
+        entries = self.call(lambda: self.redis.xrange(self.keys.dlq(queue), count=count))
         return parse_dead_letters(entries)
 
     def retry_dead_letter(self, dlq_entry_id: str, *, queue: str | None = None) -> str:
@@ -358,19 +459,25 @@ class Client(_ClientBase):
         The request keeps its id when its payload has one (else the new entry id is its id).
         """
         queue = self._queue(queue)
-        with translate_errors(self.url):
-            entries = self.redis.xrange(self.keys.dlq(queue), dlq_entry_id, dlq_entry_id)
-            entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-            keys, args = self._retry_args(entry, queue)
-            new_id = self._retry_script(keys=keys, args=args)
-        return as_str(new_id)
+        entries = self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
+                                                       dlq_entry_id))
+        entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
+        old_result, keys, args = self._retry_args(entry, queue)
+        # NOTE: two steps, as the result stream lives in the request's slot and the rest in the
+        # queue's. The old stream goes first: its failed attempts would otherwise hide the new
+        # run's attempt 1. Should the script then fail, the dead letter stays to retry again.
+        if old_result is not None:
+            self.call(lambda: self.redis.delete(old_result))
+        return as_str(self.call(lambda: self._retry_script(keys=keys, args=args)))
 
     def purge_dead_letters(self, queue: str | None = None) -> int:
         """Delete every dead letter of a queue; how many there were."""
         queue = self._queue(queue)
-        with translate_errors(self.url):
+
+        def purge() -> int:
             pipe = self.redis.pipeline(transaction=True)
             pipe.xlen(self.keys.dlq(queue))
             pipe.delete(self.keys.dlq(queue))
-            count, _ = pipe.execute()
-        return int(count)
+            return int(pipe.execute()[0])
+
+        return self.call(purge)

@@ -1,28 +1,37 @@
 """The Redis commands behind the producer API, built and parsed without doing any IO.
 
 The sync client (client.py) and the asyncio client (aio.py) differ only in how they send these;
-what they send and how they read the replies lives here once. The worker uses `queue_event()` to
-write result events the way the producer expects to read them.
+what they send and how they read the replies lives here once. The worker uses it too: it creates
+the consumer group with `queue_group_creation()` and writes result events with `queue_events()`,
+exactly the way the producer expects to read them.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from llmq.broker.errors import InvalidRequest, LLMQError, ProtocolError, ResultTimeout
+from llmq.broker.errors import (
+    InvalidRequest,
+    LLMQError,
+    ProtocolError,
+    ResultTimeout,
+    SchemaMismatch,
+    StreamExhausted,
+)
 from llmq.broker.keys import GROUP, Keys
+from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.protocol import (
     DeadLetter,
     Encoding,
     Event,
     WorkerHeartbeat,
+    as_str,
     decode_dead_letter,
     decode_event,
     decode_heartbeat,
@@ -34,22 +43,26 @@ from llmq.broker.transcript import Fold, Transcript
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
     "DEFAULT_REQUEST_TTL",
-    "READ_SLICE_MS",
+    "Followed",
     "RETRY_SCRIPT",
-    "SUBMIT_SCRIPT",
     "DeadLetterEntry",
     "QueueStats",
     "ResultFollower",
     "Submission",
     "as_str",
-    "block_ms",
     "build_submission",
     "dead_letter_to_retry",
     "decode_result_entry",
+    "exhausted_message",
+    "group_created",
+    "legacy_stream_message",
+    "stream_exhausted",
     "parse_dead_letters",
     "parse_heartbeats",
     "parse_queue_stats",
     "queue_event",
+    "queue_events",
+    "queue_group_creation",
     "stream_entries",
 ]
 
@@ -57,38 +70,19 @@ logger = logging.getLogger(__name__)
 
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
-# NOTE: XREAD BLOCK in slices well under the client's socket timeout, so a slow result never looks
-# like a dead server.
-READ_SLICE_MS = 5_000
-_READ_COUNT = 512  # entries per XREAD: a long answer arrives in a few round trips
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
 
-# Idempotent submit for a caller-given request id. One script, so the marker and the entry are
-# written together or not at all: a retry after an ambiguous failure (reply lost) finds the marker
-# and gets the first entry's id back instead of queueing the request twice.
-#   KEYS[1] request stream   KEYS[2] marker llmq:id:<request_id>
-#   ARGV[1] field (json|msgpack)   ARGV[2] payload   ARGV[3] marker TTL in seconds
-# Returns {1, entry_id} when queued, {0, first_entry_id} for a duplicate.
-SUBMIT_SCRIPT = """
-local first = redis.call('GET', KEYS[2])
-if first then return {0, first} end
-local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('SET', KEYS[2], entry, 'EX', ARGV[3])
-return {1, entry}
-"""
-
-# A dead letter queued again, atomically: the new entry, the dead letter gone, and, when the
-# request id is known, its old result stream deleted (its attempts numbered from 1 again would
-# otherwise be hidden behind the failed ones) and its idempotency marker naming the new entry
-# (so `llmq result` knows the id before a worker starts it).
-# KEYS: queue, dlq [, result stream, marker]; ARGV: dlq entry id, ttl seconds, then the
-# original entry's fields and values.
+# A dead letter queued again, atomically within the queue's slot: the new entry, the dead letter
+# gone, and, when the request id is the producer's own, its idempotency marker naming the new
+# entry (so `llmq result` knows the id before a worker starts it). The old result stream (another
+# slot) is deleted just before, by the caller: see `Client.retry_dead_letter`.
+# KEYS: queue, dlq [, marker]; ARGV: dlq entry id, ttl seconds, then the original entry's fields
+# and values.
 RETRY_SCRIPT = """
 local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 redis.call('XDEL', KEYS[2], ARGV[1])
-if #KEYS == 4 then
-  redis.call('DEL', KEYS[3])
-  redis.call('SET', KEYS[4], entry, 'EX', ARGV[2])
+if #KEYS == 3 then
+  redis.call('SET', KEYS[3], entry, 'EX', ARGV[2])
 end
 return entry
 """
@@ -132,16 +126,6 @@ def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
     return list(reply[0][1])
 
 
-def block_ms(deadline: float | None) -> int:
-    """The BLOCK argument for the next read slice; 0 when the deadline has passed."""
-    if deadline is None:
-        return READ_SLICE_MS
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        return 0
-    return max(1, min(READ_SLICE_MS, math.ceil(remaining * 1000)))
-
-
 def decode_result_entry(request_id: str, entry_id: bytes, fields: Any) -> Event | None:
     """The event of one result stream entry; None (logged) for an entry this reader cannot read."""
     try:
@@ -152,64 +136,146 @@ def decode_result_entry(request_id: str, entry_id: bytes, fields: Any) -> Event 
         return None
 
 
+class Followed(NamedTuple):
+    """One event a follower should see, with the result stream entry that carried it."""
+
+    entry_id: str
+    event: Event
+    fold: Fold  # ACCEPTED, or RESTARTED: a newer attempt began, drop the text shown so far
+    replayed: bool  # at or before the `after` entry: already seen by whoever resumes
+
+
 class ResultFollower:
-    """Following one request's result stream, without IO: the client sends the reads it names.
+    """Following one request's result stream, without IO: the client's reader feeds it entries.
 
         follower = ResultFollower(keys, request_id, timeout)
         while not follower.finished:
-            reply = redis.xread(**follower.next_read())
-            for event in follower.events(reply):
+            entries = <the stream's next entries>          # or ResultTimeout at .deadline
+            for followed in follower.feed(entries):
                 ...
 
     Events are folded by the attempt rule (`Transcript`); only those the reader should see are
-    yielded, up to and including the terminal event of the current attempt.
+    returned, up to and including the terminal event of the current attempt. Resuming `after` an
+    entry id folds the stream from its start, so the attempt rule holds exactly, and marks what
+    comes up to that entry as `replayed`.
     """
 
-    def __init__(self, keys: Keys, request_id: str, timeout: float | None) -> None:
+    def __init__(self, keys: Keys, request_id: str, timeout: float | None, *,
+                 after: str | None = None) -> None:
         self.request_id = request_id
         self.transcript = Transcript(request_id)
-        self._key = keys.result(request_id)
-        self._timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._last_id: bytes | str = "0-0"
-        self._first_read = True
+        self.key = keys.result(request_id)
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._after = None if after is None else parse_entry_id(after)
 
     @property
     def finished(self) -> bool:
         return self.transcript.finished
 
-    def next_read(self) -> dict[str, Any]:
-        """The XREAD arguments for the next read slice; ResultTimeout once the deadline passed."""
-        block = block_ms(self._deadline)
-        if block == 0 and not self._first_read:
-            raise ResultTimeout(self.request_id, self._timeout or 0.0)
-        # NOTE: the first read happens even with timeout=0 (no BLOCK: "what is there now").
-        self._first_read = False
-        return {"streams": {self._key: self._last_id}, "count": _READ_COUNT,
-                "block": block or None}
+    def remaining(self) -> float | None:
+        """Seconds left before the timeout (None: no timeout); ResultTimeout once it passed."""
+        if self.deadline is None:
+            return None
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise ResultTimeout(self.request_id, self.timeout or 0.0)
+        return remaining
 
-    def events(self, reply: Any) -> Iterator[Event]:
-        """The events of an XREAD reply the reader should see; stops after the terminal one."""
-        for entry_id, fields in stream_entries(reply):
-            self._last_id = entry_id
+    def feed(self, entries: Iterable[tuple[bytes | str, Any]]) -> list[Followed]:
+        """The events of these entries the reader should see; stops after the terminal one."""
+        out: list[Followed] = []
+        for entry_id, fields in entries:
             event = decode_result_entry(self.request_id, entry_id, fields)
-            if event is None or self.transcript.apply(event) is Fold.IGNORED:
+            if event is None:
                 continue
-            yield event
+            fold = self.transcript.apply(event)
+            if fold is Fold.IGNORED:
+                continue
+            replayed = self._after is not None and parse_entry_id(entry_id) <= self._after
+            out.append(Followed(as_str(entry_id), event, fold, replayed))
             if self.transcript.finished:
-                return
+                break
+        return out
 
 
 def queue_event(pipe: Any, keys: Keys, event: Event, encoding: Encoding, *,
                 result_ttl: int, result_maxlen: int) -> None:
-    """Queue one event's writes on a (sync or asyncio) pipeline: XADD capped, then EXPIRE.
+    """`queue_events` for one event."""
+    queue_events(pipe, keys, [(event, encoding)], result_ttl=result_ttl,
+                 result_maxlen=result_maxlen)
 
-    EXPIRE on every write makes the stream live `result_ttl` after its last event, and lets one
+
+def queue_events(pipe: Any, keys: Keys, events: Iterable[tuple[Event, Encoding]], *,
+                 result_ttl: int, result_maxlen: int) -> None:
+    """Queue events' writes on a (sync or asyncio) pipeline: XADD capped, in order, then one
+    EXPIRE per result stream touched.
+
+    EXPIRE after every write makes a stream live `result_ttl` after its last event, and lets one
     that no worker ever finishes expire too.
     """
-    key = keys.result(event.request_id)
-    pipe.xadd(key, encode_event(event, encoding), maxlen=result_maxlen, approximate=True)
-    pipe.expire(key, result_ttl)
+    touched: dict[str, None] = {}
+    for event, encoding in events:
+        key = keys.result(event.request_id)
+        pipe.xadd(key, encode_event(event, encoding), maxlen=result_maxlen, approximate=True)
+        touched[key] = None
+    for key in touched:
+        pipe.expire(key, result_ttl)
+
+
+def queue_group_creation(pipe: Any, keys: Keys, queue: str) -> None:
+    """Queue what creates a queue's stream and consumer group `workers` if missing: XGROUP
+    CREATE ... MKSTREAM at id 0 (so requests queued before the group are delivered), and the
+    queue's name in the registry `llmq status` lists; and a look for the queue's version-1
+    stream. Execute with raise_on_error=False and read the replies with `group_created`."""
+    pipe.xgroup_create(keys.queue(queue), GROUP, id="0", mkstream=True)
+    pipe.sadd(keys.queues(), queue)
+    pipe.exists(keys.legacy_queue(queue))
+    pipe.xinfo_stream(keys.queue(queue))
+
+
+def group_created(replies: list[Any], keys: Keys, queue: str) -> bool:
+    """True when `queue_group_creation` created the group, False when it existed (BUSYGROUP);
+    SchemaMismatch beside a v1 stream, StreamExhausted on a stream at the last entry id; any
+    other error is raised."""
+    created, registered, legacy, info = replies
+    if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
+        raise created
+    if isinstance(registered, Exception):
+        raise registered
+    if legacy is True or (isinstance(legacy, int) and not isinstance(legacy, bool) and legacy):
+        raise SchemaMismatch(legacy_stream_message(keys, queue))
+    if not isinstance(info, Exception) and stream_exhausted(info):
+        raise StreamExhausted(exhausted_message(keys, queue))
+    return not isinstance(created, Exception)
+
+
+def legacy_stream_message(keys: Keys, queue: str) -> str:
+    return (f"found {keys.legacy_queue(queue)}, a request stream of key schema v1; this llmq "
+            f"uses schema v2, where queue {queue!r} is {keys.queue(queue)} (Cluster hash tags "
+            "in every key, see docs/protocol.md). Let the old workers drain it, then delete it "
+            f"(`DEL {keys.legacy_queue(queue)}`), or re-add its entries to the new name; "
+            "producers must write to the new name too")
+
+
+# The last id a stream can take: an XADD with `*` after it can only fail.
+LAST_ENTRY_ID = "18446744073709551615-18446744073709551615"
+
+
+def stream_exhausted(info: Any) -> bool:
+    """Whether XINFO STREAM's reply shows a stream whose last id is the last possible one."""
+    last = info.get("last-generated-id", info.get(b"last-generated-id")) if isinstance(
+        info, Mapping) else None
+    return last is not None and as_str(last) == LAST_ENTRY_ID
+
+
+def exhausted_message(keys: Keys, queue: str) -> str:
+    key = keys.queue(queue)
+    return (f"{key} reached the last possible entry id ({LAST_ENTRY_ID}: someone XADDed that "
+            "id by hand), so no request can be added to it any more. Fix: let the workers "
+            f"finish what is pending (`llmq status`), then `DEL {key}`: the next worker or "
+            "producer creates it again; and take XADD away from whoever wrote that id "
+            "(docs/operations.md, producer credentials)")
 
 
 @dataclass(frozen=True)
@@ -221,19 +287,18 @@ class QueueStats:
     dead_letters: int
     consumers: int  # consumers the group knows, live or not (see `Client.workers()` for live)
     group_exists: bool
+    exhausted: bool = False  # the stream reached the last possible entry id: XADD fails
 
 
 def _field(info: Mapping[Any, Any], name: str) -> Any:
     return info.get(name, info.get(name.encode()))
 
 
-def as_str(value: Any) -> str:
-    """A reply value (bytes, from a client that does not decode responses) as text."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -> QueueStats:
-    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError) and the DLQ's XLEN."""
+def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int,
+                      info: Any = None) -> QueueStats:
+    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN and
+    XINFO STREAM (its reply, or an error when the stream is missing or the user may not)."""
+    exhausted = not isinstance(info, Exception | None) and stream_exhausted(info)
     if isinstance(groups, Exception):
         if "no such key" not in str(groups).lower():
             raise groups
@@ -243,9 +308,10 @@ def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int) -
             lag = _field(info, "lag")
             return QueueStats(queue, int(length), None if lag is None else int(lag),
                               int(_field(info, "pending") or 0), int(dead_letters),
-                              int(_field(info, "consumers") or 0), True)
+                              int(_field(info, "consumers") or 0), True, exhausted)
     # NOTE: without a group every entry is unread, so the lag is the length.
-    return QueueStats(queue, int(length), int(length), 0, int(dead_letters), 0, False)
+    return QueueStats(queue, int(length), int(length), 0, int(dead_letters), 0, False,
+                      exhausted)
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,24 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from llmq.broker.embedded import EmbeddedServer
-from llmq.broker.errors import BrokerError, BrokerUnavailable
+from llmq.broker.errors import BrokerError, BrokerUnavailable, LLMQError
+from llmq.broker.redis_url import RedisURL, is_cluster
+from llmq.broker.retry import is_pool_exhausted
 
 __all__ = [
     "connect",
     "connect_async",
+    "connect_at_most_once",
+    "dedicated_connection",
+    "is_cluster",
     "describe_connection",
     "redact_url",
     "resolve_redis_url",
+    "translate",
     "translate_errors",
 ]
 
@@ -67,6 +75,9 @@ def redact_url(url: str) -> str:
 
 def describe_connection(client: redis.Redis | redis.asyncio.Redis) -> str:
     """A URL-like description of a client made elsewhere, for error messages."""
+    if is_cluster(client):
+        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_nodes()[:3])
+        return f"redis+cluster://{nodes}/"
     kwargs = client.connection_pool.connection_kwargs
     if path := kwargs.get("path"):
         return f"unix://{path}"
@@ -85,21 +96,64 @@ def _client_options(overrides: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def connect(url: str | None = None, **options: Any) -> redis.Redis:
-    """A redis-py client for `resolve_redis_url(url)`; bytes replies (msgpack needs them)."""
+# NOTE: the producer clients queue for a connection (BlockingConnectionPool) rather than fail
+# with "Too many connections": 1,000 concurrent submits share these, and every followed result
+# stream shares the reader's few connections (broker/multiplex.py).
+DEFAULT_MAX_CONNECTIONS = 32
+POOL_TIMEOUT = 20.0  # seconds a call waits for a free connection before it counts as a failure
+
+
+def connect(url: str | None = None, *, max_connections: int | None = None,
+            **options: Any) -> redis.Redis:
+    """A redis-py client for `resolve_redis_url(url)`; bytes replies (msgpack needs them).
+
+    A `redis+cluster://` URL gives a `RedisCluster`, a `redis+sentinel://` one a client of the
+    current primary (see broker/redis_url.py). With `max_connections`, callers beyond that many
+    wait for a free connection (a cluster client: that many per node).
+    """
     url = resolve_redis_url(url)
+    target = RedisURL.parse(url)
     try:
-        return redis.Redis.from_url(url, **_client_options(options))
-    except ValueError as exc:  # redis-py's complaint about a malformed URL
+        if target.kind != "single":
+            return target.client(_client_options(options), max_connections)  # type: ignore[return-value]
+        if max_connections is None:
+            return redis.Redis.from_url(url, **_client_options(options))
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_TIMEOUT,
+            **_client_options(options))
+        return redis.Redis.from_pool(pool)
+    except (ValueError, redis.exceptions.RedisClusterException) as exc:
+        # redis-py's complaint about a malformed URL, or no cluster node that answers
         raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
+    except redis.RedisError as exc:
+        raise (translate(exc, url) or exc) from None
 
 
-def connect_async(url: str | None = None, **options: Any) -> redis.asyncio.Redis:
+def connect_at_most_once(url: str | None, *, socket_timeout: float = 10.0) -> redis.Redis:
+    """A client whose commands are each sent at most once: redis-py's own retries are off.
+
+    For code that retries itself and knows what is safe to repeat (the worker's threads): a
+    blindly repeated XADD would duplicate an event.
+    """
+    return connect(url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
+                   socket_timeout=socket_timeout)
+
+
+def connect_async(url: str | None = None, *, max_connections: int | None = None,
+                  **options: Any) -> redis.asyncio.Redis:
     """The asyncio counterpart of `connect()`."""
     url = resolve_redis_url(url)
+    target = RedisURL.parse(url)
     try:
-        return redis.asyncio.Redis.from_url(url, **_client_options(options))
-    except ValueError as exc:
+        if target.kind != "single":
+            return target.async_client(_client_options(options), max_connections)
+        if max_connections is None:
+            return redis.asyncio.Redis.from_url(url, **_client_options(options))
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_TIMEOUT,
+            **_client_options(options))
+        return redis.asyncio.Redis.from_pool(pool)
+    except (ValueError, redis.exceptions.RedisClusterException) as exc:
         raise BrokerUnavailable(f"invalid Redis URL {redact_url(url)}: {exc}") from None
 
 
@@ -109,28 +163,60 @@ def _reason(exc: BaseException) -> str:
     return text.rpartition(". ")[2] or type(exc).__name__
 
 
+def translate(exc: BaseException, url: str) -> LLMQError | None:
+    """The BrokerUnavailable / BrokerError a redis-py error reads as; None for other errors."""
+    shown = redact_url(url)
+    if isinstance(exc, redis.AuthenticationError):
+        return BrokerUnavailable(
+            f"Redis at {shown} refused the credentials ({exc}): check the user name and "
+            "password in the URL")
+    if is_pool_exhausted(exc):
+        # NOTE: the client's own limit, not the server's: "no Redis server" would send people
+        # looking for a server that is running.
+        return BrokerUnavailable(
+            f"every connection of this client's pool to {shown} stayed busy ({_reason(exc)}): "
+            "too many calls at once for its max_connections; raise it, or share one client")
+    if "max number of clients reached" in str(exc):
+        return BrokerUnavailable(
+            f"Redis at {shown} refuses new connections: it has `maxclients` open; raise "
+            "maxclients, or use fewer clients")
+    if isinstance(exc, redis.TimeoutError):
+        return BrokerUnavailable(
+            f"Redis at {shown} did not answer within {SOCKET_TIMEOUT:g}s: is it overloaded or "
+            "paused?")
+    if isinstance(exc, redis.ConnectionError):
+        return BrokerUnavailable(f"no Redis server at {shown} ({_reason(exc)}): {_FIX}")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return BrokerError(
+            f"Redis at {shown} is out of memory and refuses writes ({exc}): let the workers "
+            "drain the queue, or raise its maxmemory")
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return BrokerError(f"Redis at {shown} denied the command ({exc}): check the ACL "
+                           "user's permissions")
+    if isinstance(exc, redis.ResponseError):
+        return BrokerError(f"Redis at {shown} returned an error: {exc}")
+    return None
+
+
 @contextmanager
 def translate_errors(url: str) -> Iterator[None]:
     """Re-raise redis-py errors met inside the block as BrokerUnavailable / BrokerError."""
-    shown = redact_url(url)
     try:
         yield
-    except redis.AuthenticationError as exc:
-        raise BrokerUnavailable(
-            f"Redis at {shown} refused the credentials ({exc}): check the user name and "
-            "password in the URL") from None
-    except redis.TimeoutError:
-        raise BrokerUnavailable(
-            f"Redis at {shown} did not answer within {SOCKET_TIMEOUT:g}s: is it overloaded or "
-            "paused?") from None
-    except redis.ConnectionError as exc:
-        raise BrokerUnavailable(f"no Redis server at {shown} ({_reason(exc)}): {_FIX}") from None
-    except redis.exceptions.OutOfMemoryError as exc:
-        raise BrokerError(
-            f"Redis at {shown} is out of memory and refuses writes ({exc}): let the workers "
-            "drain the queue, or raise its maxmemory") from None
-    except redis.exceptions.NoPermissionError as exc:
-        raise BrokerError(f"Redis at {shown} denied the command ({exc}): check the ACL "
-                          "user's permissions") from None
-    except redis.ResponseError as exc:
-        raise BrokerError(f"Redis at {shown} returned an error: {exc}") from None
+    except redis.RedisError as exc:
+        translated = translate(exc, url)
+        if translated is None:
+            raise
+        raise translated from None
+
+
+def dedicated_connection(client: redis.Redis | redis.asyncio.Redis) -> Any:
+    """A connection outside `client`'s pool, with its settings, for one long blocking read.
+
+    No health-check PING (the read itself shows the link is alive) and no silent reconnect and
+    resend: the reader decides what a failure means, and knows when its connection is new.
+    """
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "health_check_interval": 0,
+              "retry": Retry(NoBackoff(), 0)}
+    return pool.connection_class(**kwargs)

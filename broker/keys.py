@@ -1,32 +1,64 @@
 """Every Redis key llmq uses, built in one place (after arq's `constants.py`).
 
-Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
+Key schema v2 (protocol version 2), shown with the default prefix `llmq` (`LLMQ_PREFIX` changes
+it). The `{...}` part of a name is its Redis Cluster hash tag: only it picks the slot, so what one
+script or transaction touches shares a slot, while result streams, the hot write path, spread over
+the cluster by request id. A single server reads the braces as plain characters: one schema for
+both, no mode flag.
 
-    llmq:q:<queue>          stream    requests; consumer group `workers` (created at id 0, so
+  queue slot, tag = the queue name (the submit function, acks, dead letters, hand-backs):
+    llmq:q:{<queue>}        stream    requests; consumer group `workers` (created at id 0, so
                                       entries added before the first worker are still delivered)
-    llmq:r:<request_id>     stream    one request's events (start, delta, done, error), capped with
-                                      MAXLEN and expired `result_ttl` seconds after the last write
-    llmq:dlq:<queue>        stream    dead letters: the original payload plus a `dead_letter` field
-    llmq:cancel:<queue>     stream    cancellations every worker of the queue follows (XREAD `$`)
-    llmq:x:<request_id>     string    cancel flag with TTL, checked when a worker admits a request
-    llmq:id:<request_id>    string    idempotency marker set by the producer's submit script: the
-                                      entry id of the first submission, with TTL
-    llmq:hb:<queue>         hash      entry id -> times a draining worker handed it back; those
+    llmq:dlq:{<queue>}      stream    dead letters: the original payload plus a `dead_letter` field
+    llmq:cancel:{<queue>}   stream    cancellations every worker of the queue follows (XREAD `$`)
+    llmq:hb:{<queue>}       hash      entry id -> times a draining worker handed it back; those
                                       deliveries do not count towards `max_deliveries`
+    llmq:ctl:{<queue>}      stream    utility calls (reset_prefix_cache, sleep, wake_up, profile,
+                                      stats) every worker of the queue follows (XREAD `$`);
+                                      admin-only (deploy/acl.conf)
+    llmq:sub:{<queue>}      hash      entry id -> request id of each submission through the submit
+                                      function until it is acked, so one that vanished unread is
+                                      still answered (`lost_payload`)
+    llmq:id:{<queue>}:<request_id>    string  idempotency marker set by the submit function: the
+                                      entry id of the first submission, with TTL
+
+  request slot, tag = the request id (`<tenant>:<id>` ids keep a tenant's keys under one glob,
+  `llmq:r:{acme:*`):
+    llmq:r:{<request_id>}   stream    one request's events (start, delta, done, error), capped with
+                                      MAXLEN and expired `result_ttl` seconds after the last write
+    llmq:x:{<request_id>}   string    cancel flag with TTL, checked when a worker admits a request
+    llmq:sse:{<request_id>} hash      how the gateway streams a request (endpoint, usage chunk,
+                                      keep on disconnect), so any replica can resume it; TTL
+
+  one key each (no multi-key command needs them together):
     llmq:w:<worker_id>      hash      worker heartbeat with TTL (model, running, waiting, KV use...)
     llmq:workers            zset      worker registry: worker_id -> last heartbeat (unix ms); a
                                       member whose `llmq:w:` hash has expired is dead and is
                                       removed by whoever notices
     llmq:queues             set       queue names that have a consumer group (for `llmq status`)
-    llmq:batch:<batch_id>:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
-    llmq:batch:<batch_id>:output   list    its output lines in input order, written by the rq job
-    llmq:batch:<batch_id>:errors   list    its error lines (failed validation or generation)
-    llmq:batch:<batch_id>:cancel   string  cancel flag the batch job checks, TTL
+    llmq:ctlr:<call_id>     stream    the workers' answers to one utility call, with TTL
+
+  batch slot, tag = the batch id (the batch job rewrites its output and errors together):
+    llmq:batch:{<batch_id>}:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
+    llmq:batch:{<batch_id>}:output   list    its output lines in input order, written by the rq job
+    llmq:batch:{<batch_id>}:errors   list    its error lines (failed validation or generation)
+    llmq:batch:{<batch_id>}:cancel   string  cancel flag the batch job checks, TTL
+
+  tenant slot, tag = the gateway tenant (a file, its record and the tenant's index are written in
+  one transaction):
+    llmq:file:{<tenant>}:<file_id>       string  a file uploaded to the gateway, TTL
+    llmq:file:{<tenant>}:<file_id>:meta  hash    its name, purpose, size and times (for a batch's
+                                         output or error file: the batch it comes from), TTL
+    llmq:files:{<tenant>}   zset      a tenant's file ids by creation time (unix s)
+    llmq:batches:{<tenant>} zset      a tenant's gateway batch ids by creation time (unix s)
 
 Queue names, request ids and worker ids must match `[A-Za-z0-9_.:-]{1,128}`: no spaces, braces,
-globs or newlines, so nothing taken from a payload can add a Cluster hash tag (`{}`), widen a
-SCAN pattern (`*`) or break a log line. The prefix may be a hash tag itself (`{llmq}`) to put every
-key in one Redis Cluster slot, which the producer's submit script needs there.
+globs or newlines, so nothing taken from a payload can add or close a hash tag, widen a SCAN
+pattern (`*`) or break a log line. The prefix may not hold braces either: every key carries its
+own tag.
+
+Version 1 named the request stream `llmq:q:<queue>` (no tag); `legacy_queue()` builds that name
+so workers and clients can find a v1 stream and refuse to run beside it (`schema_mismatch`).
 """
 
 from __future__ import annotations
@@ -41,9 +73,12 @@ __all__ = [
     "DEFAULT_QUEUE",
     "GROUP",
     "NAME_PATTERN",
+    "PROTOCOL_VERSION",
+    "TENANT_PATTERN",
     "InvalidName",
     "Keys",
     "is_valid_name",
+    "is_valid_tenant",
     "validate_name",
 ]
 
@@ -53,8 +88,13 @@ GROUP = "workers"  # the one consumer group on every request stream
 
 NAME_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"
 _NAME_RE = re.compile(NAME_PATTERN)
-# NOTE: a prefix is configuration, not payload, so it alone may carry a whole Cluster hash tag.
-_PREFIX_RE = re.compile(r"\{[A-Za-z0-9_.:-]{1,62}\}|[A-Za-z0-9_.:-]{1,64}")
+# NOTE: no `:` in a tenant name, so `<tenant>:<id>` splits one way only.
+TENANT_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+_TENANT_RE = re.compile(TENANT_PATTERN)
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+# NOTE: goes up when key names or the wire change incompatibly; workers report it in their
+# heartbeat (`protocol`). 2: Cluster hash tags in the key names, submission by FCALL.
+PROTOCOL_VERSION = 2
 
 
 class InvalidName(LLMQError, ValueError):
@@ -64,6 +104,10 @@ class InvalidName(LLMQError, ValueError):
 def is_valid_name(value: object) -> bool:
     # fullmatch, not match: `$` would let a trailing newline through.
     return isinstance(value, str) and _NAME_RE.fullmatch(value) is not None
+
+
+def is_valid_tenant(value: object) -> bool:
+    return isinstance(value, str) and _TENANT_RE.fullmatch(value) is not None
 
 
 def validate_name(kind: str, value: object) -> str:
@@ -83,36 +127,60 @@ class Keys:
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not _PREFIX_RE.fullmatch(self.prefix):
             raise InvalidName(
-                f"invalid prefix {self.prefix!r}: must match [A-Za-z0-9_.:-]{{1,64}} "
-                "or be one hash tag such as {llmq}")
+                f"invalid prefix {self.prefix!r}: must match [A-Za-z0-9_.:-]{{1,64}} (no braces: "
+                "every key carries its own Cluster hash tag)")
+
+    # -- the queue's slot -------------------------------------------------------------------------
 
     def queue(self, queue: str) -> str:
         """Request stream of `queue` (consumer group `GROUP`)."""
-        return f"{self.prefix}:q:{validate_name('queue', queue)}"
+        return f"{self.prefix}:q:{_tag('queue', queue)}"
 
     def dlq(self, queue: str) -> str:
         """Dead-letter stream of `queue`."""
-        return f"{self.prefix}:dlq:{validate_name('queue', queue)}"
+        return f"{self.prefix}:dlq:{_tag('queue', queue)}"
 
     def handbacks(self, queue: str) -> str:
         """Voluntary hand-backs per pending entry of `queue` (not held against it as poison)."""
-        return f"{self.prefix}:hb:{validate_name('queue', queue)}"
+        return f"{self.prefix}:hb:{_tag('queue', queue)}"
 
     def cancel(self, queue: str) -> str:
         """Cancellation stream every worker of `queue` follows."""
-        return f"{self.prefix}:cancel:{validate_name('queue', queue)}"
+        return f"{self.prefix}:cancel:{_tag('queue', queue)}"
+
+    def submissions(self, queue: str) -> str:
+        """Entry id -> request id of each submission not yet acked (the submit function's)."""
+        return f"{self.prefix}:sub:{_tag('queue', queue)}"
+
+    def control(self, queue: str) -> str:
+        """Utility-call stream every worker of `queue` follows (admin-only)."""
+        return f"{self.prefix}:ctl:{_tag('queue', queue)}"
+
+    def idempotency(self, queue: str, request_id: str) -> str:
+        """Marker of a request id submitted to `queue`: the entry id of its first submission.
+
+        In the queue's slot, so the submit function touches one slot."""
+        return f"{self.prefix}:id:{_tag('queue', queue)}:{validate_name('request_id', request_id)}"
+
+    def legacy_queue(self, queue: str) -> str:
+        """The version-1 name of `queue`'s request stream, only to detect one left behind."""
+        return f"{self.prefix}:q:{validate_name('queue', queue)}"
+
+    # -- the request's slot -----------------------------------------------------------------------
 
     def result(self, request_id: str) -> str:
         """Event stream of one request."""
-        return f"{self.prefix}:r:{validate_name('request_id', request_id)}"
+        return f"{self.prefix}:r:{_tag('request_id', request_id)}"
 
     def cancel_flag(self, request_id: str) -> str:
         """Cancel flag of one request (a string with TTL)."""
-        return f"{self.prefix}:x:{validate_name('request_id', request_id)}"
+        return f"{self.prefix}:x:{_tag('request_id', request_id)}"
 
-    def idempotency(self, request_id: str) -> str:
-        """Marker of a submitted request id: the entry id of its first submission."""
-        return f"{self.prefix}:id:{validate_name('request_id', request_id)}"
+    def stream_options(self, request_id: str) -> str:
+        """How the gateway streams one request, for a resume on any replica."""
+        return f"{self.prefix}:sse:{_tag('request_id', request_id)}"
+
+    # -- one key each -----------------------------------------------------------------------------
 
     def worker(self, worker_id: str) -> str:
         """Heartbeat hash of one worker."""
@@ -126,18 +194,53 @@ class Keys:
         """Set of queue names that have a consumer group."""
         return f"{self.prefix}:queues"
 
+    def control_reply(self, call_id: str) -> str:
+        """Answers to one utility call, one entry per worker."""
+        return f"{self.prefix}:ctlr:{validate_name('call_id', call_id)}"
+
+    # -- a batch's slot ---------------------------------------------------------------------------
+
     def batch_input(self, batch_id: str) -> str:
         """Input file of an `llmq batch` job (the OpenAI batch JSONL as submitted)."""
-        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:input"
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:input"
 
     def batch_output(self, batch_id: str) -> str:
         """Output lines of a batch job (a list, in input order)."""
-        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:output"
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:output"
 
     def batch_errors(self, batch_id: str) -> str:
         """Error lines of a batch job (a list, in input order)."""
-        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:errors"
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:errors"
 
     def batch_cancel(self, batch_id: str) -> str:
         """Cancel flag of a batch job."""
-        return f"{self.prefix}:batch:{validate_name('batch_id', batch_id)}:cancel"
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:cancel"
+
+    # -- a gateway tenant's slot ------------------------------------------------------------------
+
+    def file(self, tenant: str, file_id: str) -> str:
+        """Content of a file uploaded to the gateway."""
+        return f"{self.prefix}:file:{{{_tenant(tenant)}}}:{validate_name('file_id', file_id)}"
+
+    def file_meta(self, tenant: str, file_id: str) -> str:
+        """What the gateway knows of a file (name, purpose, size, times; or its batch)."""
+        return self.file(tenant, file_id) + ":meta"
+
+    def tenant_files(self, tenant: str) -> str:
+        """A tenant's file ids, scored by creation time."""
+        return f"{self.prefix}:files:{{{_tenant(tenant)}}}"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """A tenant's gateway batch ids, scored by creation time."""
+        return f"{self.prefix}:batches:{{{_tenant(tenant)}}}"
+
+
+def _tag(kind: str, value: object) -> str:
+    """`{value}`: a validated name as the key's Cluster hash tag."""
+    return "{" + validate_name(kind, value) + "}"
+
+
+def _tenant(tenant: str) -> str:
+    if is_valid_tenant(tenant):
+        return tenant
+    raise InvalidName(f"invalid tenant {tenant!r:.60}: must match {TENANT_PATTERN}")

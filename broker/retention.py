@@ -13,17 +13,12 @@ import logging
 
 import redis
 
-from llmq.broker.commands import as_str
 from llmq.broker.keys import GROUP, Keys
+from llmq.broker.protocol import as_str, parse_entry_id
 
 __all__ = ["trim_acked_requests"]
 
 logger = logging.getLogger(__name__)
-
-
-def _stream_id(value: str) -> tuple[int, int]:
-    ms, _, seq = value.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def trim_acked_requests(client: redis.Redis, keys: Keys, queue: str) -> int:
@@ -39,7 +34,7 @@ def trim_acked_requests(client: redis.Redis, keys: Keys, queue: str) -> int:
     floor = as_str(group["last-delivered-id"])
     pending = client.xpending(key, GROUP)
     if pending["pending"]:
-        floor = min(floor, as_str(pending["min"]), key=_stream_id)
+        floor = min(floor, as_str(pending["min"]), key=parse_entry_id)
     if floor == "0-0":
         return 0
     # NOTE: exact, not `~`: approximate trimming only drops whole radix-tree nodes (100

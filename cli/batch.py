@@ -10,7 +10,8 @@
 Where the files live: `batch submit` stores the input file in Redis (`<prefix>:batch:<id>:input`),
 so a batch worker on any machine can run it; the job writes the output and error lines to Redis
 lists next to it, and `batch results` writes them to local files. Everything expires with the
-job (`--ttl`, 7 days by default, like OpenAI's batch files). The job itself is `batch_job.py`.
+job (`--ttl`, 7 days by default, like OpenAI's batch files). The job itself is
+`llmq.gateway.batch_job`, kept with `llmq.gateway.batch_store` beside the gateway's Batch API.
 """
 
 from __future__ import annotations
@@ -26,62 +27,26 @@ import click
 from llmq.broker.client import Client
 from llmq.broker.connection import translate_errors
 from llmq.broker.errors import LLMQError
-from llmq.cli.batch_job import BATCH_QUEUE
 from llmq.cli.helpers import echo_json, note, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options, redis_url_option
+from llmq.gateway.batch_store import (
+    FINAL_STATUSES,
+    BatchStore,
+    batch_status,
+    batch_summary,
+    rq_connection,
+)
 
-_FINAL = ("completed", "cancelled", "failed")
 _DAY = 24 * 3600
 
 
-def _rq(client: Client) -> tuple[Any, Any]:
-    """rq's Queue for batch jobs and its JSON serializer (rq is imported only when used)."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    return Queue(BATCH_QUEUE, connection=client.redis, serializer=JSONSerializer), JSONSerializer
+def _store(client: Client) -> BatchStore:
+    return BatchStore(rq_connection(client.redis), client.keys, client.redis)
 
 
 def _fetch(client: Client, batch_id: str) -> Any:
-    from rq.exceptions import NoSuchJobError
-    from rq.job import Job
-
-    _, serializer = _rq(client)
-    try:
-        with translate_errors(client.url):
-            return Job.fetch(batch_id, connection=client.redis, serializer=serializer)
-    except NoSuchJobError:
-        raise LLMQError(f"unknown batch {batch_id}: no such rq job (batches expire after their "
-                        "--ttl)") from None
-
-
-def batch_status(job: Any) -> str:
-    """OpenAI's batch status, from the job's meta and rq's own status."""
-    rq_status = job.get_status(refresh=False)
-    rq_status = getattr(rq_status, "value", rq_status)
-    status = job.meta.get("status", "queued")
-    if rq_status in ("failed", "stopped") and status not in _FINAL:
-        return "failed"
-    if rq_status == "canceled":
-        return "cancelled"
-    return status
-
-
-def batch_summary(job: Any) -> dict[str, Any]:
-    meta = job.meta
-    rq_status = job.get_status(refresh=False)
-    summary = {
-        "id": job.id, "object": "batch", "status": batch_status(job),
-        "rq_status": getattr(rq_status, "value", rq_status),
-        "input_file": meta.get("input_file"), "queue": meta.get("queue"),
-        "request_counts": {"total": meta.get("total", 0), "completed": meta.get("completed", 0),
-                           "failed": meta.get("failed", 0)},
-        "created_at": meta.get("created_at"), "in_progress_at": meta.get("in_progress_at"),
-        "completed_at": meta.get("completed_at"), "cancelled_at": meta.get("cancelled_at"),
-    }
-    if summary["status"] == "failed" and job.exc_info:
-        summary["error"] = job.exc_info.strip().splitlines()[-1]
-    return summary
+    with translate_errors(client.url):
+        return _store(client).fetch(batch_id)
 
 
 def _when(unix: int | None) -> str:
@@ -112,33 +77,20 @@ def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs
     num_lines = sum(1 for line in data.splitlines() if line.strip())
     if not num_lines:
         raise click.BadParameter("the file has no lines", param_hint="FILE")
-    queue, _ = _rq(client)
     batch_id = f"batch_{uuid.uuid4().hex}"
-    from llmq.cli.batch_job import run_batch
-
     with translate_errors(client.url):
         client.ensure_group()  # so `llmq status` shows the queue before any worker started
         client.redis.set(client.keys.batch_input(batch_id), data, ex=ttl)
-        queue.enqueue_call(
-            run_batch, job_id=batch_id, timeout=timeout, result_ttl=ttl, failure_ttl=ttl,
-            description=f"llmq batch {os.path.basename(file)}",
-            kwargs={"batch_id": batch_id, "prefix": client.settings.prefix,
-                    "queue": client.settings.queue, "max_in_flight": max_in_flight, "ttl": ttl},
-            meta={"status": "queued", "input_file": os.path.basename(file), "total": num_lines,
-                  "completed": 0, "failed": 0, "queue": client.settings.queue,
-                  "created_at": int(time.time())})
+        store = _store(client)
+        store.enqueue(batch_id, queue=client.settings.queue, max_in_flight=max_in_flight,
+                      ttl=ttl, timeout=timeout,
+                      description=f"llmq batch {os.path.basename(file)}",
+                      meta={"input_file": os.path.basename(file), "total": num_lines})
+        has_workers = store.has_workers()
     click.echo(batch_id)
-    if not _batch_workers(client):
+    if not has_workers:
         note("no batch worker is running: start one with `llmq batch-worker`")
     note(f"{num_lines} requests queued as {batch_id}; follow with `llmq batch status {batch_id}`")
-
-
-def _batch_workers(client: Client) -> list[Any]:
-    from rq import Worker
-
-    queue, _ = _rq(client)
-    with translate_errors(client.url):
-        return Worker.all(queue=queue)
 
 
 @batch.command("status")
@@ -173,7 +125,7 @@ def _wait_final(client: Client, batch_id: str, timeout: float | None) -> Any:
     while True:
         job = _fetch(client, batch_id)
         status = batch_status(job)
-        if status in _FINAL:
+        if status in FINAL_STATUSES:
             return job
         if deadline is not None and time.monotonic() > deadline:
             raise LLMQError(f"batch {batch_id} is still {status} after {timeout:g}s")
@@ -201,7 +153,7 @@ def results_batch(batch_id: str, output: str, errors_path: str | None, wait: boo
     status = summary["status"]
     if status == "failed":
         raise LLMQError(f"batch {batch_id} failed: {summary.get('error', 'see its rq job')}")
-    if status not in _FINAL:
+    if status not in FINAL_STATUSES:
         counts = summary["request_counts"]
         raise LLMQError(f"batch {batch_id} is {status} ({counts['completed'] + counts['failed']}"
                         f"/{counts['total']} done): wait for it, or add --wait")
@@ -236,18 +188,14 @@ def cancel_batch(batch_id: str, wait: bool, **kwargs) -> None:
     client = open_client(**connection_kwargs(kwargs))
     job = _fetch(client, batch_id)
     status = batch_status(job)
-    if status in _FINAL:
+    if status in FINAL_STATUSES:
         note(f"batch {batch_id} is already {status}: nothing to cancel")
         return
     with translate_errors(client.url):
-        client.redis.set(client.keys.batch_cancel(batch_id), b"1",
-                         ex=int(job.result_ttl or 7 * _DAY))
-        if job.get_status() in ("queued", "deferred", "scheduled"):
-            job.cancel()  # never started: rq drops it, nothing was submitted
-            job.meta.update(status="cancelled", cancelled_at=int(time.time()))
-            job.save_meta()
-            click.echo(f"cancelled batch {batch_id} (it had not started)")
-            return
+        status = _store(client).cancel(job)
+    if status == "cancelled":
+        click.echo(f"cancelled batch {batch_id} (it had not started)")
+        return
     click.echo(f"cancelling batch {batch_id}: no more requests are submitted and unfinished "
                "ones are cancelled")
     if wait:
@@ -262,17 +210,10 @@ def cancel_batch(batch_id: str, wait: bool, **kwargs) -> None:
 @connection_options
 def list_batches(as_json: bool, **kwargs) -> None:
     """List the batches rq still keeps (queued, running and finished ones)."""
-    from rq.job import Job
-
     client = open_client(**connection_kwargs(kwargs))
-    queue, serializer = _rq(client)
     with translate_errors(client.url):
-        ids = list(queue.get_job_ids())
-        for registry in (queue.started_job_registry, queue.finished_job_registry,
-                         queue.failed_job_registry, queue.canceled_job_registry):
-            ids += registry.get_job_ids()
-        jobs = [j for j in Job.fetch_many(list(dict.fromkeys(ids)), connection=client.redis,
-                                          serializer=serializer) if j is not None]
+        store = _store(client)
+        jobs = store.fetch_many(store.all_ids())
     summaries = sorted((batch_summary(j) for j in jobs),
                        key=lambda s: s["created_at"] or 0, reverse=True)
     if as_json:
@@ -299,6 +240,9 @@ def batch_worker(burst: bool, name: str | None, redis_url: str | None) -> None:
 
     client = Client(redis_url)
     client.ping()  # one clear line now, rather than rq's traceback later
-    queue, serializer = _rq(client)
-    worker = Worker([queue], connection=client.redis, serializer=serializer, name=name)
+    store = _store(client)
+    # NOTE: the jobs (run_batch, in rq's work horse) find llmq's Redis in the environment.
+    os.environ["LLMQ_REDIS_URL"] = client.url
+    worker = Worker([store.queue], connection=store.rq, serializer=store.serializer,
+                    name=name)
     worker.work(burst=burst, logging_level="INFO")

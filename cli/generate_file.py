@@ -7,17 +7,14 @@ carries, in input order. A bad line gets its `error` line and the others still r
 
 from __future__ import annotations
 
-from typing import TextIO
+from typing import Any, TextIO
 
 import msgspec
 
 from llmq.broker import protocol
-from llmq.broker.errors import InvalidRequest
+from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.input_processor import InputProcessor
-from llmq.worker.engine.scheduler import RequestRejected
-from llmq.worker.inflight_table import InFlight
-from llmq.worker.result_writer import terminal_event
 
 _encoder = msgspec.json.Encoder()
 
@@ -28,10 +25,10 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
     NOTE: the command's sampling flags do not apply here: a request line carries its own
     parameters, as it would on the wire.
     """
-    processor = InputProcessor(engine.tokenizer, engine.config.max_model_len,
-                               engine.arch.vocab_size)
+    processor = InputProcessor.for_engine(engine)
     results: list[protocol.Event | None] = []
-    entries: dict[str, InFlight] = {}
+    # engine id -> (request id, metadata, n, the finished completions by index)
+    entries: dict[str, tuple[str, Any, int, dict[int, Any]]] = {}
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -42,24 +39,25 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
             request = protocol.parse_request(line.encode(), "json")
             request_id = request.id or request_id
             processed = processor.process(request)
-            entry = InFlight(str(index), request_id, attempt=1, encoding="json",
-                             metadata=request.metadata)
             engine.add_request(str(index), processed.prompt_token_ids,
                                processed.sampling_params, priority=processed.priority)
-            entries[str(index)] = entry
-        except InvalidRequest as e:
-            results[index] = _error(request_id, "invalid_request", f"line {line_no}: {e}")
-        except RequestRejected as e:
+            entries[str(index)] = (request_id, request.metadata, request.n, {})
+        except RequestRejected as e:  # the wire's InvalidRequest included
             results[index] = _error(request_id, e.code, f"line {line_no}: {e.message}")
 
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                results[int(out.request_id)] = terminal_event(entries[out.request_id], out)
+            if not out.finished:
+                continue
+            request_id, metadata, n, finished = entries[out.request_id]
+            outputs = protocol.gather_choices(finished, out, n)
+            if outputs is not None:
+                results[int(out.request_id)] = protocol.terminal_event(request_id, 1, outputs,
+                                                                       metadata)
     for event in results:
         output.write(_encoder.encode(event).decode() + "\n")
     output.flush()
 
 
-def _error(request_id: str, code: str, message: str) -> protocol.Error:
-    return protocol.Error(request_id=request_id, attempt=1, code=str(code), message=message)
+def _error(request_id: str, code: ErrorCode, message: str) -> protocol.Error:
+    return protocol.Error(request_id=request_id, attempt=1, code=code, message=message)

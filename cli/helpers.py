@@ -5,12 +5,17 @@ After rq's `cli/helpers.py`: small functions the command modules call, nothing s
 
 from __future__ import annotations
 
+import io
+import shutil
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import click
 import msgspec
+from rich.console import Console
+from rich.table import Table
 
 from llmq.broker.client import Client
 
@@ -45,11 +50,21 @@ def note(message: str) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned columns separated by two spaces, like `docker ps`."""
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in cells)
+    """Columns under their headers, two spaces apart (like `docker ps`), drawn by rich: bold
+    headers on a terminal, plain text elsewhere so scripts and logs can cut columns."""
+    tty = sys.stdout.isatty()
+    grid = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 2, 0, 0),
+                 header_style="bold" if tty else "")
+    for header in headers:
+        grid.add_column(str(header), no_wrap=not tty)
+    for row in rows:
+        grid.add_row(*("" if cell is None else str(cell) for cell in row))
+    out = io.StringIO()
+    # NOTE: off a terminal nothing is wrapped or cut: the table is as wide as its content.
+    width = shutil.get_terminal_size().columns if tty else 10_000
+    Console(file=out, width=width, force_terminal=tty, color_system="auto" if tty else None,
+            highlight=False, markup=False).print(grid)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
 
 def ago(unix_ms: int, now: float | None = None) -> str:

@@ -13,11 +13,13 @@ import click
 import redis
 
 from llmq.broker.errors import LLMQError
+from llmq.cli.admin import admin
 from llmq.cli.batch import batch, batch_worker
 from llmq.cli.bench import bench
 from llmq.cli.dlq import dlq
 from llmq.cli.generate import generate
 from llmq.cli.result import cancel, result
+from llmq.cli.serve import serve
 from llmq.cli.status import status
 from llmq.cli.submit import submit
 from llmq.cli.up import down, up
@@ -45,7 +47,7 @@ def cli(log_level: str) -> None:
 
 
 for command in (up, down, submit, result, cancel, status, dlq, batch, batch_worker, bench,
-                worker, generate):
+                worker, generate, serve, admin):
     cli.add_command(command)
 
 

@@ -41,12 +41,12 @@ def read_transcript(client: Client, request_id: str) -> tuple[Transcript, list]:
 
 def is_queued(client: Client, request_id: str, queue: str | None = None) -> bool:
     """Whether the request waits in its queue (it has no events yet)."""
+    queue = queue or client.settings.queue
     with translate_errors(client.url):
-        if client.redis.exists(client.keys.idempotency(request_id)):
+        if client.redis.exists(client.keys.idempotency(queue, request_id)):
             return True
         if _ENTRY_ID.fullmatch(request_id):
-            key = client.keys.queue(queue or client.settings.queue)
-            return bool(client.redis.xrange(key, request_id, request_id))
+            return bool(client.redis.xrange(client.keys.queue(queue), request_id, request_id))
     return False
 
 

@@ -7,7 +7,9 @@ import time
 import click
 import msgspec
 
+from llmq.broker.commands import exhausted_message
 from llmq.broker.connection import redact_url
+from llmq.broker.redis_url import primary_address
 from llmq.cli.helpers import ago, echo_json, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options
 
@@ -24,27 +26,37 @@ def status(as_json: bool, **kwargs) -> None:
     queues = [client.stats(name) for name in sorted(names)]
     workers = sorted(client.workers(), key=lambda w: (w.queue, w.worker_id))
     now = time.time()
+    primary = primary_address(client.redis)
     if as_json:
         echo_json({
             "redis_url": redact_url(client.url),
+            "primary": primary,
             "queues": [{"queue": q.queue, "length": q.length, "lag": q.lag,
                         "pending": q.pending, "dead_letters": q.dead_letters,
-                        "consumers": q.consumers} for q in queues],
+                        "consumers": q.consumers, "exhausted": q.exhausted} for q in queues],
             "workers": [{**msgspec.structs.asdict(w),
                          "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3)}
                         for w in workers],
         })
         return
+    if primary is not None:
+        click.echo(f"Sentinel primary: {primary}")
     click.echo(table(
         ["QUEUE", "LENGTH", "LAG", "PENDING", "DEAD LETTERS", "CONSUMERS"],
         [[q.queue, q.length, "?" if q.lag is None else q.lag, q.pending, q.dead_letters,
           q.consumers] for q in queues]))
+    for q in queues:
+        if q.exhausted:
+            click.echo(f"\nqueue {q.queue!r} is FULL: {exhausted_message(client.keys, q.queue)}")
     click.echo("")
     if not workers:
         click.echo("no live workers (start some with `llmq up` or `llmq worker`)")
         return
     click.echo(table(
-        ["WORKER", "QUEUE", "MODEL", "RUNNING", "WAITING", "KV USE", "TOKENS/S", "HEARTBEAT"],
-        [[w.worker_id, w.queue, w.model, w.running, w.waiting, f"{w.kv_usage:.0%}",
-          f"{w.tokens_per_s:.1f}", ago(w.heartbeat_ms, now)] for w in workers]))
+        ["WORKER", "QUEUE", "MODEL", "STATE", "RUNNING", "WAITING", "KV USE", "TOKENS/S",
+         "HEARTBEAT"],
+        [[w.worker_id, w.queue, w.model,
+          f"sleeping (level {w.sleeping})" if w.sleeping else "serving", w.running, w.waiting,
+          f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}", ago(w.heartbeat_ms, now)]
+         for w in workers]))
 

@@ -85,9 +85,11 @@ def submit(prompt: str | None, chat: str | None, messages: str | None, file: str
     if file is not None:
         if request_id is not None or no_wait or json_lines:
             raise click.UsageError("--id, --no-wait and --json apply to a single request, not -f")
-        from llmq.cli.file_job import FileJob  # the file runner only when a file is given
+        from llmq.broker.file_job import FileJob  # the file runner only when a file is given
+        from llmq.cli.progress import FileJobProgress
 
-        job = FileJob(client, file, output, params, show_progress=progress, timeout=timeout)
+        job = FileJob(client, file, output, params, timeout=timeout,
+                      listener=FileJobProgress(client, enabled=progress))
         try:
             code = job.run()
         except OSError as exc:  # the output folder is missing, the disk is full...

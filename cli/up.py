@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -27,7 +28,9 @@ from llmq.broker.client import Client
 from llmq.broker.connection import redact_url
 from llmq.broker.embedded import EmbeddedServer, default_run_dir
 from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
-from llmq.cli.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from llmq.worker.supervisor import Supervisor
 
 
 def plan_layout(num_workers: int, threads: int, cores: list[int]) -> list[list[int]] | None:
@@ -74,6 +77,8 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
     (LLMQ_RUN_DIR); with one, only the workers are started, against that server.
     Ctrl-C (or `llmq down`) drains the workers, then stops the server.
     """
+    from llmq.worker.supervisor import Supervisor
+
     connection = connection_kwargs(kwargs)
     threads = kwargs["threads"]
     engine_argv = _engine_argv(kwargs)
@@ -195,6 +200,8 @@ def _wait_ready(supervisor: Supervisor, client: Client, timeout: float,
               help="Seconds to wait for the workers to drain before killing them.")
 def down(timeout: float) -> None:
     """Stop what `llmq up` started under the run folder: workers first, then the server."""
+    from llmq.worker.supervisor import Supervisor
+
     run_dir = default_run_dir()
     supervisor = Supervisor(run_dir)
     if supervisor.stop_foreground(timeout + 30):

@@ -71,8 +71,7 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     from llmq.broker.connection import resolve_redis_url
     from llmq.broker.errors import LLMQError
     from llmq.worker.engine.config import EngineConfig
-    from llmq.worker.engine_proc import WorkerConfig
-    from llmq.worker.lease_keeper import default_worker_id
+    from llmq.worker.worker_config import WorkerConfig, default_worker_id
 
     try:
         engine_config = EngineConfig(**engine_config_kwargs(kwargs))
@@ -88,7 +87,7 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
         raise click.BadParameter(str(e)) from None
 
     from llmq.worker.engine.engine_core import EngineCore
-    from llmq.worker.engine_proc import Worker, start_observability
+    from llmq.worker.worker import Worker, start_observability
 
     # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr: the first thing to look
     # at when a worker seems stuck.

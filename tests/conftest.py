@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "tests.fixtures.redis_servers",
+    "tests.fixtures.redis_cluster",
     "tests.fixtures.models",
     "tests.fixtures.acl_server",
 ]

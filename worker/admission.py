@@ -11,7 +11,7 @@ validates off the busy loop. Per entry, in order:
    `error{invalid_request}` on its result stream, one without goes to the dead-letter stream;
 3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
    `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
-4. cancel flag `llmq:x:<request_id>` (a cancel sent before a worker read the request);
+4. cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 
@@ -21,59 +21,36 @@ Steps 2-5 end the entry with one terminal event and an XACK, written by the resu
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from llmq.broker import protocol
-from llmq.broker.keys import Keys
+from llmq.broker.connection import is_cluster
+from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
-from llmq.worker.engine.input_processor import InputProcessor, InputRejected
-from llmq.worker.engine.scheduler import RequestRejected
-from llmq.worker.faults import Faults
-from llmq.worker.inflight_table import InFlight, InFlightTable
+from llmq.worker.engine.input_processor import InputProcessor
+from llmq.worker.inbox import AddRequest
+from llmq.worker.inflight_table import InFlight
 from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class AddRequest:
-    """Busy-loop inbox item: put this request into the engine."""
-
-    entry_id: str
-    prompt_token_ids: list[int]
-    sampling_params: Any
-    priority: int
-    arrival_time: float  # engine clock (monotonic), back-dated to the entry's XADD
-
-
-@dataclass
-class AbortRequests:
-    """Busy-loop inbox item: abort these engine requests (cancel, or lease lost)."""
-
-    entry_ids: list[str]
-
-
 class Admission:
-    def __init__(self, *, keys: Keys, queue_name: str, worker_id: str, model_name: str,
-                 table: InFlightTable, processor: InputProcessor, writer: ResultWriter,
-                 inbox: queue.SimpleQueue, faults: Faults, max_deliveries: int,
+    """`processor` is the engine's gate; `clock` the engine's clock, which arrival times use."""
+
+    def __init__(self, ctx: WorkerContext, processor: InputProcessor, writer: ResultWriter,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.keys = keys
-        self.queue_name = queue_name
-        self.worker_id = worker_id
-        self.model_name = model_name
-        self.table = table
+        self.ctx = ctx
+        self.keys = ctx.keys
+        self.table = ctx.table
         self.processor = processor
         self.writer = writer
-        self.inbox = inbox
-        self.faults = faults
-        self.max_deliveries = max_deliveries
+        self.max_deliveries = ctx.config.max_deliveries
         self.clock = clock
 
     def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
@@ -86,7 +63,7 @@ class Admission:
         """
         fresh = []
         for raw_id, fields in entries:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            entry_id = protocol.as_str(raw_id)
             attempt = (attempts or {}).get(entry_id, 1)
             decoded = protocol.decode_request_entry(entry_id, fields)
             entry = _entry_for(decoded, attempt)
@@ -100,11 +77,7 @@ class Admission:
         flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)]
         while True:
             try:
-                pipe = client.pipeline(transaction=False)
-                pipe.time()
-                for e in flagged:
-                    pipe.exists(self.keys.cancel_flag(e.request_id))
-                results = pipe.execute()
+                results = self._read_time_and_flags(client, flagged)
                 backoff.succeeded()
                 break
             except TRANSIENT_ERRORS as e:
@@ -135,7 +108,7 @@ class Admission:
                                       cancel_flags.get(entry.entry_id, False))
             except Exception:  # noqa: BLE001 - one bad request must never stop admission
                 logger.exception("admitting entry %s failed", entry.entry_id)
-                self._fail(entry, protocol.ErrorCode.ENGINE_ERROR.value,
+                self._fail(entry, ErrorCode.ENGINE_ERROR,
                            "the worker failed to admit this request")
                 continue
             if add is not None:
@@ -143,7 +116,7 @@ class Admission:
         if adds:
             # NOTE: one inbox item per read, so the engine's next step sees the whole read
             # (prefills batched together, as if the requests had been added in-process).
-            self.inbox.put(adds)
+            self.ctx.inbox.put(adds)
         return len(fresh)
 
     def _admit_one(self, entry: InFlight, decoded: Any, fields: Any, now_ms: int,
@@ -161,7 +134,7 @@ class Admission:
         entry_ms = protocol.entry_time_ms(entry.entry_id)
         waited_ms = max(0, now_ms - entry_ms)
         if request.deadline_ms is not None and waited_ms > request.deadline_ms:
-            self._fail(entry, protocol.ErrorCode.DEADLINE_EXCEEDED.value,
+            self._fail(entry, ErrorCode.DEADLINE_EXCEEDED,
                        f"deadline_ms: the request waited {waited_ms} ms in the queue, past its "
                        f"deadline of {request.deadline_ms} ms")
             return None
@@ -171,15 +144,13 @@ class Admission:
         try:
             processed = self.processor.process(request)
         except RequestRejected as e:
-            self._fail(entry, e.code, e.message,
-                       e.details if isinstance(e, InputRejected) else None)
+            self._fail(entry, e.code, e.message, e.details)
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         entry.admitted_ms = now_ms
-        entry.poison = self.faults.is_poison(processed.prompt_texts)
         start = protocol.Start(request_id=entry.request_id, attempt=entry.attempt,
-                               worker=self.worker_id, prompt_tokens=entry.prompt_tokens,
-                               model=self.model_name)
+                               worker=self.ctx.worker_id, prompt_tokens=entry.prompt_tokens,
+                               model=self.ctx.model_name)
         # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
@@ -207,7 +178,7 @@ class Admission:
                    f"{self.max_deliveries}) without finishing: moved to the dead-letter stream")
         logger.warning("entry %s is poison (%d deliveries): dead-lettered", entry.entry_id,
                        entry.attempt)
-        code = protocol.ErrorCode.POISON.value
+        code = ErrorCode.POISON
         request_id = decoded.request_id  # None when the payload gave no usable id
         entry.terminal = True
         events: list[protocol.Event] = []
@@ -219,7 +190,7 @@ class Admission:
             dead_letter=self.dead_letter(entry.entry_id, request_id, code, message,
                                          entry.attempt, fields)))
 
-    def _fail(self, entry: InFlight, code: str, message: str,
+    def _fail(self, entry: InFlight, code: ErrorCode, message: str,
               details: dict[str, Any] | None = None) -> None:
         error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt, code=code,
                                message=message, details=details, metadata=entry.metadata)
@@ -237,11 +208,26 @@ class Admission:
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [done],
                                    ack=True))
 
-    def dead_letter(self, entry_id: str, request_id: str | None, code: str, message: str,
-                    deliveries: int, fields: Any) -> dict[str, bytes]:
-        letter = protocol.DeadLetter(queue=self.queue_name, entry_id=entry_id,
+    def _read_time_and_flags(self, client: Any, flagged: list[InFlight]) -> list[Any]:
+        """[TIME of the queue's server, then EXISTS of each cancel flag], in one round trip on
+        one server. A cluster pipeline takes no TIME: it goes to the queue's node first."""
+        pipe = client.pipeline(transaction=False)
+        if is_cluster(client):
+            now = client.time(target_nodes=client.get_node_from_key(self.ctx.queue_key))
+            if isinstance(now, dict):
+                (now,) = now.values()
+        else:
+            pipe.time()
+        for e in flagged:
+            pipe.exists(self.keys.cancel_flag(e.request_id))
+        results = pipe.execute()
+        return [now, *results] if is_cluster(client) else results
+
+    def dead_letter(self, entry_id: str, request_id: str | None, code: ErrorCode,
+                    message: str, deliveries: int, fields: Any) -> dict[str, bytes]:
+        letter = protocol.DeadLetter(queue=self.ctx.queue, entry_id=entry_id,
                                      request_id=request_id, code=code, message=message,
-                                     deliveries=deliveries, worker=self.worker_id,
+                                     deliveries=deliveries, worker=self.ctx.worker_id,
                                      at_ms=int(time.time() * 1000))
         return protocol.encode_dead_letter(letter, fields)
 
@@ -250,7 +236,7 @@ def _entry_for(decoded: Any, attempt: int) -> InFlight:
     if isinstance(decoded, protocol.DecodedRequest):
         request = decoded.request
         return InFlight(decoded.entry_id, decoded.request_id, attempt, decoded.encoding,
-                        metadata=request.metadata, stream=request.stream)
+                        metadata=request.metadata, stream=request.stream, n=request.n)
     # A rejected entry still sits in the table until its error or dead letter is acked.
     return InFlight(decoded.entry_id, decoded.request_id or decoded.entry_id, attempt,
                     decoded.encoding or "json")

@@ -4,8 +4,9 @@ Every IO thread of the worker (stream reader, result writer, lease keeper, cance
 forever; when Redis goes away each of them keeps its state, waits, and tries again, so a Redis
 restart never crash-loops the worker (RELIABILITY.md scenarios 7-9). The pattern is rq's and
 redis-py's `Retry(ExponentialBackoff(cap=...))`, moved up one level so the *thread* decides what
-is safe to repeat (redis-py's own retries are switched off in `connect_redis`: a blindly
-repeated XADD would duplicate an event).
+is safe to repeat (redis-py's own retries are switched off: the threads' clients come from
+`llmq.broker.connection.connect_at_most_once`, as a blindly repeated XADD would duplicate an
+event).
 
 An outage is logged once when it starts and once when it ends, not on every attempt.
 """
@@ -18,53 +19,20 @@ import threading
 import time
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from llmq.broker.connection import connect
+from llmq.worker.connection_state import ConnectionState
 
 logger = logging.getLogger(__name__)
 
 # Errors that mean "Redis is unreachable or restarting", as opposed to a rejected command.
 # BusyLoadingError is raised while a restarted server loads its AOF; ReadOnlyError while a
 # replica is being promoted.
+# On a cluster: a failover or slot migration that outlasted redis-py's own redirects and retries.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ReadOnlyError,
-    ConnectionError, TimeoutError, OSError,
+    redis.exceptions.ClusterError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
+    redis.exceptions.SlotNotCoveredError, ConnectionError, TimeoutError, OSError,
 )
-
-
-def connect_redis(url: str | None, *, socket_timeout: float = 10.0) -> redis.Redis:
-    """A client whose commands are each sent at most once (retries belong to the caller)."""
-    return connect(url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
-                   socket_timeout=socket_timeout)
-
-
-class ConnectionState:
-    """Which threads currently cannot reach Redis; the worker is ready only when none.
-
-    Threads named in `pending` count as down until their first successful command.
-    """
-
-    def __init__(self, pending: tuple[str, ...] = ()) -> None:
-        self._lock = threading.Lock()
-        self._down: set[str] = set(pending)
-
-    def mark(self, thread: str, up: bool) -> None:
-        with self._lock:
-            if up:
-                self._down.discard(thread)
-            else:
-                self._down.add(thread)
-
-    @property
-    def connected(self) -> bool:
-        with self._lock:
-            return not self._down
-
-    def down(self) -> list[str]:
-        with self._lock:
-            return sorted(self._down)
 
 
 class Backoff:

@@ -12,14 +12,14 @@ entries carry the same wire `id` (a resubmission), so their attempts never mix.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass
 class InFlight:
     entry_id: str  # stream entry id = engine request id
-    request_id: str  # the wire id: names the result stream llmq:r:<request_id>
+    request_id: str  # the wire id: names the result stream llmq:r:{<request_id>}
     attempt: int  # = the entry's delivery count
     encoding: str  # "json" | "msgpack": events go out in the request's encoding
     metadata: Any = None  # echoed back on the terminal event
@@ -37,7 +37,8 @@ class InFlight:
     cancel_requested: bool = False
     # Set once the terminal event is queued for writing: the entry is done in the engine.
     terminal: bool = False
-    poison: bool = False  # TEST-ONLY fault hook: a step raises while this request runs
+    n: int = 1  # completions asked for; the terminal event waits for all of them
+    finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
 
 
 class InFlightTable:

@@ -30,22 +30,22 @@ failures"); the Celery visibility-timeout failure mode that lease renewal avoids
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import redis
 
 from llmq.broker import protocol
-from llmq.broker.keys import GROUP, Keys
+from llmq.broker.errors import ErrorCode
+from llmq.broker.keys import GROUP, is_valid_name
+from llmq.broker.protocol import as_str
 from llmq.broker.retention import trim_acked_requests
-from llmq.worker.admission import AbortRequests, Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
-from llmq.worker.inflight_table import InFlightTable
+from llmq.worker.admission import Admission
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.inbox import AbortRequests
 from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -88,34 +88,35 @@ CONSUMER_CLEANUP_IDLE_MS = 10 * 60 * 1000
 
 
 class LeaseKeeper:
-    def __init__(self, client: redis.Redis, keys: Keys, queue_name: str, worker_id: str,
-                 table: InFlightTable, admission: Admission, writer: ResultWriter, inbox: Any,
-                 *, lease_timeout: float, renew_interval: float, claim_interval: float,
-                 max_num_seqs: int, state: ConnectionState,
-                 heartbeat: Callable[[], dict[str, Any]], ensure_group: Callable[[], None],
-                 metrics: Any = None) -> None:
-        self.client = client
-        self.keys = keys
-        self.queue_name = queue_name
-        self.queue_key = keys.queue(queue_name)
-        self.worker_id = worker_id
-        self.table = table
+    """`heartbeat()` gives the fields of this worker's heartbeat hash; `ensure_group()`
+    recreates the consumer group when Redis lost it."""
+
+    def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter, *,
+                 heartbeat: Callable[[], dict[str, str]],
+                 ensure_group: Callable[[], None],
+                 first_contact: Callable[[], None] = lambda: None) -> None:
+        config = ctx.config
+        assert config.renew_interval is not None and config.claim_interval is not None
+        self.ctx = ctx
+        self.client = ctx.connect()
+        self.keys = ctx.keys
+        self.queue_key = ctx.queue_key
+        self.worker_id = ctx.worker_id
+        self.table = ctx.table
         self.admission = admission
         self.writer = writer
-        self.inbox = inbox
-        self.lease_ms = int(lease_timeout * 1000)
-        self.renew_interval = renew_interval
-        self.claim_interval = claim_interval
-        self.max_num_seqs = max_num_seqs
+        self.lease_ms = int(config.lease_timeout * 1000)
+        self.renew_interval = config.renew_interval
+        self.claim_interval = config.claim_interval
         self.heartbeat = heartbeat
         self.ensure_group = ensure_group
-        self.metrics = metrics
-        self.heartbeat_ttl = max(10, int(3 * max(renew_interval, 1.0)))
+        self.first_contact: Callable[[], None] | None = first_contact
+        self.heartbeat_ttl = max(10, int(3 * max(self.renew_interval, 1.0)))
         self.stop_event = threading.Event()
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
-        self.backoff = Backoff("lease keeper", state, stop=self.stop_event)
-        self.reclaim_backoff = Backoff("reclaimer", state, stop=self.stop_event)
-        self._script = client.register_script(_CLAIM_OWNED)
+        self.backoff = Backoff("lease keeper", ctx.state, stop=self.stop_event)
+        self.reclaim_backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
+        self._script = self.client.register_script(_CLAIM_OWNED)
         self._cursor = "0-0"
         self._next_claim = 0.0
         self._next_cleanup = time.monotonic() + 60.0
@@ -147,6 +148,9 @@ class LeaseKeeper:
         self.renew()
 
     def _maintain_once(self, started: float) -> None:
+        if self.first_contact is not None:
+            self.first_contact()
+            self.first_contact = None
         if self.reclaiming and started >= self._next_claim:
             self._next_claim = started + self.claim_interval
             self.reclaim()
@@ -154,7 +158,8 @@ class LeaseKeeper:
         if started >= self._next_cleanup:
             self._next_cleanup = started + 60.0
             self._cleanup_consumers()
-            trim_acked_requests(self.client, self.keys, self.queue_name)
+            self.answer_vanished()
+            trim_acked_requests(self.client, self.keys, self.ctx.queue)
 
     def _loop(self, work: Callable[[float], None], backoff: Backoff) -> None:
         while not self.stop_event.is_set():
@@ -191,24 +196,37 @@ class LeaseKeeper:
         if fenced:
             logger.warning("lease lost on %d entr%s (a peer reclaimed them): aborting %s",
                            len(fenced), "y" if len(fenced) == 1 else "ies", fenced[:5])
-            self.inbox.put(AbortRequests(fenced))
+            self.ctx.inbox.put(AbortRequests(fenced))
         return fenced
 
     def hand_back(self, entry_ids: list[str], *, forgive: bool = False) -> int:
         """Make entries instantly reclaimable by peers (shutdown); returns how many were ours.
 
-        With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:<queue>`, so
+        With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:{<queue>}`, so
         the delivery it used up is not held against it as poison."""
         lost, orphaned = self._claim_owned(entry_ids, HAND_BACK_IDLE_MS)
         owned = sorted(set(entry_ids) - set(lost) - set(orphaned))
         if owned and forgive:
-            key = self.keys.handbacks(self.queue_name)
+            key = self.keys.handbacks(self.ctx.queue)
             pipe = self.client.pipeline(transaction=False)
             for entry_id in owned:
                 pipe.hincrby(key, entry_id, 1)
             pipe.expire(key, HANDBACK_TTL_S)
             pipe.execute()
         return len(owned)
+
+    def hand_back_retrying(self, entry_ids: list[str], *, forgive: bool) -> int | None:
+        """`hand_back` tried three times through Redis trouble; None (logged) when every try
+        failed, and peers reclaim the entries once their lease lapses."""
+        for attempt in range(3):
+            try:
+                return self.hand_back(entry_ids, forgive=forgive)
+            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
+                logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
+                time.sleep(0.2 * (attempt + 1))
+        logger.error("could not hand back %d entries: peers reclaim them after the %.1f s lease",
+                     len(entry_ids), self.ctx.config.lease_timeout)
+        return None
 
     def _claim_owned(self, entry_ids: list[str], idle_ms: int) -> tuple[list[str], list[str]]:
         lost: list[str] = []
@@ -217,32 +235,31 @@ class LeaseKeeper:
             ids = entry_ids[i:i + _SLICE]
             result = self._script(keys=[self.queue_key],
                                   args=[GROUP, self.worker_id, idle_ms, *ids])
-            lost.extend(_text(r) for r in result[0])
-            orphaned.extend(_text(r) for r in result[1])
+            lost.extend(as_str(r) for r in result[0])
+            orphaned.extend(as_str(r) for r in result[1])
         return lost, orphaned
 
     # -- 2. reclaim -------------------------------------------------------------------------------
 
     def reclaim(self) -> int:
         """Take over entries idle past the lease; returns how many were admitted."""
-        room = self.max_num_seqs - len(self.table)
+        room = self.ctx.max_num_seqs - len(self.table)
         if room <= 0:
             return 0
         reply = self.client.xautoclaim(self.queue_key, GROUP, self.worker_id, self.lease_ms,
                                        start_id=self._cursor, count=room)
         next_cursor, claimed = reply[0], reply[1]
         deleted = reply[2] if len(reply) > 2 else []
-        self._cursor = next_cursor.decode() if isinstance(next_cursor, bytes) else next_cursor
+        self._cursor = as_str(next_cursor)
         if deleted:
-            self._dead_letter_deleted([d.decode() if isinstance(d, bytes) else d
-                                       for d in deleted])
+            self._dead_letter_deleted([as_str(d) for d in deleted])
         if not claimed:
             return 0
-        ids = [(i.decode() if isinstance(i, bytes) else i) for i, _ in claimed]
+        ids = [as_str(i) for i, _ in claimed]
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
-        pipe.hmget(self.keys.handbacks(self.queue_name), ids)
+        pipe.hmget(self.keys.handbacks(self.ctx.queue), ids)
         *pendings, handbacks = pipe.execute()
         attempts = {}
         for entry_id, pending in zip(ids, pendings, strict=True):
@@ -252,21 +269,74 @@ class LeaseKeeper:
         logger.warning("reclaimed %d entr%s idle past the %d ms lease: %s", len(ids),
                        "y" if len(ids) == 1 else "ies", self.lease_ms,
                        ", ".join(f"{i} (attempt {attempts[i]})" for i in ids[:5]))
-        if self.metrics is not None:
-            self.metrics.inc_reclaimed(len(ids))
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.inc_reclaimed(len(ids))
         return self.admission.admit(self.client, claimed, self.reclaim_backoff, attempts,
                                     forgiven)
 
     def _dead_letter_deleted(self, entry_ids: list[str]) -> None:
-        # NOTE: the payload is gone, so the request id is unknown (the producer may have given
-        # its own): keep a dead letter for operators; Redis already dropped it from the PEL.
+        # NOTE: the payload is gone, so the request id is known only from the submit function's
+        # record (a raw XADD leaves none): answer it there, and keep a dead letter for operators;
+        # Redis already dropped the entry from the PEL.
         message = "the entry was trimmed or deleted from the request stream while pending"
-        code = protocol.ErrorCode.LOST_PAYLOAD.value
         logger.warning("%d pending entries lost their payload: %s", len(entry_ids), entry_ids[:5])
-        for entry_id in entry_ids:
-            self.writer.put(EntryWrite(
-                entry_id, None, "json", [], ack=True, pop=False,
-                dead_letter=self.admission.dead_letter(entry_id, None, code, message, 0, None)))
+        submitted = self.client.hmget(self.keys.submissions(self.ctx.queue), entry_ids)
+        for entry_id, request_id in zip(entry_ids, submitted, strict=True):
+            self._answer_lost(entry_id, None if request_id is None else as_str(request_id),
+                              message)
+
+    def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
+        code = ErrorCode.LOST_PAYLOAD
+        events = [] if request_id is None else [protocol.Error(
+            request_id=request_id, attempt=1, code=code, message=message)]
+        self.writer.put(EntryWrite(
+            entry_id, request_id, "json", events, ack=True, pop=False,
+            dead_letter=self.admission.dead_letter(entry_id, request_id, code, message, 0,
+                                                   None)))
+
+    def answer_vanished(self) -> int:
+        """Answer `lost_payload` for submissions whose entry left the request stream unread
+        (someone trimmed or deleted it); returns how many. Runs once a minute.
+
+        `llmq:sub:{queue}` names every entry the submit function added until a worker acks it;
+        one that is neither in the stream nor pending vanished. Its request id counts only if
+        its idempotency marker still names that entry (or the id is the entry id), so a
+        record forged by another producer cannot fail someone else's request."""
+        key = self.keys.submissions(self.ctx.queue)
+        answered, cursor = 0, 0
+        while True:
+            cursor, records = self.client.hscan(key, cursor, count=500)
+            if records:
+                answered += self._answer_vanished_in(
+                    {as_str(k): as_str(v) for k, v in records.items()})
+            if not int(cursor):
+                return answered
+
+    def _answer_vanished_in(self, records: dict[str, str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in records:
+            pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+        replies = pipe.execute()
+        vanished = {entry_id: request_id for (entry_id, request_id), present, pending in zip(
+            records.items(), replies[0::2], replies[1::2], strict=True)
+            if not present and not pending}
+        if not vanished:
+            return 0
+        # NOTE: a record names a request id, and its marker must name the entry back.
+        named = [(e, r) for e, r in vanished.items() if r != e and is_valid_name(r)]
+        pipe = self.client.pipeline(transaction=False)
+        for _, request_id in named:
+            pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
+        confirmed = {e for (e, _), marker in zip(named, pipe.execute(), strict=True)
+                     if marker is not None and as_str(marker) == e}
+        message = "the entry was trimmed or deleted from the request stream before a worker read it"
+        for entry_id, request_id in vanished.items():
+            genuine = request_id == entry_id or entry_id in confirmed
+            self._answer_lost(entry_id, request_id if genuine else None, message)
+        logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
+                       len(vanished), self.queue_key)
+        return len(vanished)
 
     # -- 3. heartbeat -----------------------------------------------------------------------------
 
@@ -283,8 +353,7 @@ class LeaseKeeper:
     def _cleanup_consumers(self) -> None:
         """Delete consumers of dead workers: nothing pending and idle for a long time."""
         for consumer in self.client.xinfo_consumers(self.queue_key, GROUP):
-            name = consumer["name"]
-            name = name.decode() if isinstance(name, bytes) else name
+            name = as_str(consumer["name"])
             if (name != self.worker_id and int(consumer["pending"]) == 0
                     and int(consumer["idle"]) > CONSUMER_CLEANUP_IDLE_MS):
                 # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
@@ -301,12 +370,3 @@ class LeaseKeeper:
         except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
             self.backoff.failed(e)
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def default_worker_id() -> str:
-    """host-pid-random: unique per process, readable in `XINFO CONSUMERS` and logs."""
-    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:64]
-    return f"{host or 'worker'}-{os.getpid()}-{os.urandom(2).hex()}"

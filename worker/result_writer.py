@@ -20,8 +20,6 @@ acks landed; if they did, the whole transaction did, and it is not written twice
 from __future__ import annotations
 
 import logging
-import math
-import os
 import queue
 import threading
 import time
@@ -31,11 +29,14 @@ from typing import Any
 import redis
 
 from llmq.broker import protocol
-from llmq.broker.keys import GROUP, Keys
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
+from llmq.broker.commands import queue_events
+from llmq.broker.connection import is_cluster
+from llmq.broker.keys import GROUP
+from llmq.broker.protocol import Encoding, Event
+from llmq.broker.retry import is_refusal_to_wait_out
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.outputs import EngineCoreOutput
-from llmq.worker.faults import Faults
-from llmq.worker.inflight_table import InFlight, InFlightTable
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +44,73 @@ logger = logging.getLogger(__name__)
 # written in bounded pieces rather than one huge MULTI.
 MAX_ITEMS_PER_BATCH = 256
 
-# KEYS[1] request stream; ARGV: group, consumer, entry ids...
-# XACK only the entries still pending under this consumer; return the ones a peer owns now.
+# The acks of a batch, in the queue's slot, as one script: dead letters added, then XACK of the
+# entries still pending under this consumer and their hand-back counts deleted, and the submit
+# function's record of those and of entries no longer pending at all; returns the ids a peer
+# owns now.
+#   KEYS[1] request stream   KEYS[2] hand-back counts   KEYS[3] dead-letter stream
+#   KEYS[4] submissions
+#   ARGV[1] group   ARGV[2] consumer   ARGV[3] n   ARGV[4 .. 3+n] entry ids
+#   then each dead letter: its number of fields k, then k field / value pairs
 # NOTE: a plain XACK removes an entry from the PEL whoever owns it: a stalled worker finishing
 # late would ack the entry a peer reclaimed and is running as the next attempt, which then could
 # never be reclaimed again if that peer died. Its late terminal event (a lower attempt) is
 # harmless: readers follow the highest attempt.
-_ACK_OWNED = """
-local mine, taken = {}, {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+ACK_SCRIPT = """
+local n = tonumber(ARGV[3])
+local i = 4 + n
+while i <= #ARGV do
+  local k = tonumber(ARGV[i])
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, i + 1, i + 2 * k))
+  i = i + 1 + 2 * k
+end
+local mine, taken, done = {}, {}, {}
+for j = 4, 3 + n do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[j], ARGV[j], 1)
   if p[1] then
-    if p[1][2] == ARGV[2] then mine[#mine + 1] = ARGV[i] else taken[#taken + 1] = ARGV[i] end
+    if p[1][2] == ARGV[2] then
+      mine[#mine + 1] = ARGV[j]
+      done[#done + 1] = ARGV[j]
+    else
+      taken[#taken + 1] = ARGV[j]
+    end
+  else
+    done[#done + 1] = ARGV[j]
   end
 end
-if #mine > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(mine)) end
+if #mine > 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(mine))
+  redis.call('HDEL', KEYS[2], unpack(mine))
+end
+if #done > 0 then redis.call('HDEL', KEYS[4], unpack(done)) end
 return taken
 """
+# Lua's unpack has a stack limit in the thousands: ack in slices well below it.
+_ACK_SLICE = 500
+
+
+def ack_script_args(consumer: str, entry_ids: list[str],
+                    dead_letters: list[dict[str, bytes]]) -> list[Any]:
+    """ACK_SCRIPT's ARGV."""
+    args: list[Any] = [GROUP, consumer, len(entry_ids), *entry_ids]
+    for fields in dead_letters:
+        args.append(len(fields))
+        for name, value in fields.items():
+            args += [name, value]
+    return args
+
+
+_Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+class _Recorder:
+    """Stands in for a pipeline: records the commands queued on it, to group them by node."""
+
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
 
 
 @dataclass
@@ -68,8 +119,8 @@ class EntryWrite:
 
     entry_id: str
     request_id: str | None  # None: no result stream to write to (dead letter only)
-    encoding: str
-    events: list[protocol.Event]
+    encoding: Encoding
+    events: list[Event]
     ack: bool = False  # XACK the entry after its events: this write is its last
     dead_letter: dict[str, bytes] | None = None  # fields to XADD to the dead-letter stream
     pop: bool = True  # forget the entry once acked (False for entries never in the table)
@@ -77,34 +128,36 @@ class EntryWrite:
 
 @dataclass
 class _Batch:
-    commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
-    result_keys: set[str] = field(default_factory=set)
+    events: list[tuple[Event, Encoding]] = field(default_factory=list)  # in order
+    dead_letters: list[dict[str, bytes]] = field(default_factory=list)
     ack_ids: list[str] = field(default_factory=list)
     pop_ids: list[str] = field(default_factory=list)  # forgotten after the write
-    finished: list[EngineCoreOutput] = field(default_factory=list)  # for metrics
+    # For metrics: each finished request's terminal event, with the output that ended it.
+    finished: list[tuple[protocol.Done | protocol.Error, EngineCoreOutput]] = field(
+        default_factory=list)
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
-    num_dead_letters: int = 0
+    events_written: bool = False  # on a cluster: the events are on their nodes, only acks remain
+
+    @property
+    def num_writes(self) -> int:
+        return len(self.events) + len(self.dead_letters)
 
 
 class ResultWriter:
-    def __init__(self, client: redis.Redis, keys: Keys, queue_name: str, worker_id: str,
-                 table: InFlightTable, *, result_ttl: int, result_maxlen: int,
-                 state: ConnectionState, faults: Faults, metrics: Any = None) -> None:
-        self.client = client
-        self.keys = keys
-        self.queue_key = keys.queue(queue_name)
-        self.handbacks_key = keys.handbacks(queue_name)
-        self._ack_owned = client.register_script(_ACK_OWNED)
-        self.dlq_key = keys.dlq(queue_name)
-        self.worker_id = worker_id
-        self.table = table
-        self.result_ttl = result_ttl
-        self.result_maxlen = result_maxlen
-        self.faults = faults
-        self.metrics = metrics
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.client = ctx.connect()
+        self.table = ctx.table
+        self.metrics = ctx.metrics
+        self.queue_key = ctx.queue_key
+        self.handbacks_key = ctx.keys.handbacks(ctx.queue)
+        self.dlq_key = ctx.keys.dlq(ctx.queue)
+        self.submissions_key = ctx.keys.submissions(ctx.queue)
+        self.cluster = is_cluster(self.client)
+        self._ack_script = self.client.register_script(ACK_SCRIPT)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._give_up_at: float | None = None
-        self.backoff = Backoff("result writer", state, stop=None)
+        self.backoff = Backoff("result writer", ctx.state, stop=None)
         self.num_abandoned = 0
         self._thread = threading.Thread(target=self._run, name="llmq-result-writer", daemon=True)
 
@@ -152,19 +205,17 @@ class ResultWriter:
                 else:
                     for output in item:
                         self._add_output(batch, output)
-            if batch.commands or batch.ack_ids:
+            if batch.num_writes or batch.ack_ids:
                 self._write(batch)
             self._after_write(batch)
         logger.debug("result writer stopped")
 
     def _add_entry_write(self, batch: _Batch, write: EntryWrite) -> None:
         if write.dead_letter is not None:
-            batch.commands.append(("xadd", (self.dlq_key, write.dead_letter), {}))
-            batch.num_dead_letters += 1
+            batch.dead_letters.append(write.dead_letter)
         if write.request_id is not None:
-            key = self.keys.result(write.request_id)
             for event in write.events:
-                self._xadd_event(batch, key, event, write.encoding)
+                batch.events.append((event, write.encoding))
                 if isinstance(event, protocol.Error):
                     batch.errors.append(event.code)
         if write.ack:
@@ -180,30 +231,30 @@ class ResultWriter:
         if entry.fenced:
             # A peer owns the entry now (lease lost): write nothing more, and forget it once the
             # engine has let go of it. Never ack: the peer's attempt will.
-            if output.finished:
+            if output.finished and protocol.gather_choices(entry.finished_choices, output,
+                                                           entry.n) is not None:
                 self.table.pop(entry.entry_id)
             return
-        key = self.keys.result(entry.request_id)
         if entry.stream and (output.new_token_ids or output.new_text):
             delta = protocol.Delta(
                 request_id=entry.request_id, attempt=entry.attempt, seq=entry.seq,
                 text=output.new_text, token_ids=list(output.new_token_ids),
-                logprobs=_logprobs(output) if output.new_logprobs else None)
+                logprobs=output.new_logprobs or None, index=output.index)
             entry.seq += 1
-            self._xadd_event(batch, key, delta, entry.encoding)
+            batch.events.append((delta, entry.encoding))
         if not output.finished:
             return
+        # NOTE: one terminal event per attempt, once every one of the n completions finished.
+        outputs = protocol.gather_choices(entry.finished_choices, output, entry.n)
+        if outputs is None:
+            return
         entry.terminal = True
-        self._xadd_event(batch, key, terminal_event(entry, output), entry.encoding)
+        terminal = protocol.terminal_event(entry.request_id, entry.attempt, outputs,
+                                           entry.metadata)
+        batch.events.append((terminal, entry.encoding))
         batch.ack_ids.append(entry.entry_id)
         batch.pop_ids.append(entry.entry_id)
-        batch.finished.append(output)
-
-    def _xadd_event(self, batch: _Batch, key: str, event: protocol.Event, encoding: str) -> None:
-        fields = protocol.encode_event(event, encoding)  # type: ignore[arg-type]
-        batch.commands.append(
-            ("xadd", (key, fields), {"maxlen": self.result_maxlen, "approximate": True}))
-        batch.result_keys.add(key)
+        batch.finished.append((terminal, output))
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -225,41 +276,115 @@ class ResultWriter:
                 # backoff like an outage rather than let the thread, and the worker, die.
                 ambiguous = isinstance(e, TRANSIENT_ERRORS)
                 if self._give_up_at is not None and time.monotonic() > self._give_up_at:
-                    self.num_abandoned += len(batch.commands)
+                    self.num_abandoned += batch.num_writes
                     logger.error("shutting down with Redis unreachable: %d events and %d acks "
                                  "not written (their entries stay pending and are reclaimed)",
-                                 len(batch.commands), len(batch.ack_ids))
+                                 batch.num_writes, len(batch.ack_ids))
                     batch.pop_ids.clear()
                     batch.finished.clear()
                     return
                 self.backoff.failed(e)
 
+    def write_events(self, pipe: Any, batch: _Batch) -> None:
+        """Queue the batch's events: XADD capped, in order, one EXPIRE per result stream."""
+        queue_events(pipe, self.ctx.keys, batch.events, result_ttl=self.ctx.config.result_ttl,
+                     result_maxlen=self.ctx.config.result_maxlen)
+
+    def _ack_calls(self, batch: _Batch) -> list[tuple[list[str], list[Any]]]:
+        """ACK_SCRIPT's (keys, args) for the batch's acks and dead letters, in slices."""
+        keys = [self.queue_key, self.handbacks_key, self.dlq_key, self.submissions_key]
+        ids = batch.ack_ids
+        calls = []
+        for start in range(0, max(len(ids), 1), _ACK_SLICE):
+            dead_letters = batch.dead_letters if start == 0 else []
+            if not ids[start:start + _ACK_SLICE] and not dead_letters:
+                break
+            calls.append((keys, ack_script_args(self.ctx.worker_id, ids[start:start + _ACK_SLICE],
+                                                dead_letters)))
+        return calls
+
     def _execute(self, batch: _Batch) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        for name, args, kwargs in batch.commands:
-            getattr(pipe, name)(*args, **kwargs)
-        for key in batch.result_keys:
-            pipe.expire(key, self.result_ttl)
-        crash = self.faults.crash_after_terminal and bool(batch.ack_ids)
-        if batch.ack_ids and not crash:
-            pipe.hdel(self.handbacks_key, *batch.ack_ids)
-            self._ack_owned(keys=[self.queue_key],
-                            args=[GROUP, self.worker_id, *batch.ack_ids], client=pipe)
-        results = pipe.execute(raise_on_error=False)
-        if crash:
-            logger.error("TEST-ONLY fault crash_after_terminal: exiting before XACK")
-            os._exit(9)
-        for (name, args, _), result in zip(batch.commands, results, strict=False):
+        """One server: events and acks in one MULTI, the acks after the events (an OOM-refused
+        XADD aborts it whole). A cluster: the events first, pipelined per node, then, once they
+        are all on their nodes, the acks in the queue's slot; a retry after the events landed
+        sends only the acks, so at-least-once holds without a cross-slot transaction."""
+        if self.cluster:
+            if batch.events and not batch.events_written:
+                self._write_events_per_node(batch)
+            batch.events_written = True
+            # NOTE: one script call per slice, not pipelined: a cluster pipeline takes no
+            # EVALSHA; a slice is up to 500 acks, so there is rarely more than one.
+            results = []
+            for keys, args in self._ack_calls(batch):
+                try:
+                    results.append(self._ack_script(keys=keys, args=args))
+                except redis.ResponseError as exc:
+                    if is_refusal_to_wait_out(exc):
+                        raise
+                    results.append(exc)
+        else:
+            pipe = self.client.pipeline(transaction=True)
+            self.write_events(pipe, batch)
+            calls = self._ack_calls(batch)
+            for keys, args in calls:
+                self._ack_script(keys=keys, args=args, client=pipe)
+            results = pipe.execute(raise_on_error=False)
+            self._log_refused(results[:len(results) - len(calls)], raise_transient=False)
+            results = results[len(results) - len(calls):]
+        for result in results:
             if isinstance(result, Exception):
-                # NOTE: a command refused at EXEC time (WRONGTYPE on a key someone else created)
-                # will never succeed: log it and go on rather than retry forever.
-                logger.error("%s %s failed: %s", name, args[0], result)
-        if batch.ack_ids and isinstance(results[-1], Exception):
-            logger.warning("XACK failed (%s): entries stay pending", results[-1])
-        elif batch.ack_ids and results[-1]:
-            taken = [t.decode() if isinstance(t, bytes) else t for t in results[-1]]
-            logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s", len(taken),
-                           "y" if len(taken) == 1 else "ies", taken[:5])
+                logger.warning("XACK failed (%s): entries stay pending", result)
+            elif result:
+                taken = [protocol.as_str(t) for t in result]
+                logger.warning("not acking %d entr%s a peer reclaimed meanwhile: %s",
+                               len(taken), "y" if len(taken) == 1 else "ies", taken[:5])
+
+    def _write_events_per_node(self, batch: _Batch) -> None:
+        """A cluster's events: one plain pipeline per node, on that node's own connection.
+
+        NOTE: redis-py's cluster pipeline costs several times a plain one in Python (measured
+        by bench/broker.py: the writer fell behind at half the single-node rate), so the
+        events are grouped by node here; what a node refuses with MOVED or ASK (a slot on the
+        move) is sent again, in order, through the cluster client, which follows redirects."""
+        recorder = _Recorder()
+        self.write_events(recorder, batch)
+        by_node: dict[str, tuple[Any, list[_Call]]] = {}
+        for call in recorder.calls:
+            node = self.client.get_node_from_key(call[1][0])
+            by_node.setdefault(node.name, (node, []))[1].append(call)
+        redirected: list[_Call] = []
+        for node, calls in by_node.values():
+            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            for name, args, kwargs in calls:
+                getattr(pipe, name)(*args, **kwargs)
+            try:
+                results = pipe.execute(raise_on_error=False)
+            except TRANSIENT_ERRORS:
+                self.client.nodes_manager.initialize()  # a failover: learn the new map
+                raise
+            moved = [c for c, r in zip(calls, results, strict=True)
+                     if isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED",
+                                                                                  "ASK"))]
+            redirected += moved
+            self._log_refused([r for r in results if not (
+                isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK")))],
+                raise_transient=True)
+        if redirected:
+            pipe = self.client.pipeline(transaction=False)
+            for name, args, kwargs in redirected:
+                getattr(pipe, name)(*args, **kwargs)
+            self._log_refused(pipe.execute(raise_on_error=False), raise_transient=True)
+
+    @staticmethod
+    def _log_refused(results: list[Any], *, raise_transient: bool) -> None:
+        for result in results:
+            if not isinstance(result, Exception):
+                continue
+            if raise_transient and is_refusal_to_wait_out(result):
+                raise result  # OOM, a failover, a migrating slot: written again with backoff
+            # NOTE: a command refused at EXEC time (WRONGTYPE on a key someone else created)
+            # will never succeed: log it and go on rather than retry forever.
+            logger.error("a result write failed: %s", result)
 
     def _acks_landed(self, ack_ids: list[str]) -> bool:
         """After an ambiguous failure: True when every acked entry is still in the stream but no
@@ -284,54 +409,19 @@ class ResultWriter:
             self.table.pop(entry_id)
         if self.metrics is None:
             return
-        for output in batch.finished:
-            usage, t = output.usage, output.timings
+        for terminal, output in batch.finished:
+            # NOTE: a `done` counts the n completions of a request once (its prompt once).
+            if isinstance(terminal, protocol.Done):
+                reason, code, usage, t = (terminal.finish_reason, None, terminal.usage,
+                                          terminal.timings)
+            else:
+                reason, code = "error", terminal.code
+                usage = output.usage or protocol.Usage(0, 0, 0)
+                t = output.timings or protocol.Timings(0.0, None, 0.0, None)
             self.metrics.observe_finished(
-                output.finish_reason, output.error_code,
-                usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,
-                usage.cached_prompt_tokens if usage else 0,
-                _nonneg(t.queue) if t else None, _nonneg(t.ttft) if t else None,
-                _nonneg(t.e2e) or 0.0 if t else 0.0, _nonneg(t.per_token) if t else None)
+                reason, code, usage.prompt_tokens, usage.completion_tokens,
+                usage.cached_prompt_tokens, t.queue, t.ttft, t.e2e, t.per_token)
         for code in batch.errors:
             self.metrics.observe_finished("error", code, 0, 0, 0, None, None, 0.0, None)
-        if batch.num_dead_letters:
-            self.metrics.inc_dead_letters(batch.num_dead_letters)
-
-
-def terminal_event(entry: InFlight, output: EngineCoreOutput) -> protocol.Event:
-    """The `done` or `error` event closing an attempt."""
-    if output.finish_reason == "error":
-        return protocol.Error(
-            request_id=entry.request_id, attempt=entry.attempt,
-            code=output.error_code or protocol.ErrorCode.ENGINE_ERROR.value,
-            message=output.error_message or "the engine failed this request",
-            metadata=entry.metadata)
-    usage = output.usage
-    timings = output.timings
-    return protocol.Done(
-        request_id=entry.request_id, attempt=entry.attempt,
-        finish_reason=output.finish_reason,  # type: ignore[arg-type]
-        text=output.text or "",
-        usage=protocol.Usage(usage.prompt_tokens, usage.completion_tokens,
-                             usage.cached_prompt_tokens) if usage else protocol.Usage(0, 0, 0),
-        timings=protocol.Timings(
-            queue=max(0.0, timings.queue), ttft=_nonneg(timings.ttft), e2e=max(0.0, timings.e2e),
-            per_token=_nonneg(timings.per_token)) if timings else protocol.Timings(0.0, None, 0.0,
-                                                                                   None),
-        stop_reason=output.stop_reason, metadata=entry.metadata)
-
-
-def _nonneg(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else max(0.0, value)
-
-
-def _finite(value: float) -> float | None:
-    # JSON cannot carry -inf / NaN: the protocol spells them None.
-    return value if math.isfinite(value) else None
-
-
-def _logprobs(output: EngineCoreOutput) -> list[protocol.TokenLogprob]:
-    return [protocol.TokenLogprob(token_id=lp.token_id, logprob=_finite(lp.logprob),
-                                  top_token_ids=list(lp.top_token_ids),
-                                  top_logprobs=[_finite(x) for x in lp.top_logprobs])
-            for lp in output.new_logprobs]
+        if batch.dead_letters:
+            self.metrics.inc_dead_letters(len(batch.dead_letters))

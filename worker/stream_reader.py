@@ -3,7 +3,7 @@
 After vLLM v1's EngineCoreProc input thread (socket -> decode -> queue for the busy loop) on a
 Redis consumer group:
 
-    XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:<queue> >
+    XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:{<queue>} >
 
 where room = max_num_seqs - entries in flight. With no room it reads nothing, so unread work
 stays with the group for other workers and the group's lag is a true scaling signal (KEDA's
@@ -25,30 +25,35 @@ from collections.abc import Callable
 import redis
 
 from llmq.broker.commands import stream_entries
+from llmq.broker.connection import is_cluster
 from llmq.broker.keys import GROUP
+from llmq.broker.protocol import as_str
 from llmq.worker.admission import Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff, ConnectionState
-from llmq.worker.inflight_table import InFlightTable
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
 
 class StreamReader:
-    def __init__(self, client: redis.Redis, queue_key: str, worker_id: str, table: InFlightTable,
-                 admission: Admission, *, max_num_seqs: int, block_ms: int,
-                 state: ConnectionState, ensure_group: Callable[[], None],
-                 hand_back: Callable[[list[str]], int]) -> None:
-        self.client = client
-        self.queue_key = queue_key
-        self.worker_id = worker_id
-        self.table = table
+    """`ensure_group()` creates the consumer group when there is none; `hand_back(entry_ids,
+    forgive=True)` gives entries read after a stop straight back to peers."""
+
+    def __init__(self, ctx: WorkerContext, admission: Admission, *,
+                 ensure_group: Callable[[], None], hand_back: Callable[..., int]) -> None:
+        self.client = ctx.connect()
+        self.queue_key = ctx.queue_key
+        self.worker_id = ctx.worker_id
+        self.table = ctx.table
         self.admission = admission
-        self.max_num_seqs = max_num_seqs
-        self.block_ms = block_ms
+        self.max_num_seqs = ctx.max_num_seqs
+        self.block_ms = ctx.config.read_block_ms
         self.ensure_group = ensure_group
         self.hand_back = hand_back
         self.stop_event = threading.Event()
-        self.backoff = Backoff("stream reader", state, stop=self.stop_event)
+        self.awake = threading.Event()  # cleared while the worker sleeps: no reads
+        self.awake.set()
+        self.backoff = Backoff("stream reader", ctx.state, stop=self.stop_event)
         self.num_read = 0
         self._client_id: int | None = None
         self._thread = threading.Thread(target=self._run, name="llmq-stream-reader", daemon=True)
@@ -61,6 +66,18 @@ class StreamReader:
         that is blocking right now is woken with CLIENT UNBLOCK, so it cannot take entries a
         peer should get; entries a racing read still returns are handed back."""
         self.stop_event.set()
+        self.unblock(admin)
+
+    def pause(self) -> None:
+        """Read nothing until `resume()` (a sleeping worker); a read racing this is handed back.
+        Follow with `unblock` on another thread to wake a read blocking now."""
+        self.awake.clear()
+
+    def resume(self) -> None:
+        self.awake.set()
+
+    def unblock(self, admin: redis.Redis | None) -> None:
+        """Wake a read blocking right now with CLIENT UNBLOCK on `admin` (another connection)."""
         client_id = self._client_id
         if admin is not None and client_id:
             try:
@@ -76,6 +93,9 @@ class StreamReader:
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
+            if not self.awake.is_set():
+                self.awake.wait(0.5)
+                continue
             room = self.max_num_seqs - len(self.table)
             if room <= 0:
                 self.table.wait_for_room(self.max_num_seqs, timeout=0.5)
@@ -109,6 +129,9 @@ class StreamReader:
             if self.stop_event.is_set():
                 self._hand_back_late(entries)
                 return
+            if not self.awake.is_set():
+                self._hand_back_late(entries)
+                continue
             self.num_read += len(entries)
             self.admission.admit(self.client, entries, self.backoff)
 
@@ -116,7 +139,10 @@ class StreamReader:
         """This connection's id, for CLIENT UNBLOCK on stop; 0 when the ACL does not allow
         CLIENT ID (then a read racing the stop is handed back instead)."""
         # NOTE: only this thread uses this client, so its pool holds one connection and this
-        # id is the one the XREADGROUP after it blocks on.
+        # id is the one the XREADGROUP after it blocks on. A cluster client keeps a pool per
+        # node: the id would name some other connection, so none (the hand-back covers it).
+        if is_cluster(self.client):
+            return 0
         try:
             return int(self.client.client_id())
         except redis.ResponseError as e:
@@ -145,11 +171,11 @@ class StreamReader:
         return more
 
     def _hand_back_late(self, entries: list) -> None:
-        ids = [i.decode() if isinstance(i, bytes) else i for i, _ in entries]
+        ids = [as_str(i) for i, _ in entries]
         for _ in range(3):
             try:
                 self.hand_back(ids, forgive=True)  # never started: no failure
-                logger.info("handed back %d entries read after the stop signal", len(ids))
+                logger.info("handed back %d entries read after a stop or sleep", len(ids))
                 return
             except TRANSIENT_ERRORS as e:
                 self.backoff.failed(e)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from llmq.broker.keys import Keys
-from tests.e2e.cli_harness import llmq, llmq_process, ok, one_error_line, serve, subprocess_env
+from tests.e2e.cli_harness import llmq, llmq_process, ok, one_error_line, subprocess_env
 from tests.integration.worker_harness import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -42,19 +41,7 @@ MIXED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def url(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[str]:
-    worker = serve(valkey_server.url, tiny_model_path, tmp_path_factory.mktemp("logs"),
-                   "batch-w1")
-    yield valkey_server.url
-    worker.stop()
-
-
-@pytest.fixture
-def r(url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(url)
-    yield client
-    client.close()
+SERVE = {"worker_id": "batch-w1"}  # the module's worker (tests/e2e/conftest.py)
 
 
 def _write(path: Path, lines: list[str]) -> Path:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from llmq.broker.keys import Keys
-from tests.e2e.cli_harness import llmq, llmq_process, ok, serve, subprocess_env
+from tests.e2e.cli_harness import llmq, llmq_process, ok, subprocess_env
 from tests.integration.worker_harness import read_events, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -26,26 +25,16 @@ KEYS = Keys()
 QUEUE = "files"
 
 
-@pytest.fixture(scope="module")
-def url(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[str]:
-    worker = serve(valkey_server.url, tiny_model_path, tmp_path_factory.mktemp("logs"),
-                   "slow-w1", queue=QUEUE, fault="slow_step:40", max_num_seqs=4)
-    yield valkey_server.url
-    worker.stop()
-
-
-@pytest.fixture
-def r(url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(url)
-    yield client
-    client.close()
+# The module's worker (tests/e2e/conftest.py): slow steps, few seats, its own queue.
+SERVE = {"worker_id": "slow-w1", "queue": QUEUE, "fault": "slow_step:40", "max_num_seqs": 4}
 
 
 def _lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines(keepends=True)
-            if line.endswith("\n")]
+    # NOTE: split on "\n" only: str.splitlines also splits on U+2028, \x1c..., which the tiny
+    # random model may write inside an answer (json.dumps keeps them raw with ensure_ascii=False).
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
 
 
 def test_forty_requests_killed_halfway_resume_without_resubmitting(url: str, r: redis.Redis,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,25 +24,14 @@ from llmq.broker.protocol import (
     encode_dead_letter,
     encode_event,
 )
-from tests.e2e.cli_harness import llmq, ok, one_error_line, serve
+from tests.e2e.cli_harness import llmq, ok, one_error_line
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 KEYS = Keys()
 
 
-@pytest.fixture(scope="module")
-def url(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[str]:
-    worker = serve(valkey_server.url, tiny_model_path, tmp_path_factory.mktemp("logs"), "cli-w1")
-    yield valkey_server.url
-    worker.stop()
-
-
-@pytest.fixture
-def r(url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(url)
-    yield client
-    client.close()
+SERVE = {"worker_id": "cli-w1"}  # the module's worker (tests/e2e/conftest.py)
 
 
 def done_event(url: str, request_id: str) -> dict:

@@ -6,11 +6,13 @@ import pytest
 import redis
 
 from llmq.broker.keys import GROUP, Keys
-from llmq.worker.result_writer import _ACK_OWNED
+from llmq.worker.result_writer import ACK_SCRIPT, ack_script_args
 
 pytestmark = pytest.mark.redis
 
-KEY = Keys().queue("default")
+KEYS = [Keys().queue("default"), Keys().handbacks("default"), Keys().dlq("default"),
+        Keys().submissions("default")]
+KEY = KEYS[0]
 
 
 def test_a_stale_owner_cannot_ack_an_entry_a_peer_reclaimed(redis_server):
@@ -22,13 +24,13 @@ def test_a_stale_owner_cannot_ack_an_entry_a_peer_reclaimed(redis_server):
     # Given two entries read by worker A, one of which peer B reclaimed while A stalled
     r.xreadgroup(GROUP, "A", {KEY: ">"})
     r.xclaim(KEY, GROUP, "B", 0, [taken])
-    ack_owned = r.register_script(_ACK_OWNED)
+    ack_owned = r.register_script(ACK_SCRIPT)
     # When A finishes both and acks them
-    refused = ack_owned(keys=[KEY], args=[GROUP, "A", kept, taken])
+    refused = ack_owned(keys=KEYS, args=ack_script_args("A", [kept, taken], []))
     # Then only its own entry is acked; the reclaimed one stays pending under B, reported back
     assert refused == [taken]
     pending = r.xpending_range(KEY, GROUP, min="-", max="+", count=10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(taken, "B")]
     # And B, the owner, can ack it
-    assert ack_owned(keys=[KEY], args=[GROUP, "B", taken]) == []
+    assert ack_owned(keys=KEYS, args=ack_script_args("B", [taken], [])) == []
     assert r.xpending(KEY, GROUP)["pending"] == 0

@@ -27,8 +27,9 @@ import redis
 import yaml
 
 from llmq.broker.client import Client
-from llmq.broker.commands import SUBMIT_SCRIPT, queue_event
+from llmq.broker.commands import queue_event
 from llmq.broker.embedded import free_port
+from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
@@ -58,24 +59,29 @@ def connect(acl_server):
 
 # (command, arguments) llmq issues, by the user that issues it: the broker's Client (producer),
 # the worker process (worker/), KEDA's redis-streams scaler (keda). Names from broker/keys.py.
-Q, R, DLQ, CANCEL = "llmq:q:default", "llmq:r:req-1", "llmq:dlq:default", "llmq:cancel:default"
-HB = "llmq:hb:default"
-FLAG, IDEM, HEARTBEAT = "llmq:x:req-1", "llmq:id:req-1", "llmq:w:worker-1"
+Q, R, DLQ, CANCEL = (
+    "llmq:q:{default}", "llmq:r:{req-1}", "llmq:dlq:{default}", "llmq:cancel:{default}")
+HB = "llmq:hb:{default}"
+FLAG, IDEM, HEARTBEAT = "llmq:x:{req-1}", "llmq:id:{default}:req-1", "llmq:w:worker-1"
+SUB = "llmq:sub:{default}"
+CTL, CTLR = "llmq:ctl:{default}", "llmq:ctlr:call-1"  # utility calls and their answers
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
 ALLOWED = {
     "producer": [
         ("PING",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
+        ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # ... and its checks
         ("SADD", "llmq:queues", "default"),
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
-        ("EVALSHA", SHA, "2", Q, IDEM, "json", "{}", "86400"),  # submit with one (SUBMIT_SCRIPT)
-        ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
-        ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what the script runs
+        ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),  # the submit function
+        ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
+        ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what it runs
+        ("HSET", SUB, "1-0", "req-1"),
         ("SET", FLAG, "1", "EX", "86400"),                    # cancel
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "100", "BLOCK", "5000", "STREAMS", R, "0-0"),  # events / result
-        ("XREAD", "STREAMS", R, "llmq:r:req-2", "0", "0"),
+        ("XREAD", "STREAMS", R, "llmq:r:{req-2}", "0", "0"),
         ("XRANGE", R, "-", "+"), ("XREVRANGE", R, "+", "-", "COUNT", "1"),
         ("XLEN", R), ("XINFO", "STREAM", R),
     ],
@@ -87,6 +93,8 @@ ALLOWED = {
          "STREAMS", Q, ">"),
         ("XACK", Q, "workers", "1-0"),
         ("EVALSHA", SHA, "1", Q, "workers", "worker-1", "0", "1-0"),  # lease renewal script
+        ("EVALSHA", SHA, "3", Q, HB, DLQ, "workers", "worker-1", "1", "1-0"),  # ack script
+        ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # v1 stream? last id reached?
         ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
         ("XCLAIM", Q, "workers", "worker-1", "0", "1-0", "IDLE", "99999999", "JUSTID"),
         ("XAUTOCLAIM", Q, "workers", "worker-1", "30000", "0-0", "COUNT", "10"),
@@ -97,6 +105,8 @@ ALLOWED = {
         ("XTRIM", Q, "MINID", "1-0"),                              # acked entries (retention)
         ("HINCRBY", HB, "1-0", "1"), ("HMGET", HB, "1-0"),         # hand-back counts
         ("HDEL", HB, "1-0"), ("EXPIRE", HB, "604800"),
+        ("FCALL_RO", "llmq_version", "0"), ("FUNCTION", "LOAD", "#!lua name=llmq\n"),
+        ("HSCAN", SUB, "0"), ("HMGET", SUB, "1-0"), ("HDEL", SUB, "1-0"),  # vanished entries
         ("XADD", R, "MAXLEN", "~", "10000", "*", "json", "{}"),   # events
         ("EXPIRE", R, "86400"),
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters
@@ -106,6 +116,34 @@ ALLOWED = {
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
+        ("XREVRANGE", CTL, "+", "-", "COUNT", "1"),                # utility calls
+        ("XREAD", "BLOCK", "200", "STREAMS", CTL, "0-0"),
+        ("XADD", CTLR, "*", "json", "{}"), ("EXPIRE", CTLR, "3600"),  # ... their answers
+    ],
+    "admin": [                                # `llmq admin`: the only one who sends calls
+        ("XADD", CTL, "MAXLEN", "~", "1000", "*", "json", "{}"),
+        ("XREAD", "BLOCK", "1000", "STREAMS", CTLR, "0-0"),
+    ],
+    "gateway": [
+        ("PING",), ("CLIENT", "ID"), ("CLIENT", "UNBLOCK", "5"),   # waking its result reader
+        ("CLIENT", "SETNAME", "llmq-gateway"),
+        ("XADD", Q, "*", "json", "{}"), ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),
+        ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
+        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"), ("SADD", "llmq:queues", "default"),
+        ("SMEMBERS", "llmq:queues"), ("SET", FLAG, "1", "EX", "86400"),
+        ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
+        ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
+        ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
+        ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
+        ("HSET", "llmq:sse:{alice:r1}", "endpoint", "x"), ("HGETALL", "llmq:sse:{alice:r1}"),
+        ("SET", "llmq:file:{alice}:file-1", "x", "EX", "60"),
+        ("HGETALL", "llmq:file:{alice}:file-1:meta"), ("ZADD", "llmq:files:{alice}", "1", "f"),
+        ("ZREVRANGE", "llmq:batches:{alice}", "0", "-1"),
+        ("LRANGE", "llmq:batch:{b1}:output", "0", "-1"), ("SET", "llmq:batch:{b1}:cancel", "1"),
+        ("RPUSH", "llmq:batch:{b1}:output", "{}"), ("GET", "llmq:batch:{b1}:input"),  # batch jobs
+        ("SUBSCRIBE", "rq:pubsub:w1"),
+        ("HSET", "rq:job:b1", "status", "queued"), ("RPUSH", "rq:queue:llmq-batch", "b1"),
+        ("MULTI",), ("EXEC",),
     ],
     "keda": [
         ("PING",), ("INFO",),                 # the lag mode checks the server version
@@ -132,7 +170,12 @@ DENIED = {
         ("GET", "session:42"), ("SET", "llmq:w:worker-1", "x"),
         ("HSET", HEARTBEAT, "model", "m"), ("SREM", "llmq:queues", "default"),
         ("EVALSHA", SHA, "1", "session:42"), ("SCRIPT", "FLUSH"),
+        ("EVAL", "return 1", "0"), ("EVALSHA", SHA, "2", Q, IDEM),   # no scripts of its own
+        ("SCRIPT", "LOAD", "return 1"), ("FUNCTION", "LOAD", "#!lua name=x\n"),
+        ("FUNCTION", "FLUSH"), ("FCALL", "llmq_submit", "1", "session:42", "json", "{}"),
         ("SUBSCRIBE", "llmq"),
+        ("XADD", CTL, "*", "json", "{}"),         # putting workers to sleep, profiling them
+        ("XREAD", "STREAMS", CTLR, "0"), ("XADD", CTLR, "*", "json", "{}"),
     ],
     "worker": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -146,13 +189,26 @@ DENIED = {
         ("DEL", R), ("DEL", DLQ), ("XRANGE", DLQ, "-", "+"),
         ("XREADGROUP", "GROUP", "workers", "w", "STREAMS", "other:q:default", ">"),
         ("GET", "session:42"),
+        ("XADD", CTL, "*", "json", "{}"),         # calling its peers
+        ("XREAD", "STREAMS", CTLR, "0"), ("DEL", CTL),
+    ],
+    "gateway": [
+        ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
+        ("CLIENT", "KILL", "TYPE", "normal"), ("CLIENT", "LIST"), ("SCRIPT", "FLUSH"),
+        ("XREADGROUP", "GROUP", "workers", "g", "STREAMS", Q, ">"),   # stealing work
+        ("XACK", Q, "workers", "1-0"), ("XRANGE", Q, "-", "+"), ("XTRIM", Q, "MAXLEN", "0"),
+        ("XADD", R, "*", "json", "{}"), ("DEL", R),                   # forging results
+        ("HSET", HEARTBEAT, "model", "m"), ("ZADD", "llmq:workers", "1", "fake"),  # or workers
+        ("XRANGE", DLQ, "-", "+"), ("DEL", DLQ),
+        ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
+        ("FUNCTION", "LOAD", "#!lua name=x\n"),  # (EVAL stays: rq's scripts need it)
     ],
     "keda": [
         ("XRANGE", Q, "-", "+"),                  # request payloads stay private
         ("XINFO", "STREAM", Q, "FULL"),           # ... FULL would list entries
         ("XREADGROUP", "GROUP", "workers", "k", "STREAMS", Q, ">"),
         ("XADD", Q, "*", "json", "{}"), ("XACK", Q, "workers", "1-0"),
-        ("XINFO", "GROUPS", "other:q:default"), ("XLEN", R),
+        ("XINFO", "GROUPS", "other:q:default"), ("XLEN", R), ("XADD", CTL, "*", "json", "{}"),
         ("CONFIG", "GET", "*"), ("FLUSHALL",), ("KEYS", "*"),
     ],
     "healthcheck": [("INFO",), ("GET", Q), ("CONFIG", "GET", "*"), ("FLUSHALL",)],
@@ -202,7 +258,7 @@ def test_server_runs_with_aof_and_noeviction(acl_server, connect):
     admin.xadd(Q, {"json": "{}"})
     data_dir = Path(admin.config_get("dir")["dir"])
     deadline = time.monotonic() + 10
-    while not any(b"llmq:q:default" in p.read_bytes() for p in data_dir.rglob("*.aof*")
+    while not any(b"llmq:q:{default}" in p.read_bytes() for p in data_dir.rglob("*.aof*")
                   if p.is_file()):
         assert time.monotonic() < deadline, "the XADD never reached the AOF"
         time.sleep(0.1)
@@ -236,6 +292,7 @@ def _answer(worker: redis.Redis, text: str) -> str:
 def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(acl_server, connect):
     port = acl_server[0]
     worker = connect("worker")
+    ensure_functions(worker)  # as a worker does when it starts
     # Given the broker's own producer client logged in as `producer`
     with Client(acl_url(port, "producer"), queue="default") as client:
         # When it submits (creating the group on first use) and a worker answers
@@ -261,26 +318,35 @@ def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(acl_
     assert worker.xlen(Q) == 1
 
 
-def test_idempotent_submit_script_runs_under_the_producer_acl(acl_server, connect):
+def test_idempotent_submit_runs_under_the_producer_acl(acl_server, connect):
     worker = connect("worker")
+    ensure_functions(worker)
     with Client(acl_url(acl_server[0], "producer"), queue="default") as client:
         # Given a request submitted twice with the same id (a retry after a lost reply)
         first = client.submit("Hi", request_id="req-1", max_tokens=4)
         second = client.submit("Hi", request_id="req-1", max_tokens=4)
-        # Then the script (GET marker, XADD, SET marker) ran with the producer's rights, once
+        # Then the function (GET marker, XADD, SET marker) ran with the producer's rights, once
         assert first == second == "req-1"
         assert worker.xlen(Q) == 1
 
 
-def test_a_script_cannot_do_what_its_caller_may_not(connect):
-    producer = connect("producer")
-    # Given the producer's own submit script works on its keys
-    assert producer.eval(SUBMIT_SCRIPT, 2, Q, IDEM, "json", "{}", "60")[0] == 1
-    # When a script declared on those keys writes a result stream named in its arguments
-    forge = "return redis.call('XADD', ARGV[1], '*', 'json', '{}')"
-    # Then the command inside is checked against the producer's ACL and refused
-    with pytest.raises(redis.ResponseError, match="(?i)no permissions|NOPERM|can.t access"):
-        producer.eval(forge, 2, Q, IDEM, R)
+def test_producers_submit_through_the_function_and_run_no_code_of_their_own(connect):
+    producer, worker = connect("producer"), connect("worker")
+    # Given the function library, loaded by a worker
+    ensure_functions(worker)
+    # When the producer submits through it, with and without an id
+    queued, entry = producer.fcall("llmq_submit", 3, Q, SUB, IDEM, "json", "{}", "60", "req-1")
+    again, first = producer.fcall("llmq_submit", 3, Q, SUB, IDEM, "json", "{}", "60", "req-1")
+    # Then the entry is added once, with a `*` id, and recorded for the lost-payload check
+    assert (queued, again, first) == (1, 0, entry)
+    assert worker.hmget(SUB, [entry]) == ["req-1"]
+    # But a script of its own, even a harmless one, is refused
+    for attempt in (lambda: producer.eval("return 1", 0),
+                    lambda: producer.script_load("return 1"),
+                    lambda: producer.function_load("#!lua name=mine\nredis.register_function("
+                                                   "'f', function() return 1 end)")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
 
 
 def test_worker_runs_its_lease_script_and_hands_entries_back(connect):

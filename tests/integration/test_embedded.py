@@ -98,12 +98,12 @@ def test_a_detached_server_outlives_its_starter_and_is_stopped_by_pid(run_dir: P
 def test_data_survives_a_restart(run_dir: Path) -> None:
     server = EmbeddedServer(run_dir)
     client = redis.Redis.from_url(server.start())
-    client.xadd("llmq:q:default", {"json": b'{"prompt":"kept"}'})
+    client.xadd("llmq:q:{default}", {"json": b'{"prompt":"kept"}'})
     client.close()
     server.stop()
     client = redis.Redis.from_url(EmbeddedServer(run_dir).start())
     try:
-        assert client.xlen("llmq:q:default") == 1
+        assert client.xlen("llmq:q:{default}") == 1
     finally:
         client.close()
         EmbeddedServer(run_dir).stop()

@@ -29,6 +29,7 @@ from llmq.broker.errors import (
     LLMQError,
     RequestFailed,
     ResultTimeout,
+    SchemaMismatch,
 )
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.protocol import (
@@ -118,8 +119,8 @@ def test_an_invalid_request_raises_and_sends_nothing(client: Client,
         client.submit("Hello", top_p=1.5)
     with pytest.raises(InvalidRequest, match="exactly one of"):
         client.submit("Hello", messages=[{"role": "user", "content": "Hi"}])
-    with pytest.raises(InvalidRequest, match="unknown field `n`"):
-        client.submit("Hello", n=4)
+    with pytest.raises(InvalidRequest, match="unknown field `best_of`"):
+        client.submit("Hello", best_of=4)
     assert redis_client.exists(KEYS.queue("default")) == 0
 
 
@@ -134,7 +135,7 @@ def test_submitting_the_same_id_twice_queues_it_once(client: Client,
     # Then the same id comes back and only one entry per id was queued
     assert first == again == "job-1" and again_many == ["job-1", "job-2"]
     assert redis_client.xlen(KEYS.queue("default")) == 2
-    marker_ttl = redis_client.ttl(KEYS.idempotency("job-1"))
+    marker_ttl = redis_client.ttl(KEYS.idempotency("default", "job-1"))
     assert 0 < marker_ttl <= client.request_ttl
 
 
@@ -344,7 +345,7 @@ def test_dead_letters_can_be_listed_retried_and_purged(client: Client,
     # And the old result stream is gone, and the id is known (and deduplicated) from now on
     assert entry_id.decode() == new_entry
     assert not redis_client.exists(KEYS.result("r5"))
-    assert redis_client.get(KEYS.idempotency("r5")) == entry_id
+    assert redis_client.get(KEYS.idempotency("default", "r5")) == entry_id
     assert client.submit("x", request_id="r5") == "r5"
     assert redis_client.xlen(KEYS.queue("default")) == 1
     with pytest.raises(LLMQError, match="kept no payload"):
@@ -366,7 +367,7 @@ def test_retrying_a_dead_letter_with_a_default_id_leaves_the_old_id_alone(
     (entry_id, _), = redis_client.xrange(KEYS.queue("default"))
     assert entry_id.decode() == new_entry
     assert redis_client.exists(KEYS.result("6-0"))
-    assert not redis_client.exists(KEYS.idempotency("6-0"))
+    assert not redis_client.exists(KEYS.idempotency("default", "6-0"))
 
 
 # --- producers without llmq ----------------------------------------------------------------------
@@ -511,3 +512,20 @@ def test_the_async_client_does_what_the_sync_one_does(redis_server: Any,
                 await dead.ping()
 
     asyncio.run(scenario())
+
+
+def test_a_v1_request_stream_is_refused_with_what_changed(redis_server: Any,
+                                                          redis_client: redis.Redis) -> None:
+    # Given a queue left by llmq of key schema v1 (no hash tag in the name)
+    redis_client.xadd("llmq:q:default", {"json": '{"prompt":"old"}'})
+    # When a v2 client submits to that queue
+    with Client(redis_server.url) as client, pytest.raises(SchemaMismatch) as info:
+        client.submit("Hi", max_tokens=2)
+    # Then it refuses, naming the old and the new name and what to do
+    message = str(info.value)
+    assert "llmq:q:default" in message and "llmq:q:{default}" in message
+    assert "schema v1" in message and "drain" in message
+    # And it queued nothing under either name
+    assert redis_client.xlen("llmq:q:default") == 1
+    assert not redis_client.exists("llmq:q:{default}") or redis_client.xlen(
+        "llmq:q:{default}") == 0

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from llmq.broker import Client, protocol
+from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
 from tests.fixtures.acl_server import PASSWORDS, acl_url
 from tests.integration.worker_harness import (
@@ -30,7 +31,11 @@ def test_worker_serves_reclaims_cancels_and_stops_as_the_worker_user(acl_server,
     port, _ = acl_server
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
     admin.flushall()
+    admin.function_flush()
     try:
+        # Given the submit function, loaded with the worker user's rights (as a worker does)
+        with redis.Redis.from_url(acl_url(port, "worker")) as worker_user:
+            assert ensure_functions(worker_user) == 1
         with Client(acl_url(port, "producer")) as producer:
             # Given an entry a dead consumer left pending, and a producer queueing more
             stale = producer.submit("Hi", request_id="left-behind", max_tokens=3)

@@ -4,6 +4,9 @@
 SIGTERM or crash it), logging to a file that is printed when a test fails. `InProcessWorker`
 runs a `Worker` on a thread around an engine built from an already loaded model (fast, and the
 test can look at the engine's KV cache). Both use short leases so crash tests take seconds.
+
+`fault=` installs TEST-ONLY fault wrappers (tests/fixtures/faults.py): around the engine of an
+`InProcessWorker`, and through `python -m tests.fixtures.faulty_worker` for a `WorkerProcess`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import redis
 from llmq.broker import protocol
 from llmq.broker.keys import GROUP, Keys
 
+REPO = Path(__file__).resolve().parents[2]
 KEYS = Keys()
 QUEUE_KEY = KEYS.queue("default")
 LEASE = 1.5  # s
@@ -100,10 +104,13 @@ class WorkerProcess:
         self.url = url
         self.worker_id = worker_id
         self.log_path = log_dir / f"{worker_id}.log"
-        self.argv = [sys.executable, "-m", "llmq.cli.main", "--log-level", "INFO", "worker",
+        entry = ["tests.fixtures.faulty_worker", fault] if fault else ["llmq.cli.main"]
+        self.argv = [sys.executable, "-m", *entry, "--log-level", "INFO", "worker",
                      "--redis-url", url, "--worker-id", worker_id,
                      *worker_args(model_path, **kwargs)]
-        self.env = {**os.environ, "LLMQ_FAULT": fault}
+        # NOTE: the repository on the path, so `tests.fixtures` imports from any folder.
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PYTHONPATH": path}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> WorkerProcess:
@@ -169,8 +176,9 @@ class InProcessWorker:
                  renew: float = RENEW, **config: Any) -> None:
         from llmq.worker.engine.config import EngineConfig
         from llmq.worker.engine.engine_core import EngineCore
-        from llmq.worker.engine_proc import Worker, WorkerConfig
-        from llmq.worker.faults import Faults
+        from llmq.worker.worker import Worker
+        from llmq.worker.worker_config import WorkerConfig
+        from tests.fixtures.faults import Faults, wrap_engine
 
         self.engine = EngineCore(EngineConfig(model="tiny", dtype="float32",
                                               max_num_seqs=max_num_seqs,
@@ -178,7 +186,7 @@ class InProcessWorker:
         self.worker = Worker(
             WorkerConfig(redis_url=url, worker_id=worker_id, lease_timeout=lease,
                          renew_interval=renew, max_deliveries=MAX_DELIVERIES, **config),
-            self.engine, model_name="tiny", faults=Faults.from_env(fault))
+            wrap_engine(self.engine, Faults.from_env(fault)), model_name="tiny")
         self.exit_code: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{worker_id}",
                                         daemon=True)

@@ -140,3 +140,39 @@ def test_worker_environment_names_are_settings_the_cli_reads(compose):
     assert not unknown, f"compose sets variables no llmq flag reads: {sorted(unknown)}"
     # The metrics port is on, so the health check and Prometheus have something to ask.
     assert int(compose["services"]["worker"]["environment"]["LLMQ_METRICS_PORT"]) > 0
+
+
+def serve_settings() -> set[str]:
+    """The LLMQ_* names `llmq serve` (and the `llmq` group) read."""
+    from llmq.cli.main import cli
+    from llmq.cli.serve import serve
+
+    names = set()
+    for param in [*serve.params, *cli.params]:
+        envvar = getattr(param, "envvar", None)
+        names.update([envvar] if isinstance(envvar, str) else envvar or [])
+    return names
+
+
+def test_the_gateway_logs_in_as_the_gateway_user_and_publishes_on_loopback(compose):
+    acl = (ROOT / "deploy" / "acl.conf").read_text()
+    expected = re.search(r"^user gateway .*?#([0-9a-f]{64})", acl, re.M).group(1)
+    for name in ("gateway", "batch-worker"):
+        service = compose["services"][name]
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        m = re.fullmatch(r"redis://(\w+):([^@]+)@redis:6379/0",
+                         service["environment"]["LLMQ_REDIS_URL"])
+        assert m and m.group(1) == "gateway", name
+        assert hashlib.sha256(m.group(2).encode()).hexdigest() == expected
+    gateway = compose["services"]["gateway"]
+    assert gateway["entrypoint"] == ["llmq", "serve"]
+    port = gateway["environment"]["LLMQ_SERVE_PORT"]
+    assert gateway["ports"] == [f"127.0.0.1:{port}:{port}"]
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    assert compose["services"]["batch-worker"]["entrypoint"] == ["llmq", "batch-worker"]
+
+
+def test_gateway_environment_names_are_settings_llmq_serve_reads(compose):
+    names = set(compose["services"]["gateway"]["environment"])
+    unknown = names - serve_settings()
+    assert not unknown, f"compose sets variables llmq serve does not read: {sorted(unknown)}"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
-from llmq.cli.file_job import OutputFile, derive_request_id, read_lines
+from llmq.broker.file_job import FileJob, OutputFile, derive_request_id, read_lines
 
 
 def test_request_ids_are_stable_and_tell_lines_apart() -> None:
@@ -50,3 +51,15 @@ def test_an_output_file_keeps_its_prefix_in_input_order(tmp_path: Path) -> None:
     # Then only the in-order prefix stays in place; d is remembered to be rewritten after c
     assert kept == 2
     assert out.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_a_result_with_unicode_line_separators_stays_one_line() -> None:
+    # Given an answer holding characters some readers take for line ends (the tiny model's
+    # random text produces them)
+    record = {"id": "a", "line": 1, "text": "x\u2028y\x85z\u2029"}
+    out = io.StringIO()
+    # When it is written as a result line
+    FileJob._write_ready({0: record}, 0, out)
+    # Then it is one line for str.splitlines() too, and reads back as the same answer
+    (line,) = out.getvalue().splitlines()
+    assert json.loads(line) == record

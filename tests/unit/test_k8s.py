@@ -22,6 +22,8 @@ import pytest
 import yaml
 
 from llmq.broker.keys import DEFAULT_QUEUE, GROUP, Keys
+from llmq.broker.redis_url import RedisURL
+from tests.fixtures.redis_cluster import MASTER_NAME
 from tests.unit.worker_settings import ROOT, worker_settings
 
 K8S_VERSION = "1.33"  # a Kubernetes release in support; the manifests use only GA APIs
@@ -48,6 +50,11 @@ def base() -> list[dict]:
 @pytest.fixture(scope="module")
 def sentinel() -> list[dict]:
     return render("k8s/overlays/sentinel")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> list[dict]:
+    return render("k8s/overlays/cluster")
 
 
 def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
@@ -84,7 +91,7 @@ def acl_hashes(acl_text: str) -> dict[str, str]:
             for m in re.finditer(r"^user (\S+) .*?#([0-9a-f]{64})", acl_text, re.M)}
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_every_rendered_object_validates_offline(overlay, request):
     # Given the rendered manifests
     objects = request.getfixturevalue(overlay)
@@ -97,7 +104,7 @@ def test_every_rendered_object_validates_offline(overlay, request):
         else:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     assert {"Deployment", "PodDisruptionBudget", "ScaledObject", "TriggerAuthentication",
-            "Secret", "ConfigMap"} <= kinds
+            "Secret", "ConfigMap", "Service", "HorizontalPodAutoscaler"} <= kinds
 
 
 def test_the_keda_schema_rejects_what_keda_would():
@@ -116,7 +123,7 @@ def test_the_keda_schema_rejects_what_keda_would():
         jsonschema.validate(bad, KEDA_SCHEMA)
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_keda_watches_the_stream_and_group_the_workers_consume(overlay, request):
     # Given the rendered ScaledObject and the workers' queue setting
     objects = request.getfixturevalue(overlay)
@@ -130,7 +137,7 @@ def test_keda_watches_the_stream_and_group_the_workers_consume(overlay, request)
         assert trigger["metadata"]["stream"] == keys.queue(queue)
         assert trigger["metadata"]["consumerGroup"] == GROUP
     # And it scales the worker Deployment, from zero, on lag plus in-flight work
-    deployment = one(objects, "Deployment")
+    deployment = one(objects, "Deployment", "llmq-worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert scaled["spec"]["minReplicaCount"] == 0
     assert scaled["spec"]["maxReplicaCount"] >= 1
@@ -175,7 +182,7 @@ def test_worker_logs_in_as_the_worker_acl_user(base):
     assert hashlib.sha256(password.encode()).hexdigest() == acl_hashes(acl)["worker"]
 
 
-@pytest.mark.parametrize("overlay", ["base", "sentinel"])
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
 def test_env_references_come_after_the_variables_they_expand(overlay, request):
     # Given the worker's env list ($(VAR) expands only variables defined earlier in it)
     seen: set[str] = set()
@@ -197,7 +204,7 @@ def test_worker_sets_only_settings_the_cli_reads(base):
 
 def test_grace_period_outlasts_the_drain_budget(base):
     # Given the pod's grace period and the worker's drain timeout
-    spec = one(base, "Deployment")["spec"]["template"]["spec"]
+    spec = one(base, "Deployment", "llmq-worker")["spec"]["template"]["spec"]
     grace = spec["terminationGracePeriodSeconds"]
     drain = int(worker_env(base)["LLMQ_DRAIN_TIMEOUT"])
     # Then the kubelet's SIGKILL comes well after the drain ends, leaving time to hand the
@@ -207,7 +214,7 @@ def test_grace_period_outlasts_the_drain_budget(base):
 
 def test_probes_and_scrape_annotations_point_at_the_metrics_port(base):
     # Given the worker pod
-    deployment = one(base, "Deployment")
+    deployment = one(base, "Deployment", "llmq-worker")
     container = worker_container(base)
     port = int(worker_env(base)["LLMQ_METRICS_PORT"])
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -242,7 +249,7 @@ def test_one_worker_per_core_with_one_torch_thread(base):
 
 def test_runs_as_the_images_non_root_user(base):
     # Given the pod security context and the Dockerfile's USER
-    pod = one(base, "Deployment")["spec"]["template"]["spec"]
+    pod = one(base, "Deployment", "llmq-worker")["spec"]["template"]["spec"]
     user = re.search(r"^USER (\d+)", (ROOT / "Dockerfile").read_text(), re.M)
     # Then runAsNonRoot can verify it: a numeric uid, the same one
     assert user, "the Dockerfile's USER must be numeric for runAsNonRoot"
@@ -252,8 +259,8 @@ def test_runs_as_the_images_non_root_user(base):
 
 def test_disruption_budget_covers_the_workers_and_never_blocks_at_zero(base):
     # Given the PodDisruptionBudget and the worker pods' labels
-    pdb = one(base, "PodDisruptionBudget")
-    labels = one(base, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pdb = one(base, "PodDisruptionBudget", "llmq-worker")
+    labels = one(base, "Deployment", "llmq-worker")["spec"]["template"]["metadata"]["labels"]
     # Then it selects the workers, and limits how many go at once rather than how many stay
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert pdb["spec"]["maxUnavailable"] == 1
@@ -279,16 +286,111 @@ def test_redis_runs_the_same_config_and_acl_as_compose(base):
     assert [c["metadata"]["name"] for c in redis["spec"]["volumeClaimTemplates"]] == ["data"]
 
 
+def _env(container: dict) -> dict[str, str | None]:
+    return {v["name"]: v.get("value") for v in container["env"]}
+
+
 def test_sentinel_overlay_swaps_the_redis_not_the_queue(sentinel):
     # Given the Sentinel overlay
     kinds = {o["kind"] for o in sentinel}
     scaled = one(sentinel, "ScaledObject")
-    url = {v["name"]: v.get("value") for v in worker_container(sentinel)["env"]}["LLMQ_REDIS_URL"]
-    # Then no in-cluster Redis is rendered, the workers use the master address, and KEDA asks
-    # the Sentinels for the master of the named set
+    url = RedisURL.parse(_env(worker_container(sentinel))["LLMQ_REDIS_URL"])
+    # Then no in-cluster Redis is rendered, llmq asks the same Sentinels as KEDA for the master
+    # set the tests fail over (tests/cluster/test_sentinel.py)
     assert "StatefulSet" not in kinds
-    assert "@redis-master." in url
+    assert (url.kind, url.master_name, url.username) == ("sentinel", MASTER_NAME, "worker")
     for trigger in scaled["spec"]["triggers"]:
         assert trigger["type"] == "redis-sentinel-streams"
-        assert len(trigger["metadata"]["addresses"].split(",")) >= 3
-        assert trigger["metadata"]["sentinelMaster"]
+        addresses = trigger["metadata"]["addresses"].split(",")
+        assert len(addresses) >= 3
+        assert [f"{h}:{p}" for h, p in url.nodes] == addresses
+        assert trigger["metadata"]["sentinelMaster"] == MASTER_NAME
+
+
+def test_cluster_overlay_points_llmq_and_keda_at_the_cluster_and_rq_beside_it(cluster):
+    # Given the Cluster overlay
+    scaled = one(cluster, "ScaledObject")
+    worker = RedisURL.parse(_env(worker_container(cluster))["LLMQ_REDIS_URL"])
+    # Then the workers and KEDA name the same cluster nodes
+    assert worker.kind == "cluster" and worker.username == "worker"
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["type"] == "redis-cluster-streams"
+        assert trigger["metadata"]["addresses"].split(",") == [
+            f"{h}:{p}" for h, p in worker.nodes]
+    # And the gateway and the batch worker reach the cluster for llmq and a plain Redis for rq
+    # (rq cannot use a cluster): the base's single node, kept for rq's keys only
+    assert one(cluster, "StatefulSet", "llmq-redis")
+    for name in ("llmq-gateway", "llmq-batch-worker"):
+        env = _env(gateway_container(cluster, name))
+        assert RedisURL.parse(env["LLMQ_REDIS_URL"]).kind == "cluster"
+        assert RedisURL.parse(env["LLMQ_RQ_REDIS_URL"]).kind == "single"
+        assert "@llmq-redis:" in env["LLMQ_RQ_REDIS_URL"]
+
+
+# -- the gateway ----------------------------------------------------------------------------------
+
+
+def gateway_container(objects: list[dict], name: str = "llmq-gateway") -> dict:
+    return one(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("overlay", ["base", "sentinel", "cluster"])
+def test_gateway_and_batch_worker_log_in_as_the_gateway_acl_user(overlay, request):
+    objects = request.getfixturevalue(overlay)
+    acl = (ROOT / "deploy" / "acl.conf").read_text()
+    for name in ("llmq-gateway", "llmq-batch-worker"):
+        container = gateway_container(objects, name)
+        env = {v["name"]: v for v in container["env"]}
+        url = RedisURL.parse(env["LLMQ_REDIS_URL"]["value"])
+        assert (url.username, url.password) == ("gateway", "$(REDIS_PASSWORD)")
+        ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        password = secret_data(objects, ref["name"])[ref["key"]]
+        assert hashlib.sha256(password.encode()).hexdigest() == acl_hashes(acl)["gateway"]
+    assert gateway_container(objects)["command"] == ["llmq", "serve"]
+    assert gateway_container(objects, "llmq-batch-worker")["command"] == ["llmq",
+                                                                          "batch-worker"]
+
+
+def test_gateway_probes_service_and_scrape_point_at_its_port(base):
+    deployment = one(base, "Deployment", "llmq-gateway")
+    container = gateway_container(base)
+    env = {}
+    for source in container["envFrom"]:
+        env.update(one(base, "ConfigMap", source["configMapRef"]["name"])["data"])
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named["http"] == int(env["LLMQ_SERVE_PORT"]) and env["LLMQ_SERVE_HOST"] == "0.0.0.0"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    service = one(base, "Service", "llmq-gateway")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == named["http"]
+    # And it reads its API keys from a Secret, never a ConfigMap
+    keys = {v["name"]: v for v in container["env"]}["LLMQ_API_KEYS"]["valueFrom"]
+    assert "secretKeyRef" in keys
+
+
+def test_gateway_scales_on_cpu_and_drains_one_replica_at_a_time(base):
+    hpa = one(base, "HorizontalPodAutoscaler", "llmq-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "llmq-gateway"
+    assert hpa["spec"]["minReplicas"] >= 2
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    # Utilisation is a share of the request: the container must request CPU
+    assert gateway_container(base)["resources"]["requests"]["cpu"]
+    pdb = one(base, "PodDisruptionBudget", "llmq-gateway")
+    labels = one(base, "Deployment", "llmq-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_gateway_sets_only_settings_llmq_serve_reads(base):
+    from tests.unit.test_compose import serve_settings
+
+    container = gateway_container(base)
+    names = {v["name"] for v in container["env"]}
+    for source in container["envFrom"]:
+        names |= set(one(base, "ConfigMap", source["configMapRef"]["name"])["data"])
+    assert names - {"REDIS_PASSWORD"} <= serve_settings()

@@ -26,28 +26,48 @@ BAD_NAMES = [
 ]
 
 
-def test_default_schema_matches_the_design() -> None:
+def test_default_schema_is_v2_with_hash_tags() -> None:
     # Given the default prefix
     keys = Keys()
-    # Then every key is named as DESIGN.md section 3 says
-    assert keys.queue("default") == "llmq:q:default"
-    assert keys.result("req-1") == "llmq:r:req-1"
-    assert keys.dlq("default") == "llmq:dlq:default"
-    assert keys.cancel("default") == "llmq:cancel:default"
-    assert keys.cancel_flag("req-1") == "llmq:x:req-1"
+    # Then what one script touches shares a hash tag: the queue's keys carry the queue name...
+    assert keys.queue("default") == "llmq:q:{default}"
+    assert keys.dlq("default") == "llmq:dlq:{default}"
+    assert keys.cancel("default") == "llmq:cancel:{default}"
+    assert keys.handbacks("default") == "llmq:hb:{default}"
+    assert keys.control("default") == "llmq:ctl:{default}"
+    assert keys.idempotency("default", "req-1") == "llmq:id:{default}:req-1"
+    # ... a request's keys its id, so result streams spread over a cluster by request id
+    assert keys.result("req-1") == "llmq:r:{req-1}"
+    assert keys.cancel_flag("req-1") == "llmq:x:{req-1}"
+    assert keys.stream_options("acme:r1") == "llmq:sse:{acme:r1}"
+    # ... and single keys none
     assert keys.worker("w1") == "llmq:w:w1"
-    assert keys.idempotency("req-1") == "llmq:id:req-1"
     assert keys.workers() == "llmq:workers"
     assert keys.queues() == "llmq:queues"
+    assert keys.control_reply("c1") == "llmq:ctlr:c1"
+    # And a batch's keys its batch id, a gateway tenant's files the tenant
+    assert keys.batch_output("b1") == "llmq:batch:{b1}:output"
+    assert keys.file("acme", "f1") == "llmq:file:{acme}:f1"
+    assert keys.tenant_files("acme") == "llmq:files:{acme}"
     assert GROUP == "workers"
 
 
-def test_prefix_is_configurable_including_a_cluster_hash_tag() -> None:
-    assert Keys("tenant-a").result("r") == "tenant-a:r:r"
-    assert Keys("{llmq}").queue("q") == "{llmq}:q:q"
+def test_a_tenants_result_streams_match_one_acl_glob() -> None:
+    # Given gateway request ids `<tenant>:<id>`
+    # Then every result stream of tenant acme starts `llmq:r:{acme:`
+    assert Keys().result("acme:7f3a").startswith("llmq:r:{acme:")
 
 
-@pytest.mark.parametrize("prefix", ["", "a b", "{a}{b}", "{a", "a}", "x*", "x" * 65, "p\n"])
+def test_the_v1_queue_name_is_built_only_to_be_detected() -> None:
+    assert Keys().legacy_queue("default") == "llmq:q:default"
+
+
+def test_prefix_is_configurable() -> None:
+    assert Keys("tenant-a").result("r") == "tenant-a:r:{r}"
+
+
+@pytest.mark.parametrize("prefix", ["", "a b", "{a}{b}", "{a", "a}", "{llmq}", "x*", "x" * 65,
+                                    "p\n"])
 def test_bad_prefixes_are_refused(prefix: str) -> None:
     with pytest.raises(InvalidName, match="invalid prefix"):
         Keys(prefix)
@@ -56,12 +76,12 @@ def test_bad_prefixes_are_refused(prefix: str) -> None:
 @pytest.mark.parametrize("name", ["default", "a", "req_1.2:3-x", "1796013460689-0", "x" * 128])
 def test_valid_names_pass_unchanged(name: str) -> None:
     assert validate_name("request_id", name) == name
-    assert Keys().result(name).endswith(":" + name)
+    assert Keys().result(name).endswith(":{" + name + "}")
 
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=lambda n: repr(n)[:20])
 @pytest.mark.parametrize("build", ["queue", "dlq", "cancel", "result", "cancel_flag",
-                                   "idempotency", "worker"])
+                                   "legacy_queue", "worker", "control", "control_reply"])
 def test_bad_names_never_become_keys(build: str, name: str) -> None:
     # Given a name with a hash tag, a glob, a newline, or 10k characters
     # When any key is built from it
@@ -84,13 +104,13 @@ def test_refusal_message_shows_a_long_name_shortened() -> None:
 
 def test_settings_come_from_the_environment() -> None:
     # Given the deployment's environment variables
-    env = {"LLMQ_REDIS_URL": "redis://r:6379/1", "LLMQ_PREFIX": "{llmq}", "LLMQ_QUEUE": "big",
+    env = {"LLMQ_REDIS_URL": "redis://r:6379/1", "LLMQ_PREFIX": "ours", "LLMQ_QUEUE": "big",
            "LLMQ_RESULT_TTL": "60", "LLMQ_RESULT_MAXLEN": "500"}
     # When settings are read, with one override
     settings = BrokerSettings.from_env(env, queue="small")
     # Then each variable lands in its field and the explicit value wins
-    assert settings == BrokerSettings("redis://r:6379/1", "{llmq}", "small", 60, 500)
-    assert settings.keys.queue(settings.queue) == "{llmq}:q:small"
+    assert settings == BrokerSettings("redis://r:6379/1", "ours", "small", 60, 500)
+    assert settings.keys.queue(settings.queue) == "ours:q:{small}"
 
 
 @pytest.mark.parametrize("env, message", [

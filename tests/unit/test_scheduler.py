@@ -17,11 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmq.broker.errors import RequestRejected
 from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import RequestRejected, Scheduler
+from llmq.worker.engine.scheduler import Scheduler
 
 VOCAB = 1000
 EOS = 999
@@ -127,13 +129,20 @@ class FakeDetokenizer:
 
 
 class Engine:
-    """Scheduler + fake runner, stepped like EngineCore."""
+    """Scheduler + fake runner, stepped like EngineCore; requests pass the gate first, as they
+    do in front of EngineCore (worker/engine/input_processor.py)."""
 
     def __init__(self, num_kv_blocks: int = 64, next_token=context_hash, **config) -> None:
         config.setdefault("block_size", 4)
         self.config = EngineConfig(**config)
         self.clock = Clock()
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=self.clock)
+        self.gate = InputProcessor(None, vocab_size=VOCAB,
+                                   max_model_len=self.scheduler.max_model_len
+                                   if self.config.max_model_len is None
+                                   else self.config.max_model_len,
+                                   kv_cache_tokens=self.scheduler.kv_capacity_tokens,
+                                   max_num_seqs=self.config.max_num_seqs)
         self.runner = FakeModelRunner(num_kv_blocks, self.config.block_size, self.clock,
                                       next_token)
         self.outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
@@ -144,7 +153,10 @@ class Engine:
     def add(self, prompt: list[int], request_id: str | None = None, priority: int = 0,
             detokenizer=None, **params) -> Request:
         self.num_added += 1
-        request = Request(request_id or f"r{self.num_added}", prompt, SamplingParams(**params),
+        self.gate.check_prompt(prompt)
+        sampling_params = SamplingParams(**params)
+        self.gate.check_sampling_params(sampling_params)
+        request = Request(request_id or f"r{self.num_added}", prompt, sampling_params,
                           eos_token_ids=frozenset({EOS}), arrival_time=self.clock(),
                           priority=priority, detokenizer=detokenizer)
         self.scheduler.add_request(request)

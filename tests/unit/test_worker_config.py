@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.worker.engine_proc import WorkerConfig
-from llmq.worker.faults import Faults
 from llmq.worker.inflight_table import InFlight, InFlightTable
+from llmq.worker.worker_config import WorkerConfig
+from tests.fixtures.faults import Faults
 
 
 def test_renew_and_claim_intervals_default_from_the_lease() -> None:

@@ -1,13 +1,18 @@
-"""InputProcessor: a decoded wire request -> prompt token ids, SamplingParams and priority.
+"""InputProcessor, the one gate: a wire request -> prompt token ids, SamplingParams, priority.
 
 After vLLM v1's `Processor` (v1/engine/processor.py): everything the engine would choke on is
 refused here, before the scheduler, with a stable code (RELIABILITY.md decision 4: per-request
-errors must never take the engine down; vllm-project/vllm#16529, llama.cpp#12178):
+errors must never take the engine down; vllm-project/vllm#16529, llama.cpp#12178). The engine
+and its scheduler trust what passes: they check nothing again.
 
 - invalid_request    no prompt tokens, a chat template that fails on the messages, a sampling
                      field out of bounds (the protocol decoder checks them first; this re-check
-                     covers values only the engine knows, such as min_tokens vs max_tokens)
-- prompt_too_long    prompt + one output token exceed the context (`max_model_len`)
+                     covers values only the engine knows, such as min_tokens vs max_tokens), `n`
+                     above the engine's `max_num_seqs` (the completions of one prompt run side by
+                     side), a `response_format` schema, regex, choice or grammar that cannot
+                     compile (compiled here, off the busy loop; the runner finds it in the cache)
+- prompt_too_long    prompt + one output token exceed the context (`max_model_len`) or the KV
+                     cache (a request running alone must always fit, so preemption makes progress)
 - invalid_token_id   a prompt or stop token id outside the vocabulary
 
 A request whose prompt fits but whose `max_tokens` would run past the context is not refused:
@@ -18,24 +23,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.broker.protocol import Request
-from llmq.worker.engine.engine_core import check_token_ids
-from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import RequestRejected
+from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
+from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
 
-class InputRejected(RequestRejected):
-    """RequestRejected plus machine-readable specifics for the error event's `details`."""
+class PromptTokenizer(Protocol):
+    """What the gate needs of a tokenizer (worker/engine/model/tokenizer.py)."""
 
-    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(code, message)
-        self.details = details
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
 @dataclass
@@ -43,49 +51,114 @@ class ProcessedInput:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int
-    prompt_texts: list[str]  # the prompt or the messages' contents (fault hooks look at them)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    """`max_model_len` is the context the engine was configured with; `kv_cache_tokens` the
+    tokens its KV cache holds (None: unbounded). A prompt must leave room for one output token
+    in both. `max_num_seqs` bounds `n` (None: unbounded); `structured_output` is the engine's
+    grammar cache, so what compiles here is what its runner uses."""
+
+    def __init__(self, tokenizer: PromptTokenizer | None, *, vocab_size: int, max_model_len: int,
+                 kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.kv_cache_tokens = kv_cache_tokens
+        self.max_num_seqs = max_num_seqs
+        self.structured_output = structured_output or StructuredOutputManager(tokenizer,
+                                                                              vocab_size)
+
+    @classmethod
+    def for_engine(cls, engine: EngineCore) -> InputProcessor:
+        # NOTE: the configured context and the KV capacity, not their minimum
+        # (`engine.max_model_len`), so a refusal names the limit that bit.
+        return cls(engine.tokenizer, vocab_size=engine.vocab_size,
+                   max_model_len=engine.config.max_model_len or engine.max_model_len,
+                   kv_cache_tokens=engine.kv_cache_tokens,
+                   max_num_seqs=engine.config.max_num_seqs,
+                   structured_output=engine.structured_output)
 
     def process(self, request: Request) -> ProcessedInput:
         """Raises RequestRejected(code, message) for a request the engine must never see."""
-        prompt_token_ids, texts = self._prompt(request)
-        if not prompt_token_ids:
-            raise RequestRejected("invalid_request", "the prompt is empty: it has no tokens")
-        if len(prompt_token_ids) + 1 > self.max_model_len:
-            raise InputRejected(
-                "prompt_too_long",
-                f"prompt has {len(prompt_token_ids)} tokens but the context holds "
-                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens",
-                {"prompt_tokens": len(prompt_token_ids), "limit": self.max_model_len - 1})
+        prompt_token_ids = self._prompt(request)
+        self.check_prompt(prompt_token_ids)
         params = self._sampling_params(request)
-        check_token_ids(prompt_token_ids, params.stop_token_ids, self.vocab_size)
-        return ProcessedInput(prompt_token_ids, params, request.priority, texts)
+        self.check_token_ids(prompt_token_ids, params.stop_token_ids)
+        self.check_sampling_params(params)
+        return ProcessedInput(prompt_token_ids, params, request.priority)
 
-    def _prompt(self, request: Request) -> tuple[list[int], list[str]]:
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """RequestRejected when the prompt is empty or leaves no room for one output token."""
+        num_prompt = len(prompt_token_ids)
+        if not num_prompt:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
+                                  "the prompt is empty: it has no tokens")
+        if num_prompt + 1 > self.max_model_len:
+            limit = self.max_model_len
+            why = f"max_model_len is {limit}"
+        elif self.kv_cache_tokens is not None and num_prompt > self.kv_cache_tokens:
+            limit = self.kv_cache_tokens + 1
+            why = f"the KV cache holds at most {self.kv_cache_tokens} tokens"
+        else:
+            return
+        raise RequestRejected(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"prompt has {num_prompt} tokens but {why}: at most {limit - 1} prompt tokens leave "
+            "room for one output token", {"prompt_tokens": num_prompt, "limit": limit - 1})
+
+    def check_token_ids(self, prompt_token_ids: list[int], stop_token_ids: tuple[int, ...]) -> None:
+        """RequestRejected(invalid_token_id) naming the field when an id is outside the vocabulary.
+
+        NOTE: an out-of-vocabulary id reaching the embedding would fail the whole step, and with
+        it every request in the batch (vllm-project/vllm#16529).
+        """
+        for field, ids in (("prompt_token_ids", prompt_token_ids),
+                           ("stop_token_ids", stop_token_ids)):
+            for bad in (t for t in ids if not 0 <= t < self.vocab_size):
+                raise RequestRejected(ErrorCode.INVALID_TOKEN_ID,
+                                      f"{field}: token id {bad} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """RequestRejected(invalid_request) when `n` exceeds max_num_seqs, or naming the problem
+        when the schema, regex, choices or grammar cannot compile (compiled ones stay cached
+        for the model runner)."""
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
+                                  f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}: "
+                                  "the completions of one prompt run side by side")
+        if params.structured_output is None:
+            return
+        try:
+            self.structured_output.compile(params.structured_output)
+        except GrammarError as e:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from None
+
+    def _prompt(self, request: Request) -> list[int]:
         if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids), []
+            return list(request.prompt_token_ids)
+        if self.tokenizer is None:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
+                                  "this engine takes prompt_token_ids only (no tokenizer)")
         if request.messages is not None:
             chat = [msgspec.structs.asdict(m) for m in request.messages]
             try:
-                ids = self.tokenizer.encode_chat(chat)
+                return self.tokenizer.encode_chat(chat)
             except Exception as e:  # noqa: BLE001 - a template is untrusted code: any failure
-                raise RequestRejected("invalid_request",
+                raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                       f"messages: the chat template failed: {e}") from None
-            return ids, [str(m.get("content", "")) for m in chat]
         if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt), [request.prompt]
-        raise RequestRejected("invalid_request",
+            return self.tokenizer.encode(request.prompt)
+        raise RequestRejected(ErrorCode.INVALID_REQUEST,
                               "one of prompt, messages or prompt_token_ids is required")
 
-    def _sampling_params(self, request: Request) -> SamplingParams:
+    @staticmethod
+    def _sampling_params(request: Request) -> SamplingParams:
+        constraint = request.structured_output()
+        structured = StructuredOutputParams(*constraint) if constraint else None
         try:
-            return SamplingParams(**request.sampling_kwargs())
+            return SamplingParams(**request.sampling_kwargs(), structured_output=structured)
         except (ValueError, TypeError) as e:
-            raise RequestRejected("invalid_request", str(e)) from None
-
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from None

@@ -4,13 +4,29 @@ scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler --E
 worker. Lists, ints and strings only: no tensors leave the model runner. Requests the runner has
 seen before travel as a diff (`CachedRequestData`); a request that is new, or resumed after a
 preemption, travels whole (`NewRequestData`).
+
+A finished request's usage, timings and logprobs are the wire's own structs
+(`llmq.broker.protocol`): the engine fills them in once, and the worker writes them as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmq.broker.errors import ErrorCode
+from llmq.broker.protocol import Timings, TokenLogprob, Usage
 from llmq.worker.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "CachedRequestData",
+    "EngineCoreOutput",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SchedulerOutput",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+]
 
 
 @dataclass
@@ -51,43 +67,18 @@ class SchedulerOutput:
 
 
 @dataclass
-class TokenLogprobs:
-    """Log-probabilities for one sampled token (after penalties, before temperature)."""
-
-    token_id: int
-    logprob: float
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass
 class ModelRunnerOutput:
     request_ids: list[str]  # every request scheduled this step, in the runner's order
     # Per request: the sampled ids ([] when the step ended inside its prompt).
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprobs | None]  # per request; None when not asked for or not sampled
+    logprobs: list[TokenLogprob | None]  # per request; None when not asked for or not sampled
     errors: dict[str, str] = field(default_factory=dict)  # request_id -> why (NaN/inf logits)
+    # request_id -> why its grammar failed (tokens it refused; never expected after the gate)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
         return cls([], [], [])
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int  # prompt tokens served from the prefix cache
-
-
-@dataclass
-class Timings:
-    """Seconds, measured by the engine's monotonic clock."""
-
-    queue: float  # arrival -> first scheduled
-    ttft: float  # arrival -> first token
-    e2e: float  # arrival -> finished
-    per_token: float  # mean seconds between output tokens after the first
 
 
 @dataclass
@@ -97,15 +88,16 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0  # which of the request's n completions this is
     finish_reason: str | None = None  # stop | length | cancelled | error; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    error_code: str | None = None  # with finish_reason "error": preempted, numerical, ...
+    error_code: ErrorCode | None = None  # with finish_reason "error": preempted, numerical...
     error_message: str | None = None
     # Set only on the finished output:
     text: str | None = None  # the whole output text
     usage: Usage | None = None
-    timings: Timings | None = None
+    timings: Timings | None = None  # on the engine's clock, from the request's arrival_time
 
     @property
     def finished(self) -> bool:

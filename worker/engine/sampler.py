@@ -24,7 +24,7 @@ from the sampler's shared `torch.Generator`. Every tensor op works row by row, s
 never depends on the other rows.
 
 Logprobs are computed from `log_softmax` of the penalised logits, before temperature and the
-top-k / top-p / min-p masks (the contract of `TokenLogprobs`). This is vLLM v1's default
+top-k / top-p / min-p masks (the contract of `TokenLogprob`). This is vLLM v1's default
 "raw_logprobs" mode except that vLLM takes it before penalties as well: the two agree whenever
 a request sets no penalty.
 """
@@ -38,7 +38,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from llmq.worker.engine.outputs import TokenLogprobs
+from llmq.worker.engine.outputs import TokenLogprob
 from llmq.worker.engine.sampling_params import SamplingParams
 
 # NOTE: below this temperature, logits / temperature overflows float32; vLLM treats it as greedy.
@@ -50,6 +50,10 @@ _TOP_P_CANDIDATES = (256, 4096)
 _MASK64 = (1 << 64) - 1
 
 BAD_ROW_REASONS = {1: "logits contain NaN", 2: "logits contain +inf", 3: "every logit is -inf"}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _splitmix64(x: int) -> int:
@@ -291,7 +295,7 @@ def _argmax_and_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: list[int]  # per row; -1 for a bad row
-    logprobs: list[TokenLogprobs | None]  # per row; None when not asked for or the row is bad
+    logprobs: list[TokenLogprob | None]  # per row; None when not asked for or the row is bad
     bad_rows: dict[int, str]  # row -> why it failed (NaN / +inf / all -inf logits)
 
 
@@ -352,7 +356,7 @@ class Sampler:
         sampled_ids = [int(x) for x in flat[:num_rows]]
         bad_rows = {row: BAD_ROW_REASONS[int(code)]
                     for row, code in enumerate(flat[num_rows:2 * num_rows]) if code}
-        out_logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        out_logprobs: list[TokenLogprob | None] = [None] * num_rows
         offset = 2 * num_rows
         sampled_lps = flat[offset:offset + num_logprob_rows]
         offset += num_logprob_rows
@@ -363,11 +367,12 @@ class Sampler:
             if row in bad_rows:
                 continue
             start = j * n
-            out_logprobs[row] = TokenLogprobs(
+            # NOTE: -inf (a token masked out by penalties) is None on the wire: JSON has no inf.
+            out_logprobs[row] = TokenLogprob(
                 token_id=sampled_ids[row],
-                logprob=sampled_lps[j],
+                logprob=_finite(sampled_lps[j]),
                 top_token_ids=[int(x) for x in top_ids_flat[start:start + k]],
-                top_logprobs=top_lps_flat[start:start + k],
+                top_logprobs=[_finite(x) for x in top_lps_flat[start:start + k]],
             )
         return SamplerOutput(sampled_ids, out_logprobs, bad_rows)
 

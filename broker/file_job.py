@@ -4,14 +4,18 @@ Each input line is a request object in the wire format (docs/protocol.md); the s
 the command fill the fields a line leaves out. Every line gets a request id: its `id` field, else
 a stable hash of the file's path, the line number and the line's text, so a rerun maps each line
 to the same id. All lines are validated, then submitted at once (one pipelined round trip per
-thousand), then followed together (`ResultGatherer`); results are written as JSONL in input order,
-one flushed line at a time, so a killed run leaves a valid prefix behind.
+thousand), then followed together (`Client.follow_many`: one reader for all of them); results
+are written as JSONL in input order, one flushed line at a time, so a killed run leaves a valid
+prefix behind.
 
 Rerunning the same command resumes: results already in the output file are kept and their
 requests are not submitted again; the others are submitted with the same ids, which the broker's
 idempotent submit turns into "follow the request already queued" for any that an earlier run sent.
 A line that cannot be parsed or validated gets an error result (with its line number) and the
 rest go on.
+
+The job prints nothing itself: it tells a `FileJobListener` how it goes (the CLI's draws a
+progress bar on stderr; the default one logs).
 
 Result lines:
 
@@ -24,27 +28,70 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import msgspec
 
 from llmq.broker.client import Client
 from llmq.broker.commands import build_submission
-from llmq.broker.errors import InvalidRequest
+from llmq.broker.errors import ErrorCode, InvalidRequest
 from llmq.broker.keys import is_valid_name
 from llmq.broker.protocol import Done, Error
 from llmq.broker.transcript import Transcript
-from llmq.cli.gatherer import ResultGatherer
-from llmq.cli.helpers import note, warn_if_unserved
-from llmq.cli.progress import Progress
 
-__all__ = ["FileJob", "FileLine", "derive_request_id", "read_lines"]
+__all__ = ["FileJob", "FileJobListener", "FileLine", "OutputFile", "derive_request_id",
+           "read_lines"]
+
+logger = logging.getLogger(__name__)
 
 _SUBMIT_CHUNK = 1000
+# NOTE: JSON allows U+0085, U+2028 and U+2029 raw inside strings, but Python's str.splitlines()
+# and JavaScript end a line there: escaped, every result stays one line for any JSONL reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+class FileJobListener(Protocol):
+    """What a file job tells whoever watches it, in this order: started, then submitting (when
+    anything is left to submit) and advanced as lines get their results, stopped, and notes."""
+
+    def started(self, total: int, already_done: int) -> None:
+        """`total` lines, of which an earlier run already wrote `already_done`."""
+
+    def submitting(self, num_requests: int) -> None:
+        """About to queue `num_requests` requests."""
+
+    def advanced(self, *, done: int, failed: int = 0, tokens: int = 0) -> None:
+        """`done` more lines have their result, `failed` of them errors; `tokens` generated."""
+
+    def stopped(self) -> None:
+        """No more progress: finished, timed out or interrupted."""
+
+    def note(self, message: str) -> None:
+        """A message for the person running the job (the summary, how to resume)."""
+
+
+class LoggingListener:
+    """The default `FileJobListener`: notes and the start go to this module's logger."""
+
+    def started(self, total: int, already_done: int) -> None:
+        logger.info("file job: %d lines, %d already done", total, already_done)
+
+    def submitting(self, num_requests: int) -> None:
+        logger.info("file job: submitting %d requests", num_requests)
+
+    def advanced(self, *, done: int, failed: int = 0, tokens: int = 0) -> None:
+        pass
+
+    def stopped(self) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        logger.info("%s", message)
 
 
 @dataclass
@@ -164,16 +211,20 @@ class OutputFile:
 
 
 class FileJob:
+    """`path` ("-": stdin) in, `output` ("-": stdout) out; `defaults` fill the request fields a
+    line leaves out; `timeout` s bounds the wait for results (None: wait for all)."""
+
     def __init__(self, client: Client, path: str, output: str, defaults: dict[str, Any], *,
-                 show_progress: bool | None = None, timeout: float | None = None) -> None:
+                 timeout: float | None = None, listener: FileJobListener | None = None) -> None:
         self.client = client
         self.path = path
         self.output = output
         self.defaults = defaults
-        self.show_progress = show_progress
         self.timeout = timeout
+        self.listener: FileJobListener = listener if listener is not None else LoggingListener()
         self.num_skipped = 0  # lines whose results an earlier run wrote
         self.num_failed = 0  # lines whose result is an error, this run's and earlier ones
+        self.num_tokens = 0  # tokens generated for this run's lines
 
     def run(self) -> int:
         """Submit, follow and write everything; the exit code (0: every line has its result)."""
@@ -200,22 +251,23 @@ class FileJob:
             if line.request_id in out.existing:
                 ready[index] = {**out.existing[line.request_id], "line": line.number}
             elif line.error is not None:
-                ready[index] = error_record(line, "invalid_request", line.error)
+                ready[index] = error_record(line, ErrorCode.INVALID_REQUEST, line.error)
             else:
                 to_submit.append(index)
         reused = [i for i in ready if file_lines[i].request_id in out.existing]
         self.num_skipped = kept + len(reused)
         self.num_failed = sum("error" in out.existing[file_lines[i].request_id]
                               for i in [*range(kept), *reused])
-        progress = Progress(len(file_lines), already_done=self.num_skipped,
-                            enabled=self.show_progress)
+        listener = self.listener
+        listener.started(len(file_lines), self.num_skipped)
         new_errors = len(ready) - len(reused)
         self.num_failed += new_errors
-        progress.update(done=new_errors, failed=new_errors)
+        if new_errors:
+            listener.advanced(done=new_errors, failed=new_errors)
         if to_submit:
-            warn_if_unserved(self.client)
+            listener.submitting(len(to_submit))
         index_of = {file_lines[i].request_id: i for i in to_submit}
-        gatherer = ResultGatherer(self.client)
+        gatherer = self.client.follow_many()
         for start in range(0, len(to_submit), _SUBMIT_CHUNK):
             chunk = [file_lines[i].body for i in to_submit[start:start + _SUBMIT_CHUNK]]
             gatherer.add(self.client.submit_many(chunk))  # type: ignore[arg-type]
@@ -228,45 +280,48 @@ class FileJob:
                 if next_index == len(file_lines) or not gatherer:
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    progress.close()
-                    note(f"timed out: {len(gatherer)} request(s) still queued or running; "
-                         "rerun the same command to collect them")
+                    listener.stopped()
+                    listener.note(f"timed out: {len(gatherer)} request(s) still queued or "
+                                  "running; rerun the same command to collect them")
                     return 1
                 for transcript in gatherer.poll(block_ms=250):
                     index = index_of[transcript.request_id]
-                    ready[index] = self._record(file_lines[index], transcript, progress)
+                    ready[index] = self._record(file_lines[index], transcript)
         except KeyboardInterrupt:
-            progress.close()
-            note(f"interrupted: {next_index} of {len(file_lines)} results written; rerun the "
-                 "same command to resume (queued requests are not queued again)")
+            listener.stopped()
+            listener.note(f"interrupted: {next_index} of {len(file_lines)} results written; "
+                          "rerun the same command to resume (queued requests are not queued "
+                          "again)")
             return 130
-        progress.close()
-        self._summary(progress, len(file_lines))
+        finally:
+            gatherer.close()
+        listener.stopped()
+        self._summary(len(file_lines))
         return 0
 
-    def _record(self, line: FileLine, transcript: Transcript, progress: Progress
-                ) -> dict[str, Any]:
+    def _record(self, line: FileLine, transcript: Transcript) -> dict[str, Any]:
         final = transcript.final
         assert final is not None
         if isinstance(final, Done):
-            progress.update(done=1, tokens=final.usage.completion_tokens)
+            self.num_tokens += final.usage.completion_tokens
+            self.listener.advanced(done=1, tokens=final.usage.completion_tokens)
         else:
             self.num_failed += 1
-            progress.update(done=1, failed=1)
+            self.listener.advanced(done=1, failed=1)
         return result_record(line, final)
 
     @staticmethod
     def _write_ready(ready: dict[int, dict[str, Any]], next_index: int, stream: TextIO) -> int:
         while next_index in ready:
             record = ready.pop(next_index)
-            stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+            stream.write(json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n")
             stream.flush()
             next_index += 1
         return next_index
 
-    def _summary(self, progress: Progress, total: int) -> None:
+    def _summary(self, total: int) -> None:
         failed = self.num_failed
         where = "" if self.output == "-" else f" -> {self.output}"
         skipped = f" ({self.num_skipped} already done)" if self.num_skipped else ""
-        note(f"{total} requests: {total - failed} ok, {failed} failed{skipped}; "
-             f"{progress.tokens} tokens generated{where}")
+        self.listener.note(f"{total} requests: {total - failed} ok, {failed} failed{skipped}; "
+                           f"{self.num_tokens} tokens generated{where}")

@@ -1,4 +1,4 @@
-"""Supervisor: the processes of `llmq up` — the embedded server and N `llmq worker` processes.
+"""Supervisor: the worker processes of `llmq up`, N `llmq worker` children on one machine.
 
 Like foreman/honcho: children in the foreground with one prefixed, interleaved log, and a fixed
 stop order. Workers get SIGTERM first (they stop reading, finish or hand back their requests,

@@ -7,8 +7,12 @@ round trips never stall a forward pass. Threads:
     StreamReader   XREADGROUP what fits -> Admission -> inbox          (worker/stream_reader.py)
     LeaseKeeper    renew + fence, XAUTOCLAIM dead peers' work, beat    (worker/lease_keeper.py)
     CancelListener cancel stream -> abort                              (worker/cancel_listener.py)
+    ControlListener control stream -> utility calls -> answers         (worker/control_listener.py)
     busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
     ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
+
+The threads share one `WorkerContext` (config, keys, connection factory, metrics, inbox,
+in-flight table); the engine is anything that satisfies `EngineClient`.
 
 Delivery is at-least-once (dramatiq/arq: ack only after the result is written). Lifecycle:
 
@@ -29,25 +33,34 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from llmq.broker import protocol
-from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, GROUP, Keys, validate_name
-from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
-from llmq.worker.admission import AbortRequests, AddRequest, Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, ConnectionState, connect_redis
+from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
+from llmq.broker.errors import RequestRejected, StreamExhausted
+from llmq.broker.functions import ensure_functions
+from llmq.broker.keys import GROUP
+from llmq.worker.admission import Admission
+from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener
+from llmq.worker.control_listener import ControlListener
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.sampling_params import SamplingParams
-from llmq.worker.engine.scheduler import RequestRejected
-from llmq.worker.faults import Faults, InjectedFault
-from llmq.worker.inflight_table import InFlightTable
-from llmq.worker.lease_keeper import LeaseKeeper, default_worker_id
+from llmq.worker.engine_client import EngineClient
+from llmq.worker.inbox import AbortRequests, AddRequest, UtilityCall
+from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.stream_reader import StreamReader
+from llmq.worker.utility_calls import UtilityCalls
+from llmq.worker.worker_config import WorkerConfig
+from llmq.worker.worker_context import WorkerContext
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.engine_core import EngineStats
+    from llmq.worker.health_server import HealthServer
+    from llmq.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -55,109 +68,41 @@ EXIT_OK = 0
 EXIT_ENGINE_FATAL = 70  # EX_SOFTWARE
 
 
-@dataclass
-class WorkerConfig:
-    """Every knob of the worker process around the engine; `llmq worker` flags map 1:1."""
-
-    redis_url: str | None = None  # None: LLMQ_REDIS_URL, else the embedded server of `llmq up`
-    prefix: str = DEFAULT_PREFIX
-    queue: str = DEFAULT_QUEUE
-    worker_id: str = field(default_factory=default_worker_id)  # the consumer name
-    lease_timeout: float = 30.0  # s without renewal before peers reclaim an entry
-    renew_interval: float | None = None  # s between lease renewals; None: lease_timeout / 3
-    claim_interval: float | None = None  # s between reclaim scans; None: renew_interval
-    drain_timeout: float = 20.0  # s to finish in-flight work after SIGTERM
-    max_deliveries: int = 3  # deliveries before an entry is dead-lettered as poison
-    result_ttl: int = DEFAULT_RESULT_TTL  # s a result stream lives after its last event
-    result_maxlen: int = DEFAULT_RESULT_MAXLEN  # approximate cap of each result stream
-    metrics_port: int = 0  # /metrics /healthz /readyz; 0: off
-    read_block_ms: int = 500  # XREADGROUP / XREAD BLOCK slice
-    flush_timeout: float = 5.0  # s to keep trying to write the last events when stopping
-
-    def __post_init__(self) -> None:
-        Keys(self.prefix)
-        validate_name("queue", self.queue)
-        validate_name("worker_id", self.worker_id)
-        if self.lease_timeout <= 0:
-            raise ValueError(f"lease_timeout must be > 0 s, got {self.lease_timeout}")
-        if self.renew_interval is None:
-            self.renew_interval = self.lease_timeout / 3
-        if not 0 < self.renew_interval < self.lease_timeout:
-            raise ValueError(f"renew_interval must be in (0, lease_timeout="
-                             f"{self.lease_timeout}), got {self.renew_interval}")
-        if self.claim_interval is None:
-            self.claim_interval = self.renew_interval
-        if self.claim_interval <= 0:
-            raise ValueError(f"claim_interval must be > 0 s, got {self.claim_interval}")
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0 s, got {self.drain_timeout}")
-        if self.max_deliveries < 1:
-            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
-        if self.result_ttl < 1 or self.result_maxlen < 1:
-            raise ValueError("result_ttl and result_maxlen must be >= 1")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.read_block_ms < 1:
-            raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
-
-
 class Worker:
-    def __init__(self, config: WorkerConfig, engine: Any, *, model_name: str = "",
-                 faults: Faults | None = None, observability: tuple[Any, Any] | None = None
+    def __init__(self, config: WorkerConfig, engine: EngineClient, *, model_name: str = "",
+                 observability: tuple[WorkerMetrics | None, HealthServer | None] | None = None
                  ) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
-        self.faults = faults if faults is not None else Faults.from_env()
-        self.keys = Keys(config.prefix)
-        self.queue_key = self.keys.queue(config.queue)
-        self.table = InFlightTable()
-        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.state = ConnectionState(pending=("stream reader",))
-        self.max_num_seqs = engine.config.max_num_seqs
         # NOTE: `llmq worker` starts the health server before loading the model (so /readyz
         # answers "loading model" meanwhile) and hands it over here.
         self.metrics, self.health = observability or start_observability(
             config.metrics_port, model_name, config.queue)
-        timeout = config.read_block_ms / 1000.0 + 10.0
-        url = config.redis_url
-        self.writer = ResultWriter(
-            connect_redis(url, socket_timeout=timeout), self.keys, config.queue, config.worker_id,
-            self.table, result_ttl=config.result_ttl, result_maxlen=config.result_maxlen,
-            state=self.state, faults=self.faults, metrics=self.metrics)
-        scheduler = getattr(engine, "scheduler", None)
-        max_model_len = getattr(scheduler, "max_model_len", None) or engine.config.max_model_len
-        self.processor = InputProcessor(engine.tokenizer, max_model_len, engine.arch.vocab_size)
-        self.admission = Admission(
-            keys=self.keys, queue_name=config.queue, worker_id=config.worker_id,
-            model_name=model_name, table=self.table, processor=self.processor,
-            writer=self.writer, inbox=self.inbox, faults=self.faults,
-            max_deliveries=config.max_deliveries, clock=engine.clock)
-        self._admin = connect_redis(url, socket_timeout=timeout)
-        self.keeper = LeaseKeeper(
-            connect_redis(url, socket_timeout=timeout), self.keys, config.queue,
-            config.worker_id, self.table, self.admission, self.writer, self.inbox,
-            lease_timeout=config.lease_timeout, renew_interval=config.renew_interval,
-            claim_interval=config.claim_interval, max_num_seqs=self.max_num_seqs,
-            state=self.state, heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
-            metrics=self.metrics)
-        self.reader = StreamReader(
-            connect_redis(url, socket_timeout=timeout), self.queue_key, config.worker_id,
-            self.table, self.admission, max_num_seqs=self.max_num_seqs,
-            block_ms=config.read_block_ms, state=self.state, ensure_group=self.ensure_group,
-            hand_back=self.keeper.hand_back)
-        self.cancels = CancelListener(
-            connect_redis(url, socket_timeout=timeout), self.keys.cancel(config.queue),
-            self.table, self.inbox, block_ms=config.read_block_ms, state=self.state)
+        self.ctx = ctx = WorkerContext(config, model_name, engine.config.max_num_seqs,
+                                       self.metrics)
+        self.keys, self.table, self.inbox, self.state = ctx.keys, ctx.table, ctx.inbox, ctx.state
+        self.queue_key = ctx.queue_key
+        self.writer = ResultWriter(ctx)
+        self.processor = InputProcessor.for_engine(engine)
+        self.admission = Admission(ctx, self.processor, self.writer, clock=engine.clock)
+        self.admin = ctx.connect()
+        self.keeper = LeaseKeeper(ctx, self.admission, self.writer,
+                                  heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
+                                  first_contact=self._first_contact)
+        self.reader = StreamReader(ctx, self.admission, ensure_group=self.ensure_group,
+                                   hand_back=self.keeper.hand_back)
+        self.cancels = CancelListener(ctx)
+        self.controls = ControlListener(ctx)
+        self.utility = UtilityCalls(self)
         self.started_ms = int(time.time() * 1000)
         self.draining = False
         self._drain_deadline = 0.0
         self._signals = 0
         self._stop_requested = False
-        self._poison_ids: set[str] = set()
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
-        self._stats: Any = None
+        self._stats: EngineStats | None = None
         self._group_seen = False  # a group existed once: recreating it later is news
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -175,6 +120,7 @@ class Worker:
         self.writer.start()
         self.keeper.start()
         self.cancels.start()
+        self.controls.start()
         self.reader.start()
         exit_code = self._busy_loop()
         self._shutdown(exit_code)
@@ -212,7 +158,7 @@ class Worker:
         self._drain_deadline = time.monotonic() + self.config.drain_timeout
         self.reader.stop_event.set()
         # NOTE: CLIENT UNBLOCK on a thread: the busy loop must not wait on Redis.
-        threading.Thread(target=self.reader.stop, args=(self._admin,), daemon=True,
+        threading.Thread(target=self.reader.stop, args=(self.admin,), daemon=True,
                          name="llmq-stop-reader").start()
         self.keeper.reclaiming = False
         if self.health is not None:
@@ -232,15 +178,37 @@ class Worker:
         # NOTE: the group is gone with every entry we held (a Redis restart without
         # persistence): those entries have no lease to renew any more, but still run.
         self.table.orphan_all()
+        pipe = self.admin.pipeline(transaction=False)
+        queue_group_creation(pipe, self.keys, self.config.queue)
         try:
-            self._admin.xgroup_create(self.queue_key, GROUP, id="0", mkstream=True)
+            created = group_created(pipe.execute(raise_on_error=False), self.keys,
+                                    self.config.queue)
+        except StreamExhausted as exc:
+            # NOTE: keep serving: what is pending or unread still runs, which is the fix's
+            # first step; only new submissions fail (with this message).
+            logger.error("%s", exc)
+            created = False
+        if created:
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self._admin.sadd(self.keys.queues(), self.config.queue)
         self._group_seen = True
+        self._load_functions()
+
+    def _first_contact(self) -> None:
+        """Once Redis answers: refuse to run beside a v1 queue, load the function library."""
+        if self.admin.exists(self.keys.legacy_queue(self.config.queue)):
+            logger.error("%s: stopping", legacy_stream_message(self.keys, self.config.queue))
+            self.request_stop()
+            return
+        self._load_functions()
+
+    def _load_functions(self) -> None:
+        """The submit function library, where it is missing or older (producers FCALL it)."""
+        try:
+            ensure_functions(self.admin)
+        except redis.ResponseError as exc:  # NOPERM under a stricter ACL, mostly
+            logger.warning("cannot load the llmq function library (%s): producers' submits "
+                           "fail until an admin runs `llmq admin load-functions`", exc)
 
     # -- the busy loop ----------------------------------------------------------------------------
 
@@ -275,7 +243,7 @@ class Worker:
     def _dead_threads(self) -> list[str]:
         """IO threads that ended on an unexpected exception (they only end when told to)."""
         threads = {"result writer": self.writer, "lease keeper": self.keeper,
-                   "cancel listener": self.cancels}
+                   "cancel listener": self.cancels, "control listener": self.controls}
         if not self.draining:
             threads["stream reader"] = self.reader
         return [name for name, t in threads.items() if not t.is_alive()]
@@ -291,22 +259,12 @@ class Worker:
                 and not self.reader.is_alive() and self.table.running_count() == 0)
 
     def _step(self) -> None:
-        faults = self.faults
-        if faults.active:
-            if faults.slow_step_s:
-                time.sleep(faults.slow_step_s)
-            if faults.raise_in_step or self._poison_ids:
-                raise InjectedFault("TEST-ONLY fault hook raise_in_step")
         started = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - started
         if not outputs:
             return
-        num_tokens = 0
-        for output in outputs:
-            num_tokens += len(output.new_token_ids)
-            if output.finished:
-                self._poison_ids.discard(output.request_id)
+        num_tokens = sum(len(output.new_token_ids) for output in outputs)
         self._num_generated += num_tokens
         self.writer.put_step(outputs)
         if self.metrics is not None:
@@ -323,11 +281,13 @@ class Worker:
             if isinstance(item, list):  # one read's requests, added before the next step
                 for add in item:
                     aborted |= self._add(add)
-            elif isinstance(item, AddRequest):
-                aborted |= self._add(item)
             elif isinstance(item, AbortRequests):
                 self.engine.abort(item.entry_ids)
                 aborted = True
+            elif isinstance(item, UtilityCall):
+                reply = self.utility.run(item.call)
+                self._publish_stats()  # readiness shows the call's effect before its answer
+                self.controls.answer(reply)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -339,6 +299,9 @@ class Worker:
         if entry is None or entry.fenced:
             self.table.pop(item.entry_id)
             return False
+        if self.utility.sleep_level:
+            self.utility.hand_back_admitted(item.entry_id)  # read just before the sleep
+            return False
         try:
             self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
                                     priority=item.priority, arrival_time=item.arrival_time)
@@ -349,8 +312,6 @@ class Worker:
             self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
                                        ack=True))
             return False
-        if entry.poison:
-            self._poison_ids.add(item.entry_id)
         if entry.cancel_requested:
             # The cancel arrived while the request was being admitted.
             self.engine.abort([item.entry_id])
@@ -363,6 +324,7 @@ class Worker:
         self.reader.stop()
         self.keeper.reclaiming = False
         self.cancels.stop()
+        self.controls.stop()
         self.reader.join(self.config.read_block_ms / 1000.0 + 1.0)
         flushed = self.writer.stop(self.config.flush_timeout)
         # NOTE: renewals stop before the hand-back, or one could reset the huge IDLE to 0.
@@ -371,31 +333,22 @@ class Worker:
         if left:
             # NOTE: a drain's hand-back is no failure of the request; an engine-fatal exit may
             # be caused by one of them, so those deliveries still count towards poison.
-            self._hand_back(left, forgive=exit_code == EXIT_OK)
+            n = self.keeper.hand_back_retrying(left, forgive=exit_code == EXIT_OK)
+            if n is not None:
+                logger.warning("handed back %d in-flight entr%s for peers to take now", n,
+                               "y" if n == 1 else "ies")
         self._unregister()
         self.cancels.join(self.config.read_block_ms / 1000.0 + 1.0)
+        self.controls.join(self.config.read_block_ms / 1000.0 + 1.0)
         if self.health is not None:
             self.health.stop()
         logger.warning("worker %s stopped (exit %d, %d entr%s handed back, events %s)",
                        self.config.worker_id, exit_code, len(left),
                        "y" if len(left) == 1 else "ies", "flushed" if flushed else "NOT flushed")
 
-    def _hand_back(self, entry_ids: list[str], *, forgive: bool) -> None:
-        for attempt in range(3):
-            try:
-                n = self.keeper.hand_back(entry_ids, forgive=forgive)
-                logger.warning("handed back %d in-flight entr%s for peers to take now", n,
-                               "y" if n == 1 else "ies")
-                return
-            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
-                logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
-                time.sleep(0.2 * (attempt + 1))
-        logger.error("could not hand back %d entries: peers reclaim them after the %.1f s lease",
-                     len(entry_ids), self.config.lease_timeout)
-
     def _unregister(self) -> None:
         try:
-            pipe = self._admin.pipeline(transaction=False)
+            pipe = self.admin.pipeline(transaction=False)
             pipe.delete(self.keys.worker(self.config.worker_id))
             pipe.zrem(self.keys.workers(), self.config.worker_id)
             pipe.execute()
@@ -407,17 +360,20 @@ class Worker:
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
         self._stats = self.engine.stats()
-        if self.health is None:
+        if self.health is None or self.metrics is None:
             return
         self.health.beat()
         s = self._stats
         self.metrics.set_engine_state(s.num_running, s.num_waiting, s.kv_cache_usage,
                                       s.prefix_cache_hit_rate, s.num_preemptions)
         down = self.state.down()
+        if self.utility.sleep_level:
+            self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
+            return
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")
 
-    def _heartbeat_fields(self) -> dict[str, Any]:
+    def _heartbeat_fields(self) -> dict[str, str]:
         """Called by the lease keeper every renewal."""
         now = time.monotonic()
         last_t, last_n = self._rate
@@ -430,12 +386,13 @@ class Worker:
             pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
             heartbeat_ms=int(time.time() * 1000),
             running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
-            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2))
+            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2),
+            sleeping=self.utility.sleep_level)
         return protocol.encode_heartbeat(heartbeat)
 
 
 def start_observability(metrics_port: int, model_name: str, queue_name: str
-                        ) -> tuple[Any, Any]:
+                        ) -> tuple[WorkerMetrics | None, HealthServer | None]:
     """(WorkerMetrics, HealthServer) serving /metrics /healthz /readyz, or (None, None) when
     `metrics_port` is 0. Not ready until the busy loop says so."""
     if not metrics_port:

@@ -1,0 +1,155 @@
+"""The llmq Redis Function library: how producers submit, and how it gets onto the servers.
+
+Producers submit with `FCALL llmq_submit`, never with scripts of their own, so the producer ACL
+needs neither EVAL nor SCRIPT (a producer could otherwise run any loop it likes and freeze the
+server) and every submission is an `XADD <queue> * <field> <payload>`: a `*` id and no trimming,
+whatever the producer would have written. A function library is stored by the server itself and
+survives restarts in the RDB and the AOF; workers load it when they start, and `llmq admin
+load-functions` does for an operator.
+
+    FCALL llmq_submit 2 llmq:q:{<queue>} llmq:sub:{<queue>} json '{"prompt":"Hi"}'
+        -> {1, entry_id}
+    FCALL llmq_submit 3 llmq:q:{<queue>} llmq:sub:{<queue>} llmq:id:{<queue>}:<request_id> \
+          json '{"id":"<request_id>",...}' 86400
+        -> {1, entry_id}, or {0, first_entry_id} when the id was submitted before (marker TTL s)
+
+Every submission is also recorded in `llmq:sub:{<queue>}` (entry id -> request id) until a worker
+acks it, so an entry that vanishes unread (trimmed, deleted) is still answered with
+`lost_payload` on its result stream (worker/lease_keeper.py). All keys are in the queue's slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+
+from llmq.broker.errors import BrokerError, LLMQError, StreamExhausted
+
+__all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "SUBMIT_FUNCTION",
+           "ensure_functions", "ensure_functions_async", "is_missing_function",
+           "load_functions", "submit_error"]
+
+logger = logging.getLogger(__name__)
+
+LIBRARY_NAME = "llmq"
+LIBRARY_VERSION = 1  # up with every change of the code below: loaders replace older versions
+SUBMIT_FUNCTION = "llmq_submit"
+EXHAUSTED = "LLMQEXHAUSTED"
+
+LIBRARY = f"""#!lua name={LIBRARY_NAME}
+local VERSION = {LIBRARY_VERSION}
+
+-- keys: request stream, submissions [, idempotency marker]
+-- args: field, payload [, marker ttl seconds, request id]
+local function submit(keys, args)
+  local field, payload = args[1], args[2]
+  if field ~= 'json' and field ~= 'msgpack' then
+    return redis.error_reply('ERR llmq_submit: the field must be json or msgpack')
+  end
+  if payload == nil or #keys < 2 or #keys > 3 or (keys[3] and not args[4]) then
+    return redis.error_reply('ERR llmq_submit: give 2 or 3 keys, a field and a payload')
+  end
+  if keys[3] then
+    local first = redis.call('GET', keys[3])
+    if first then return {{0, first}} end
+  end
+  local entry = redis.pcall('XADD', keys[1], '*', field, payload)
+  if type(entry) == 'table' and entry.err then
+    if string.find(entry.err, 'exhausted', 1, true) then
+      return redis.error_reply('{EXHAUSTED} ' .. keys[1] .. ' reached the last possible id')
+    end
+    return entry
+  end
+  if keys[3] then
+    redis.call('SET', keys[3], entry, 'EX', tonumber(args[3]) or 86400)
+  end
+  redis.call('HSET', keys[2], entry, args[4] or entry)
+  return {{1, entry}}
+end
+
+redis.register_function('{SUBMIT_FUNCTION}', submit)
+redis.register_function{{function_name='llmq_version', callback=function() return VERSION end,
+                         flags={{'no-writes'}}}}
+"""
+
+
+def is_missing_function(exc: BaseException) -> bool:
+    return "function not found" in str(exc).lower() or "no such function" in str(exc).lower()
+
+
+def submit_error(exc: BaseException, queue_key: str, fix: str) -> LLMQError | None:
+    """What an FCALL error means to a producer; None for errors the caller handles itself."""
+    text = str(exc)
+    if EXHAUSTED in text:
+        return StreamExhausted(fix)
+    if is_missing_function(exc):
+        return BrokerError(
+            f"the llmq function library is not loaded on the server of {queue_key}: start a "
+            "worker (it loads it), or run `llmq admin load-functions`")
+    return None
+
+
+def _targets(client: Any) -> list[dict[str, Any]]:
+    """One call target per server that must hold the library (each primary of a cluster)."""
+    from llmq.broker.redis_url import is_cluster
+
+    if is_cluster(client):
+        return [{"target_nodes": node} for node in client.get_primaries()]
+    return [{}]
+
+
+def _version_reply(reply: Any) -> int:
+    if isinstance(reply, dict):  # a cluster client answers per node when given a node
+        (reply,) = reply.values()
+    return int(reply)
+
+
+def _loaded_version(client: Any, target: dict[str, Any]) -> int:
+    try:
+        return _version_reply(client.execute_command("FCALL_RO", "llmq_version", 0, **target))
+    except redis.ResponseError as exc:
+        if is_missing_function(exc):
+            return 0
+        raise
+
+
+def load_functions(client: Any) -> int:
+    """FUNCTION LOAD REPLACE the library on every server; how many servers got it."""
+    targets = _targets(client)
+    for target in targets:
+        client.execute_command("FUNCTION", "LOAD", "REPLACE", LIBRARY, **target)
+    return len(targets)
+
+
+def ensure_functions(client: Any) -> int:
+    """Load the library where it is missing or older; how many servers were (re)loaded.
+
+    Harmless when a peer does the same at the same time: loading is idempotent."""
+    changed = 0
+    for target in _targets(client):
+        if _loaded_version(client, target) < LIBRARY_VERSION:
+            client.execute_command("FUNCTION", "LOAD", "REPLACE", LIBRARY, **target)
+            changed += 1
+    if changed:
+        logger.info("loaded the llmq function library (version %d) on %d server(s)",
+                    LIBRARY_VERSION, changed)
+    return changed
+
+
+async def ensure_functions_async(client: Any) -> int:
+    """`ensure_functions` for an asyncio client."""
+    changed = 0
+    for target in _targets(client):
+        try:
+            version = _version_reply(await client.execute_command(
+                "FCALL_RO", "llmq_version", 0, **target))
+        except redis.ResponseError as exc:
+            if not is_missing_function(exc):
+                raise
+            version = 0
+        if version < LIBRARY_VERSION:
+            await client.execute_command("FUNCTION", "LOAD", "REPLACE", LIBRARY, **target)
+            changed += 1
+    return changed

@@ -1,0 +1,72 @@
+"""`llmq serve`: the OpenAI-compatible gateway (llmq.gateway) under uvicorn.
+
+    llmq serve --api-key alice=sk-alice --api-key bob=sk-bob      # 127.0.0.1:8000
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=sk-alice python my_app.py
+
+Flags map onto `GatewaySettings`, each with its `LLMQ_*` variable. The gateway is stateless:
+run as many as you like behind a load balancer, all pointed at the same Redis.
+"""
+
+from __future__ import annotations
+
+import click
+
+from llmq.cli.options import connection_options
+
+
+@click.command()
+@connection_options
+@click.option("--host", envvar="LLMQ_SERVE_HOST", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", envvar="LLMQ_SERVE_PORT", type=click.IntRange(0, 65535), default=8000,
+              show_default=True)
+@click.option("--api-key", "api_keys", envvar="LLMQ_API_KEYS", multiple=True, metavar="TENANT=KEY",
+              help="An API key and the tenant it acts for (repeatable; LLMQ_API_KEYS holds "
+                   "several, separated by commas or spaces). A bare KEY is tenant `default`.")
+@click.option("--api-keys-file", envvar="LLMQ_API_KEYS_FILE", multiple=True,
+              type=click.Path(exists=True, dir_okay=False),
+              help="A file of `TENANT=KEY` lines (# comments).")
+@click.option("--no-auth", is_flag=True, envvar="LLMQ_NO_AUTH",
+              help="Serve without keys, everyone as tenant `default` (trusted networks only).")
+@click.option("--max-queue", envvar="LLMQ_MAX_QUEUE", type=click.IntRange(min=1),
+              default=10_000, show_default=True,
+              help="Unread requests in a queue above which new ones get 429.")
+@click.option("--request-timeout", envvar="LLMQ_REQUEST_TIMEOUT",
+              type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds a request may take before the gateway answers 504.")
+@click.option("--max-file-bytes", envvar="LLMQ_MAX_FILE_BYTES", type=click.IntRange(min=1),
+              default=64 << 20, show_default=True, help="Largest file /v1/files accepts.")
+@click.option("--file-ttl", envvar="LLMQ_FILE_TTL", type=click.IntRange(min=60),
+              default=7 * 24 * 3600, show_default=True,
+              help="Seconds files, batches and batch results are kept.")
+@click.option("--log-requests", is_flag=True, envvar="LLMQ_LOG_REQUESTS",
+              help="One access-log line per request.")
+def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
+          api_keys: tuple[str, ...], api_keys_file: tuple[str, ...], no_auth: bool,
+          max_queue: int, request_timeout: float, max_file_bytes: int, file_ttl: int,
+          log_requests: bool) -> None:
+    """Serve the OpenAI API (chat, completions, files, batches) in front of the pool."""
+    import uvicorn
+
+    from llmq.broker.settings import BrokerSettings
+    from llmq.gateway.api_keys import ApiKeys
+    from llmq.gateway.app import create_app
+    from llmq.gateway.settings import GatewaySettings
+
+    try:
+        keys = ApiKeys.parse(api_keys, files=api_keys_file, anonymous=no_auth)
+        settings = GatewaySettings(
+            keys, BrokerSettings.from_env(redis_url=redis_url, prefix=prefix, queue=queue),
+            max_queue=max_queue, request_timeout=request_timeout,
+            max_file_bytes=max_file_bytes, file_ttl=file_ttl)
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+    server: uvicorn.Server | None = None
+    app = create_app(settings, redis_url=redis_url,
+                     shutting_down=lambda: server is not None and server.should_exit)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=log_requests, loop="auto",
+        http="auto", timeout_graceful_shutdown=30, proxy_headers=True, server_header=False))
+    tenants = ", ".join(sorted(keys.tenants))
+    click.echo(f"llmq serve: http://{host}:{port}/v1 (tenants: {tenants})", err=True)
+    server.run()

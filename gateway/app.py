@@ -1,0 +1,187 @@
+"""create_app(): the Starlette application `llmq serve` runs under uvicorn.
+
+    GET  /health                  the gateway answers and Redis is reachable (no key needed)
+    GET  /metrics                 Prometheus (with a key, like every route but /health)
+    GET  /v1/models               the models live workers serve (from their heartbeats)
+    the completion routes         gateway/completions.py
+    the Files and Batch APIs      gateway/files.py, gateway/batches.py
+
+Every response carries `X-Request-Id`; every error has OpenAI's shape (`{"error": {...}}`) and
+status. The middleware is plain ASGI (no per-request task), so a streamed token costs one send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import redis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmq.broker.aio import AsyncClient
+from llmq.broker.connection import connect
+from llmq.broker.errors import LLMQError
+from llmq.gateway import batches, completions, files
+from llmq.gateway.errors import APIError
+from llmq.gateway.pool_view import PoolView
+from llmq.gateway.settings import GatewaySettings
+from llmq.gateway.state import GatewayState, json_response
+
+__all__ = ["CLIENT_NAME", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+CLIENT_NAME = "llmq-gateway"  # what the gateway's connections are called in CLIENT LIST
+
+
+async def health(request: Request) -> Response:
+    state = GatewayState.of(request)
+    try:
+        await state.client.ping()
+    except LLMQError as exc:
+        return json_response({"status": "unavailable", "error": str(exc)}, 503)
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state = GatewayState.of(request)
+    state.tenant(request)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def models(request: Request) -> Response:
+    state = GatewayState.of(request)
+    state.tenant(request)
+    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "llmq",
+             "queues": list(m.queues)} for m in await state.pool.models()]
+    return json_response({"object": "list", "data": data})
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/chat/completions", completions.create_chat, methods=["POST"]),
+    Route("/v1/completions", completions.create_completion, methods=["POST"]),
+    Route("/v1/chat/completions/{request_id}/stream", completions.resume_chat, methods=["GET"]),
+    Route("/v1/completions/{request_id}/stream", completions.resume_completion,
+          methods=["GET"]),
+    Route("/v1/chat/completions/{request_id}/cancel", completions.cancel_chat,
+          methods=["POST"]),
+    Route("/v1/completions/{request_id}/cancel", completions.cancel_completion,
+          methods=["POST"]),
+    Route("/v1/files", files.upload_file, methods=["POST"]),
+    Route("/v1/files", files.list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.get_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+    Route("/v1/batches", batches.create_batch, methods=["POST"]),
+    Route("/v1/batches", batches.list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
+]
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return json_response(exc.body(), exc.status, exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return json_response({"error": {"message": str(exc.detail), "type": kind, "param": None,
+                                    "code": code}}, exc.status_code, exc.headers)
+
+
+async def _broker_error(request: Request, exc: Exception) -> Response:
+    logger.warning("%s %s: %s", request.method, request.url.path, exc)
+    return json_response({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                    "code": "broker_unavailable"}}, 503)
+
+
+class RequestIdAndMetrics:
+    """X-Request-Id on every response, and one metrics observation per request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+        request_id = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, request_id
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    request_id = (scope.get("state", {}).get("request_id")
+                                  or _header(scope, b"x-request-id") or uuid.uuid4().hex)
+                    headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            state: GatewayState | None = getattr(scope.get("app").state, "gateway", None) \
+                if scope.get("app") is not None else None
+            if state is not None:
+                state.metrics.observe(scope["method"], getattr(route, "path", "unmatched"),
+                                      status, time.perf_counter() - started)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            text = value.decode("latin-1")
+            return text if len(text) <= 128 else None
+    return None
+
+
+def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
+               shutting_down: Callable[[], bool] | None = None) -> Starlette:
+    """The gateway app; its Redis clients open in the lifespan (one set per process).
+
+    `shutting_down`: says when the server has begun to stop (uvicorn's `should_exit`).
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        client = AsyncClient(redis_url, settings=settings.broker,
+                             max_connections=settings.max_connections, client_name=CLIENT_NAME)
+        sync_redis: redis.Redis = connect(client.url, max_connections=8, client_name=CLIENT_NAME)
+        pool = PoolView(client, settings.broker.queue, settings.max_queue)
+        app.state.gateway = GatewayState(settings, client, pool, sync_redis,
+                                         shutting_down=shutting_down or (lambda: False))
+        refresher = asyncio.get_running_loop().create_task(pool.refresh_forever())
+        try:
+            yield {}
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+            await client.close()
+            sync_redis.close()
+
+    app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, LLMQError: _broker_error})
+    app.add_middleware(RequestIdAndMetrics)
+    return app

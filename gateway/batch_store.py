@@ -1,0 +1,157 @@
+"""BatchStore: OpenAI-format batches as rq jobs, for `llmq batch` and the gateway's Batch API.
+
+A batch is one rq job (`batch_job.run_batch`) on the rq queue `llmq-batch`, served by
+`llmq batch-worker`; its progress lives in the job's meta under OpenAI's names. This module
+enqueues, finds, summarises and cancels them, with synchronous redis-py (rq's own); the gateway
+calls it from a thread. rq is imported only when a batch is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+
+from llmq.broker.connection import connect, is_cluster
+from llmq.broker.errors import BrokerUnavailable, LLMQError
+from llmq.broker.keys import Keys
+from llmq.broker.redis_url import RedisURL
+
+__all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "RQ_URL_VAR", "BatchStore", "batch_status",
+           "batch_summary", "rq_connection"]
+
+RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
+
+BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
+FINAL_STATUSES = ("completed", "cancelled", "failed")
+_DAY = 24 * 3600
+
+
+def batch_status(job: Any) -> str:
+    """OpenAI's batch status, from the job's meta and rq's own status."""
+    rq_status = job.get_status(refresh=False)
+    rq_status = getattr(rq_status, "value", rq_status)
+    status = job.meta.get("status", "queued")
+    if rq_status in ("failed", "stopped") and status not in FINAL_STATUSES:
+        return "failed"
+    if rq_status == "canceled":
+        return "cancelled"
+    return status
+
+
+def batch_summary(job: Any) -> dict[str, Any]:
+    meta = job.meta
+    rq_status = job.get_status(refresh=False)
+    summary = {
+        "id": job.id, "object": "batch", "status": batch_status(job),
+        "rq_status": getattr(rq_status, "value", rq_status),
+        "input_file": meta.get("input_file"), "queue": meta.get("queue"),
+        "request_counts": {"total": meta.get("total", 0), "completed": meta.get("completed", 0),
+                           "failed": meta.get("failed", 0)},
+        "created_at": meta.get("created_at"), "in_progress_at": meta.get("in_progress_at"),
+        "completed_at": meta.get("completed_at"), "cancelled_at": meta.get("cancelled_at"),
+    }
+    if summary["status"] == "failed" and job.exc_info:
+        summary["error"] = job.exc_info.strip().splitlines()[-1]
+    return summary
+
+
+def rq_connection(llmq_redis: Any) -> redis.Redis:
+    """The Redis rq keeps its queue and jobs in: `LLMQ_RQ_REDIS_URL` when set, else llmq's own.
+
+    rq runs multi-key transactions over keys without hash tags, so it cannot use a Redis
+    Cluster: there it needs a server (or Sentinel group) of its own. Only rq's keys go there;
+    the batch's input, output and the requests themselves stay with llmq."""
+    url = os.environ.get(RQ_URL_VAR, "").strip()
+    if url:
+        if RedisURL.parse(url).kind == "cluster":
+            raise BrokerUnavailable(f"{RQ_URL_VAR} names a Redis Cluster, which rq cannot use: "
+                                    "give it one server or a Sentinel group")
+        return connect(url)
+    if is_cluster(llmq_redis):
+        raise BrokerUnavailable(
+            f"batches run on rq, which cannot use a Redis Cluster: set {RQ_URL_VAR} to a plain "
+            "Redis (or Sentinel) for rq's jobs; the jobs still submit through the cluster")
+    return llmq_redis
+
+
+class BatchStore:
+    """`connection`: rq's Redis (`rq_connection`); `data`: llmq's, for the batch's own keys
+    (the same one unless llmq runs on a cluster)."""
+
+    def __init__(self, connection: redis.Redis, keys: Keys, data: Any = None) -> None:
+        from rq import Queue
+        from rq.serializers import JSONSerializer
+
+        self.rq = connection
+        self.redis = data if data is not None else connection
+        self.keys = keys
+        self.serializer = JSONSerializer
+        self.queue = Queue(BATCH_QUEUE, connection=connection, serializer=JSONSerializer)
+
+    def enqueue(self, batch_id: str, *, queue: str, max_in_flight: int, ttl: int, timeout: int,
+                description: str, meta: dict[str, Any], tenant: str | None = None,
+                input_key: str | None = None) -> Any:
+        """Queue the job of a batch whose input is stored (at `input_key`, else its own key)."""
+        from llmq.gateway.batch_job import run_batch
+
+        kwargs: dict[str, Any] = {"batch_id": batch_id, "prefix": self.keys.prefix,
+                                  "queue": queue, "max_in_flight": max_in_flight, "ttl": ttl}
+        if tenant is not None:
+            kwargs.update(tenant=tenant, input_key=input_key)
+        return self.queue.enqueue_call(
+            run_batch, job_id=batch_id, timeout=timeout, result_ttl=ttl, failure_ttl=ttl,
+            description=description, kwargs=kwargs,
+            meta={"status": "queued", "total": 0, "completed": 0, "failed": 0, "queue": queue,
+                  "created_at": int(time.time()), **meta})
+
+    def fetch(self, batch_id: str) -> Any:
+        """The batch's rq job; LLMQError when rq no longer knows it."""
+        from rq.exceptions import NoSuchJobError
+        from rq.job import Job
+
+        try:
+            return Job.fetch(batch_id, connection=self.rq, serializer=self.serializer)
+        except (NoSuchJobError, ValueError):
+            raise LLMQError(f"unknown batch {batch_id}: no such rq job (batches expire after "
+                            "their ttl)") from None
+
+    def fetch_many(self, batch_ids: list[str]) -> list[Any]:
+        from rq.job import Job
+
+        return [job for job in Job.fetch_many(batch_ids, connection=self.rq,
+                                              serializer=self.serializer) if job is not None]
+
+    def all_ids(self) -> list[str]:
+        """Every batch rq still keeps: queued, running and finished ones."""
+        ids = list(self.queue.get_job_ids())
+        for registry in (self.queue.started_job_registry, self.queue.finished_job_registry,
+                         self.queue.failed_job_registry, self.queue.canceled_job_registry):
+            ids += registry.get_job_ids()
+        return list(dict.fromkeys(ids))
+
+    def cancel(self, job: Any) -> str:
+        """Stop a batch: 'cancelled' if it never started, else 'cancelling' (the job winds down:
+        no more submissions, unfinished requests cancelled); its status if already final."""
+        status = batch_status(job)
+        if status in FINAL_STATUSES:
+            return status
+        self.redis.set(self.keys.batch_cancel(job.id), b"1", ex=int(job.result_ttl or 7 * _DAY))
+        if job.get_status() in ("queued", "deferred", "scheduled"):
+            job.cancel()  # never started: rq drops it, nothing was submitted
+            job.meta.update(status="cancelled", cancelled_at=int(time.time()))
+            job.save_meta()
+            return "cancelled"
+        return "cancelling"  # the job sees the flag within a poll and says so in its meta
+
+    def has_workers(self) -> bool:
+        from rq import Worker
+
+        return bool(Worker.all(queue=self.queue))
+
+    def results(self, batch_id: str) -> tuple[list[bytes], list[bytes]]:
+        """(output lines, error lines) a finished batch wrote."""
+        return (self.redis.lrange(self.keys.batch_output(batch_id), 0, -1),
+                self.redis.lrange(self.keys.batch_errors(batch_id), 0, -1))

@@ -1,0 +1,74 @@
+"""`llmq serve` as deploy/acl.conf's `gateway` user: every route works within its rights.
+
+The server is the one test_acl.py starts (deploy/redis.conf + deploy/acl.conf, both server
+kinds); the worker runs as `worker`, the batch worker as `gateway` too.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.e2e.cli_harness import llmq, ok
+from tests.e2e.gateway_harness import KEYS, GatewayProcess
+from tests.fixtures.acl_server import PASSWORDS, acl_url
+from tests.integration.worker_harness import InProcessWorker
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_path) -> None:
+    port, _ = acl_server
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    admin.flushall()
+    gateway = GatewayProcess(acl_url(port, "gateway"), tmp_path)
+    try:
+        with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="acl-gw-worker"):
+            gateway.start()
+            client = gateway.openai()
+            # models, answers streamed and not, a resume and a cancel
+            assert [m.id for m in client.models.list().data] == ["tiny"]
+            answer = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                extra_headers={"X-Request-Id": "acl-1"})
+            assert answer.choices[0].finish_reason in ("stop", "length")
+            chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3,
+                                                    stream=True))
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            auth = {"Authorization": f"Bearer {KEYS['alice']}"}
+            resumed = httpx.get(f"{gateway.base_url}/v1/chat/completions/acl-1/stream",
+                                headers=auth)
+            assert resumed.status_code == 200 and "[DONE]" in resumed.text
+            assert httpx.post(f"{gateway.base_url}/v1/chat/completions/acl-1/cancel",
+                              headers=auth).status_code == 200
+            # files and a batch, run by a batch worker, then its output
+            data = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}})
+            file_id = client.files.create(file=("b.jsonl", io.BytesIO(data.encode())),
+                                          purpose="batch").id
+            assert [f.id for f in client.files.list()] == [file_id]
+            batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                          completion_window="24h")
+            ok(llmq("batch-worker", "--burst", url=acl_url(port, "gateway")))
+            batch = client.batches.retrieve(batch.id)
+            assert batch.status == "completed", batch
+            output = client.files.content(batch.output_file_id).text
+            assert json.loads(output.split("\n")[0])["custom_id"] == "a"
+            queued = client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                           completion_window="24h")
+            assert client.batches.cancel(queued.id).status == "cancelled"
+            assert len(client.batches.list().data) == 2
+            assert httpx.get(f"{gateway.base_url}/metrics", headers=auth).status_code == 200
+        # nothing the gateway did was refused
+        time.sleep(0.2)
+        assert "NOPERM" not in gateway.log_tail(400) and "no permissions" not in \
+            gateway.log_tail(400)
+    finally:
+        gateway.stop()
+        admin.flushall()
+        admin.close()

@@ -1,0 +1,184 @@
+"""The OpenAI Batch API through the official SDK, on real `llmq serve`, `llmq batch-worker` and
+tiny-model `llmq worker` processes; and tenants kept apart (requests, files, batches)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from llmq.broker.keys import Keys
+from tests.e2e.cli_harness import llmq_process, serve, subprocess_env
+from tests.e2e.gateway_harness import KEYS, GatewayProcess
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def line(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+LINES = [
+    line("a", "/v1/chat/completions", {"model": "tiny-llama.gguf", "max_tokens": 4,
+                                       "messages": [{"role": "user", "content": "Hi"}]}),
+    line("b", "/v1/chat/completions", {"model": "tiny-llama.gguf", "max_tokens": 3,
+                                       "ignore_eos": True,
+                                       "messages": [{"role": "user", "content": "Yo"}]}),
+    line("bad", "/v1/chat/completions", {"model": "tiny-llama.gguf", "temperature": 7,
+                                         "messages": [{"role": "user", "content": "x"}]}),
+]
+
+
+@pytest.fixture(scope="module")
+def pool(valkey_server, tiny_model_path: Path, tmp_path_factory
+         ) -> Iterator[tuple[GatewayProcess, redis.Redis]]:
+    logs = tmp_path_factory.mktemp("gateway-batches")
+    worker = serve(valkey_server.url, tiny_model_path, logs, "gw-batch-w1")
+    gateway = GatewayProcess(valkey_server.url, logs)
+    with open(logs / "batch-worker.log", "ab") as log:
+        batch_worker = llmq_process("batch-worker", env=subprocess_env(valkey_server.url),
+                                    stdout=log, stderr=subprocess.STDOUT)
+    r = redis.Redis.from_url(valkey_server.url)
+    try:
+        yield gateway.start(), r
+    finally:
+        r.close()
+        gateway.stop()
+        batch_worker.terminate()  # our own child, by PID
+        try:
+            batch_worker.wait(15)
+        except subprocess.TimeoutExpired:
+            batch_worker.kill()
+        worker.stop()
+
+
+def jsonl(text: str) -> list[dict]:
+    # NOTE: "\n" only: str.splitlines() would also cut at U+2028, which a random model may write.
+    return [json.loads(x) for x in text.split("\n") if x]
+
+
+def upload(client: openai.OpenAI, lines: list[str]) -> str:
+    data = ("\n".join(lines) + "\n").encode()
+    return client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def wait_final(client: openai.OpenAI, batch_id: str, timeout: float = 60) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "cancelled", "failed", "expired"):
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.25)
+
+
+def test_a_batch_runs_end_to_end_through_the_sdk(pool) -> None:
+    gateway, _ = pool
+    client = gateway.openai()
+    # Given an uploaded batch file
+    file_id = upload(client, LINES)
+    stored = client.files.retrieve(file_id)
+    assert stored.purpose == "batch" and stored.filename == "batch.jsonl"
+    assert client.files.content(file_id).text.count("custom_id") == 3
+    # When a batch is created on it and polled to the end
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "e2e"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "e2e"}
+    batch = wait_final(client, batch.id)
+    # Then it completed with OpenAI's counts
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed,
+            batch.request_counts.failed) == (3, 2, 1)
+    # And its output file has the answers in input order, its error file the bad line
+    outputs = jsonl(client.files.content(batch.output_file_id).text)
+    assert [o["custom_id"] for o in outputs] == ["a", "b"]
+    assert outputs[1]["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert outputs[0]["response"]["body"]["object"] == "chat.completion"
+    assert not any("alice" in o["id"] or "alice" in o["response"]["request_id"]
+                   for o in outputs)
+    errors = jsonl(client.files.content(batch.error_file_id).text)
+    assert [e["custom_id"] for e in errors] == ["bad"] and "temperature" in errors[0][
+        "error"]["message"]
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    # And it is listed
+    assert batch.id in [b.id for b in client.batches.list()]
+
+
+def test_a_batch_can_be_cancelled(pool) -> None:
+    gateway, r = pool
+    client = gateway.openai()
+    # Given a batch of many long requests, running
+    lines = [line(f"c{i}", "/v1/completions", {"model": "tiny-llama.gguf", "prompt": "x",
+                                               "max_tokens": 200, "ignore_eos": True})
+             for i in range(300)]
+    batch = client.batches.create(input_file_id=upload(client, lines),
+                                  endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 30
+    while client.batches.retrieve(batch.id).status != "in_progress":
+        assert time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.1)
+    # When it is cancelled
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    # Then it ends cancelled, every line accounted for, not all of them run
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled"
+    counts = batch.request_counts
+    assert counts.completed + counts.failed == 300 and counts.completed < 300
+
+
+def test_tenants_see_only_their_own_files_batches_and_requests(pool) -> None:
+    gateway, r = pool
+    alice, bob = gateway.openai("alice"), gateway.openai("bob")
+    file_id = upload(alice, LINES[:1])
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+    # Bob cannot read, download, use or delete Alice's file...
+    for call in (lambda: bob.files.retrieve(file_id), lambda: bob.files.content(file_id),
+                 lambda: bob.files.delete(file_id),
+                 lambda: bob.batches.create(input_file_id=file_id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert file_id not in [f.id for f in bob.files.list()]
+    # ...nor see or cancel her batch
+    for call in (lambda: bob.batches.retrieve(batch.id), lambda: bob.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in [b.id for b in bob.batches.list()]
+    # And the same X-Request-Id is two requests, one per tenant, neither reading the other's
+    for tenant in ("alice", "bob"):
+        gateway.openai(tenant).completions.create(
+            model="tiny-llama.gguf", prompt=f"I am {tenant}", max_tokens=2,
+            extra_headers={"X-Request-Id": "shared-id"})
+    keys = Keys()
+    assert r.exists(keys.result("alice:shared-id")) and r.exists(keys.result("bob:shared-id"))
+    assert b"I am bob" not in b"".join(
+        v for _, f in r.xrange(keys.result("alice:shared-id")) for v in f.values())
+    assert wait_final(alice, batch.id).status == "completed"
+
+
+def test_a_file_that_is_too_big_or_not_for_batch_is_refused(pool, tmp_path: Path) -> None:
+    gateway, _ = pool
+    client = gateway.openai()
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    small = GatewayProcess(gateway.argv[gateway.argv.index("--redis-url") + 1], tmp_path,
+                           extra=["--max-file-bytes", "10"]).start()
+    try:
+        response = httpx.post(f"{small.base_url}/v1/files", files={"file": ("x", b"x" * 50)},
+                              data={"purpose": "batch"},
+                              headers={"Authorization": f"Bearer {KEYS['alice']}"})
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "file_too_large"
+    finally:
+        small.stop()

@@ -1,0 +1,270 @@
+"""The gateway's OpenAI translation without IO: bodies in, chunks and objects out, API keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmq.broker.commands import Followed
+from llmq.broker.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
+from llmq.broker.transcript import Fold
+from llmq.gateway.api_keys import ApiKeys
+from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
+from llmq.gateway.openai_response import CompletionStream, completion_object, sse
+
+# -- bodies ---------------------------------------------------------------------------------------
+
+
+def test_a_chat_body_becomes_an_llmq_request_with_user_and_metadata() -> None:
+    parsed = parse_body(CHAT, {
+        "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5,
+        "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "seed": 7, "stop": ["\n"],
+        "presence_penalty": 0.1, "frequency_penalty": 0.2, "repetition_penalty": 1.1,
+        "logprobs": True, "top_logprobs": 3, "n": 1, "user": "u1", "metadata": {"k": "v"},
+        "stream": True, "stream_options": {"include_usage": True},
+        "response_format": {"type": "text"}, "store": False})
+    assert parsed.request == {
+        "model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 4,
+        "min_p": 0.1, "seed": 7, "stop": ["\n"], "presence_penalty": 0.1,
+        "frequency_penalty": 0.2, "repetition_penalty": 1.1, "logprobs": 3,
+        "metadata": {"user": "u1", "metadata": {"k": "v"}},
+        "messages": [{"role": "user", "content": "Hi"}]}
+    assert (parsed.stream, parsed.include_usage, parsed.logprobs) == (True, True, 3)
+
+
+def test_n_and_a_response_format_pass_through_to_the_request() -> None:
+    # Given a body asking for three completions in a JSON schema
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "city", "schema": {"type": "object"}, "strict": True}}
+    parsed = parse_body(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                               "n": 3, "response_format": fmt})
+    # Then the llmq request carries both as they are, and the response will have 3 choices
+    assert parsed.request["n"] == 3 and parsed.request["response_format"] == fmt
+    assert parsed.n == 3
+
+
+def test_completions_logprobs_are_a_count() -> None:
+    parsed = parse_body(COMPLETIONS, {"model": "m", "prompt": "Once", "logprobs": 2})
+    assert parsed.request["logprobs"] == 2 and parsed.request["prompt"] == "Once"
+
+
+@pytest.mark.parametrize("endpoint, body, param, words", [
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n", ">= 1"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9},
+     "temperature", "temperature"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function"}]}, "tools", "not supported"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs", "logprobs: true"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1},
+     "temprature", "not supported"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+    (CHAT, {"model": "m"}, "messages", "needs `messages`"),
+    (COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "prompt", "one prompt"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True}, "echo", "`echo`"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+])
+def test_a_body_llmq_cannot_run_names_the_field(endpoint, body, param, words) -> None:
+    with pytest.raises(BodyError) as info:
+        parse_body(endpoint, body)
+    assert info.value.param == param and words in str(info.value)
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+USAGE = Usage(prompt_tokens=3, completion_tokens=3, cached_prompt_tokens=1)
+TIMINGS = Timings(queue=0.0, ttft=0.1, e2e=0.3, per_token=0.1)
+
+
+def events(attempt: int = 1, texts: tuple[str, ...] = ("Hel", "lo", "!"), first: int = 10
+           ) -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = [(f"{first}-0", Start(request_id="t:r", attempt=attempt,
+                                                          worker="w", prompt_tokens=3,
+                                                          model="tiny"))]
+    for seq, text in enumerate(texts):
+        lp = [TokenLogprob(token_id=seq, logprob=-0.5, top_token_ids=[seq, 9],
+                           top_logprobs=[-0.5, -1.5])]
+        out.append((f"{first + 1 + seq}-0", Delta(request_id="t:r", attempt=attempt, seq=seq,
+                                                  text=text, token_ids=[seq], logprobs=lp)))
+    out.append((f"{first + 1 + len(texts)}-0", Done(
+        request_id="t:r", attempt=attempt, finish_reason="stop", text="".join(texts),
+        usage=USAGE, timings=TIMINGS)))
+    return out
+
+
+def feed(stream: CompletionStream, evs, *, after: str | None = None,
+         restarted_at: int | None = None) -> list[bytes]:
+    frames = []
+    for i, (entry_id, event) in enumerate(evs):
+        fold = Fold.RESTARTED if i == restarted_at else Fold.ACCEPTED
+        replayed = after is not None and int(entry_id.split("-")[0]) <= int(after.split("-")[0])
+        frames += stream.feed(Followed(entry_id, event, fold, replayed))
+    return frames
+
+
+def parsed(frames: list[bytes]) -> list[tuple[str | None, object]]:
+    out = []
+    for frame in frames:
+        lines = frame.decode().strip().split("\n")
+        event_id = lines[0][4:] if lines[0].startswith("id: ") else None
+        data = lines[-1][6:]
+        out.append((event_id, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def text_of(chunks) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for _, c in chunks
+                   if isinstance(c, dict) and c.get("choices"))
+
+
+def test_a_chat_stream_has_the_role_chunk_deltas_finish_usage_and_done_each_with_its_id() -> None:
+    stream = CompletionStream(CHAT, "r", include_usage=True, logprobs=True)
+    chunks = parsed(feed(stream, events()))
+    ids = [event_id for event_id, _ in chunks]
+    assert ids == ["10-0", "11-0", "12-0", "13-0", "14-0", None, None]
+    assert chunks[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert text_of(chunks) == "Hello!"
+    assert chunks[1][1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1] == {
+        "token": "token_id:9", "logprob": -1.5, "bytes": list(b"token_id:9")}
+    assert chunks[4][1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[5][1]["choices"] == [] and chunks[5][1]["usage"]["total_tokens"] == 6
+    assert chunks[-1][1] == "[DONE]"
+    assert {c["id"] for _, c in chunks[:-1]} == {"chatcmpl-r"}
+
+
+def test_a_resumed_stream_sends_exactly_what_follows_the_last_event_id() -> None:
+    whole = parsed(feed(CompletionStream(CHAT, "r"), events()))
+    for cut in range(len(whole) - 1):
+        after = whole[cut][0] or whole[cut - 1][0]
+        head = whole[:cut + 1]
+        resumed = parsed(feed(CompletionStream(CHAT, "r"), events(), after=after))
+        assert text_of(head) + text_of(resumed) == "Hello!"
+        assert resumed[-1][1] == "[DONE]"
+
+
+def test_a_rerun_that_repeats_the_sent_text_continues_it_without_repeating() -> None:
+    # Given attempt 1 sent "Hel" before its worker died, and attempt 2 reruns greedily
+    stream = CompletionStream(COMPLETIONS, "r")
+    first = feed(stream, events(texts=("Hel",))[:2])
+    rerun = feed(stream, events(attempt=2, first=20), restarted_at=0)
+    texts = [c["choices"][0]["text"] for _, c in parsed(first + rerun)
+             if isinstance(c, dict) and c["choices"]]
+    # Then the client sees "Hello!" once
+    assert "".join(texts) == "Hello!"
+
+
+def test_a_rerun_that_diverges_ends_the_stream_with_an_error() -> None:
+    stream = CompletionStream(CHAT, "r")
+    feed(stream, events(texts=("Hel",))[:2])
+    frames = parsed(feed(stream, events(attempt=2, texts=("Bye",), first=20), restarted_at=0))
+    assert frames[-2][1]["error"]["code"] == "restart_diverged" and frames[-1][1] == "[DONE]"
+
+
+def test_errors_and_cancellations_end_the_stream_in_openai_error_shape() -> None:
+    stream = CompletionStream(CHAT, "r")
+    error = Error(request_id="t:r", attempt=1, code="prompt_too_long", message="too long")
+    frames = parsed(stream.feed(Followed("5-0", error, Fold.ACCEPTED, False)))
+    assert frames[0] == ("5-0", {"error": {"message": "too long",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "prompt_too_long"}})
+    cancelled = Done(request_id="t:r", attempt=1, finish_reason="cancelled", text="",
+                     usage=USAGE, timings=TIMINGS)
+    frames = parsed(CompletionStream(CHAT, "r").feed(Followed("6-0", cancelled, Fold.ACCEPTED,
+                                                              False)))
+    assert frames[0][1]["error"]["code"] == "cancelled"
+
+
+# -- API keys -------------------------------------------------------------------------------------
+
+
+def test_keys_name_tenants_from_flags_variables_and_files(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# team keys\ncarol=sk-carol\ndave sk-dave  # rotated monthly\n")
+    keys = ApiKeys.parse(["alice=sk-a1", "alice=sk-a2, bob=sk-b", "sk-plain"], files=[path])
+    assert keys.tenant("Bearer sk-a2") == "alice" and keys.tenant("bearer sk-b") == "bob"
+    assert keys.tenant("Bearer sk-carol") == "carol" and keys.tenant("Bearer sk-dave") == "dave"
+    assert keys.tenant("Bearer sk-plain") == "default"
+    assert keys.tenant("Bearer sk-nope") is None and keys.tenant(None) is None
+    assert keys.tenant("Basic sk-b") is None
+
+
+@pytest.mark.parametrize("entries", [[], ["a:b=sk"], ["a=sk", "b=sk"]])
+def test_no_keys_or_bad_tenants_are_refused_at_start(entries) -> None:
+    with pytest.raises(ValueError):
+        ApiKeys.parse(entries)
+
+
+def test_line_separators_in_text_cannot_cut_an_event() -> None:
+    # Given an answer holding U+2028, U+2029 and U+0085 (a random model writes anything)
+    frame = sse({"text": "a\u2028b\u2029c\x85d"}, "1-0")
+    # Then the event is still one line for readers that split like str.splitlines()
+    assert len(frame.decode().strip("\n").splitlines()) == 2
+    assert json.loads(frame.decode().split("data: ", 1)[1])["text"] == "a\u2028b\u2029c\x85d"
+
+
+# -- several completions (n > 1) ------------------------------------------------------------------
+
+
+def choice_events(texts: dict[int, tuple[str, ...]], first: int = 10) -> list[tuple[str, object]]:
+    """A request with n = len(texts): its choices' deltas interleaved, then one `done`."""
+    out: list[tuple[str, object]] = [(f"{first}-0", Start(request_id="t:r", attempt=1,
+                                                          worker="w", prompt_tokens=3))]
+    entry = first + 1
+    for seq in range(max(len(t) for t in texts.values())):
+        for index, parts in texts.items():
+            if seq < len(parts):
+                out.append((f"{entry}-0", Delta(request_id="t:r", attempt=1, seq=entry - first - 1,
+                                                text=parts[seq], token_ids=[seq], index=index)))
+                entry += 1
+    choices = [Choice(index, "".join(parts), "stop", len(parts)) for index, parts in texts.items()]
+    out.append((f"{entry}-0", Done(request_id="t:r", attempt=1, finish_reason="stop",
+                                   text=choices[0].text, usage=USAGE, timings=TIMINGS,
+                                   choices=choices)))
+    return out
+
+
+def texts_by_index(chunks) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for _, chunk in chunks:
+        for choice in chunk["choices"] if isinstance(chunk, dict) else []:
+            texts[choice["index"]] = (texts.get(choice["index"], "")
+                                      + (choice["delta"].get("content") or ""))
+    return texts
+
+
+def test_a_stream_of_several_completions_sends_each_choice_by_its_index() -> None:
+    # Given a chat stream asked for n=2 whose completions interleave
+    stream = CompletionStream(CHAT, "r", n=2)
+    chunks = parsed(feed(stream, choice_events({0: ("Hel", "lo"), 1: ("Bon", "jo", "ur")})))
+    # Then the role chunk opens both choices, each text arrives under its index
+    assert [c["index"] for c in chunks[0][1]["choices"]] == [0, 1]
+    assert texts_by_index(chunks) == {0: "Hello", 1: "Bonjour"}
+    # And one last chunk finishes both, before [DONE]
+    assert [(c["index"], c["finish_reason"]) for c in chunks[-2][1]["choices"]] == [
+        (0, "stop"), (1, "stop")]
+    assert chunks[-1][1] == "[DONE]"
+
+
+def test_a_resumed_stream_of_several_completions_misses_nothing_and_repeats_nothing() -> None:
+    evs = choice_events({0: ("a", "b", "c"), 1: ("x", "y")})
+    whole = parsed(feed(CompletionStream(CHAT, "r", n=2), evs))
+    for cut in range(len(whole) - 1):
+        after = whole[cut][0] or whole[cut - 1][0]
+        resumed = parsed(feed(CompletionStream(CHAT, "r", n=2), evs, after=after))
+        head = texts_by_index(whole[:cut + 1])
+        tail = texts_by_index(resumed)
+        assert {i: head.get(i, "") + tail.get(i, "") for i in (0, 1)} == {0: "abc", 1: "xy"}
+        assert resumed[-1][1] == "[DONE]"
+
+
+def test_a_whole_answer_lists_every_choice_with_its_own_logprobs() -> None:
+    done = choice_events({0: ("A",), 1: ("B",)})[-1][1]
+    body = completion_object(CHAT, "chatcmpl-r", "m", 0, done, {1: {"content": []}})
+    assert [(c["index"], c["message"]["content"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "A", None), (1, "B", {"content": []})]
+

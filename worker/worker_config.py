@@ -1,0 +1,67 @@
+"""WorkerConfig: every knob of the worker process around the engine, checked at construction.
+
+`llmq worker` flags map 1:1 onto the fields, each with its `LLMQ_*` variable; the engine's own
+knobs are `EngineConfig`'s (worker/engine/config.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, validate_name
+from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
+
+__all__ = ["WorkerConfig", "default_worker_id"]
+
+
+def default_worker_id() -> str:
+    """host-pid-random: unique per process, readable in `XINFO CONSUMERS` and logs."""
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:64]
+    return f"{host or 'worker'}-{os.getpid()}-{os.urandom(2).hex()}"
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str | None = None  # None: LLMQ_REDIS_URL, else the embedded server of `llmq up`
+    prefix: str = DEFAULT_PREFIX
+    queue: str = DEFAULT_QUEUE
+    worker_id: str = field(default_factory=default_worker_id)  # the consumer name
+    lease_timeout: float = 30.0  # s without renewal before peers reclaim an entry
+    renew_interval: float | None = None  # s between lease renewals; None: lease_timeout / 3
+    claim_interval: float | None = None  # s between reclaim scans; None: renew_interval
+    drain_timeout: float = 20.0  # s to finish in-flight work after SIGTERM
+    max_deliveries: int = 3  # deliveries before an entry is dead-lettered as poison
+    result_ttl: int = DEFAULT_RESULT_TTL  # s a result stream lives after its last event
+    result_maxlen: int = DEFAULT_RESULT_MAXLEN  # approximate cap of each result stream
+    metrics_port: int = 0  # /metrics /healthz /readyz; 0: off
+    read_block_ms: int = 500  # XREADGROUP / XREAD BLOCK slice
+    flush_timeout: float = 5.0  # s to keep trying to write the last events when stopping
+
+    def __post_init__(self) -> None:
+        Keys(self.prefix)
+        validate_name("queue", self.queue)
+        validate_name("worker_id", self.worker_id)
+        if self.lease_timeout <= 0:
+            raise ValueError(f"lease_timeout must be > 0 s, got {self.lease_timeout}")
+        if self.renew_interval is None:
+            self.renew_interval = self.lease_timeout / 3
+        if not 0 < self.renew_interval < self.lease_timeout:
+            raise ValueError(f"renew_interval must be in (0, lease_timeout="
+                             f"{self.lease_timeout}), got {self.renew_interval}")
+        if self.claim_interval is None:
+            self.claim_interval = self.renew_interval
+        if self.claim_interval <= 0:
+            raise ValueError(f"claim_interval must be > 0 s, got {self.claim_interval}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 s, got {self.drain_timeout}")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        if self.result_ttl < 1 or self.result_maxlen < 1:
+            raise ValueError("result_ttl and result_maxlen must be >= 1")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.read_block_ms < 1:
+            raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
+
