@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="concurrency")
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--weights", choices=["native", "bf16", "fp32"], default=None,
+                    help="default: native (fp32 with --dtype float32)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="")
     ap.add_argument("--baseline-batch", type=int, default=16)
@@ -112,12 +114,14 @@ def main() -> None:
     args = ap.parse_args()
 
     model_path = args.model or str(ensure_default_model())
-    config = EngineConfig(model=model_path, dtype=args.dtype, threads=args.threads,
+    config = EngineConfig(model=model_path, dtype=args.dtype, weights=args.weights,
+                          threads=args.threads,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     t0 = time.perf_counter()
     engine = EngineCore(config)
-    print(f"model {os.path.basename(model_path)}  dtype {args.dtype}  threads {args.threads}  "
+    print(f"model {os.path.basename(model_path)}  dtype {args.dtype}  weights "
+          f"{engine.runner.model.weights}  threads {args.threads}  "
           f"load {time.perf_counter() - t0:.1f}s")
     prompts = make_prompts(engine.arch.vocab_size, args.num_requests, args.prompt_len)
     run_engine(engine, prompts[:2], 4)  # warm-up: first-call allocations, lazy inits

@@ -1,11 +1,13 @@
 """Model benchmark: load time, memory, prefill and decode tokens/s through the paged path.
 
-    .venv/bin/python bench/model.py [--threads 1] [--dtypes float32,bfloat16]
+    .venv/bin/python bench/model.py [--threads 1] [--configs bfloat16:native,float32:fp32]
                                     [--prompt-len 128] [--decode-steps 128] [--batch-sizes 1]
 
-Each dtype runs in its own process so load time and RSS are not skewed by the other. A batch
-size B decodes B copies of the prompt (different tokens) together, as the engine would.
-Figures are printed, never asserted.
+A config is `dtype:weights` (KV cache dtype, `--weights`). Each runs in its own process so load
+time and RSS are not skewed by the other; "RSS" is the process after loading (weights, no KV
+cache), "weights" what the projections and the embedding hold. A batch size B decodes B copies
+of the prompt (different tokens) together, as the engine would. Figures are printed, never
+asserted.
 """
 
 from __future__ import annotations
@@ -65,13 +67,18 @@ def run_one(args: argparse.Namespace) -> dict:
     path = args.model or ensure_default_model()
     rss_before = rss_mib()
     start = time.perf_counter()
-    loaded = load_model(path, args.dtype)
+    loaded = load_model(path, args.dtype, args.weights)
     load_s = time.perf_counter() - start
     rss_loaded = rss_mib()
     model = loaded.model
     block_size = 16
-    result = {"dtype": args.dtype, "load_s": load_s, "rss_mib": rss_loaded,
-              "rss_model_mib": rss_loaded - rss_before, "runs": []}
+    from llmq.worker.engine.model.linear import Linear
+
+    held = sum(m.nbytes for m in model.modules() if isinstance(m, Linear))
+    held += model.embed_tokens.nbytes + (model.embed_quant.nbytes if model.embed_quant else 0)
+    result = {"dtype": args.dtype, "weights": model.weights, "load_s": load_s,
+              "rss_mib": rss_loaded, "rss_model_mib": rss_loaded - rss_before,
+              "weights_mib": held / 2**20, "runs": []}
 
     for batch in args.batch_sizes:
         g = torch.Generator().manual_seed(0)
@@ -104,12 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="", help=".gguf file or HF folder (default model)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--configs", default="bfloat16:native,bfloat16:bf16,float32:fp32",
+                        help="dtype:weights pairs")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1",
                         type=lambda s: [int(b) for b in s.split(",")])
-    parser.add_argument("--dtype", help=argparse.SUPPRESS)  # internal: run one dtype, print JSON
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)  # internal: run one config, print JSON
+    parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.dtype:
@@ -122,16 +131,19 @@ def main() -> None:
     print(f"model {os.path.basename(model)}  threads={args.threads}  "
           f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps, paged KV "
           f"(block 16)  torch threads via --threads", flush=True)
-    print(f"{'dtype':<9} {'load s':>7} {'RSS MiB':>8} {'batch':>6} {'prefill tok/s':>14} "
-          f"{'decode tok/s':>13} {'ms/step':>8}", flush=True)
-    for dtype in args.dtypes.split(","):
-        cmd = [sys.executable, __file__, "--dtype", dtype, "--threads", str(args.threads),
+    print(f"{'config':<16} {'load s':>7} {'RSS MiB':>8} {'weights':>8} {'batch':>6} "
+          f"{'prefill tok/s':>14} {'decode tok/s':>13} {'ms/step':>8}", flush=True)
+    for config in args.configs.split(","):
+        dtype, weights = config.split(":")
+        cmd = [sys.executable, __file__, "--dtype", dtype, "--weights", weights,
+               "--threads", str(args.threads),
                "--prompt-len", str(args.prompt_len), "--decode-steps", str(args.decode_steps),
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--model", model]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         for run in r["runs"]:
-            print(f"{dtype:<9} {r['load_s']:>7.2f} {r['rss_mib']:>8.0f} {run['batch']:>6} "
+            print(f"{config:<16} {r['load_s']:>7.2f} {r['rss_mib']:>8.0f} "
+                  f"{r['weights_mib']:>8.0f} {run['batch']:>6} "
                   f"{run['prefill_tok_s']:>14.0f} {run['decode_tok_s']:>13.1f} "
                   f"{run['decode_ms_per_step']:>8.1f}", flush=True)
 

@@ -44,7 +44,12 @@ engine_options = _apply([
     click.option("--model", envvar="LLMQ_MODEL", default="", show_default=False,
                  help="A .gguf file or a Hugging Face folder. Default: SmolLM2-135M-Instruct."),
     click.option("--dtype", envvar="LLMQ_DTYPE", type=click.Choice(["float32", "bfloat16"]),
-                 default="bfloat16", show_default=True, help="Weights and KV-cache dtype."),
+                 default="bfloat16", show_default=True,
+                 help="KV-cache dtype; float32 also means float32 weights and activations."),
+    click.option("--weights", envvar="LLMQ_WEIGHTS", type=click.Choice(["native", "bf16", "fp32"]),
+                 default=None, help="How the projections are held: native (a GGUF's own "
+                 "quantization, int4 kernels for small batches, float32 GEMMs for large ones), "
+                 "bf16 or fp32. Default: native (fp32 with --dtype float32)."),
     click.option("--threads", envvar="LLMQ_THREADS", type=click.IntRange(min=1), default=1,
                  show_default=True, help="torch threads (run one worker per core instead)."),
     click.option("--max-num-seqs", envvar="LLMQ_MAX_NUM_SEQS", type=click.IntRange(min=1),
@@ -63,7 +68,7 @@ engine_options = _apply([
                  type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True),
 ])
 
-ENGINE_FIELDS = ("model", "dtype", "threads", "max_num_seqs", "max_num_batched_tokens",
+ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy")
 
 

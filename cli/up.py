@@ -14,6 +14,8 @@ silently lost a worker is worse than one that says so.
 
 from __future__ import annotations
 
+import itertools
+import os
 import signal
 import sys
 import threading
@@ -29,6 +31,20 @@ from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_option
 
 if TYPE_CHECKING:
     from llmq.worker.supervisor import Supervisor
+
+
+def plan_layout(num_workers: int, threads: int, cores: list[int]) -> list[list[int]] | None:
+    """Cores each worker is pinned to: worker i gets `threads` cores of its own, in order.
+
+    NOTE: one worker per core with one torch thread is the layout that fills a machine
+    (docs/performance.md: a second thread in one worker gained nothing on 2 vCPUs; the
+    compiled kernels run on one thread), and pinning keeps each worker's caches on its core
+    and two workers from sharing one, as vLLM binds its threads. None when there are fewer
+    cores than workers x threads: then the OS places them.
+    """
+    if num_workers * threads > len(cores):
+        return None
+    return [cores[i * threads:(i + 1) * threads] for i in range(num_workers)]
 
 
 def _engine_argv(kwargs: dict) -> list[str]:
@@ -64,7 +80,9 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
     from llmq.worker.supervisor import Supervisor
 
     connection = connection_kwargs(kwargs)
+    threads = kwargs["threads"]
     engine_argv = _engine_argv(kwargs)
+    layout = plan_layout(num_workers, threads, sorted(os.sched_getaffinity(0)))
     run_dir = default_run_dir()
     supervisor = Supervisor(run_dir)
     if pid := supervisor.foreground_pid():
@@ -102,11 +120,22 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
             supervisor.log("server", f"{how} server pid {server.pid} at {url} "
                            f"(log: {server.logfile})")
 
+        pins = iter(layout or [])
+        numbers = itertools.count(1)
+
         def worker_argv(worker_id: str) -> list[str]:
-            return [sys.executable, "-m", "llmq.cli.main", "--log-level", "INFO", "worker",
+            cpus = next(pins, None)
+            argv = [sys.executable, "-m", "llmq.cli.main", "--log-level", "INFO", "worker",
                     "--redis-url", url, "--prefix", connection["prefix"],
                     "--queue", connection["queue"], "--worker-id", worker_id,
                     "--drain-timeout", str(drain_timeout), *engine_argv]
+            if cpus:
+                argv += ["--cpus", ",".join(map(str, cpus))]
+            supervisor.log(f"worker-{next(numbers)}", f"{threads} torch thread(s), "
+                           + (f"cpus {','.join(map(str, cpus))}" if cpus else "not pinned")
+                           + ("" if layout else " (more workers x threads than cores)"),
+                           "white")
+            return argv
 
         supervisor.spawn_workers(num_workers, worker_argv, detach=detach)
         client = Client(url, prefix=connection["prefix"], queue=connection["queue"])

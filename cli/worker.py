@@ -16,6 +16,20 @@ import click
 from llmq.cli.options import connection_options, engine_config_kwargs, engine_options
 
 
+def parse_cpus(value: str | None) -> set[int] | None:
+    """'0,2-3' -> {0, 2, 3}; None or '' -> None."""
+    if not value:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in value.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise click.BadParameter(f"expected cores like 0 or 2-3,5, got {value!r}") from None
+    return cpus
+
+
 @click.command()
 @connection_options
 @click.option("--worker-id", envvar="LLMQ_WORKER_ID", default=None,
@@ -42,12 +56,18 @@ from llmq.cli.options import connection_options, engine_config_kwargs, engine_op
               default=10_000, show_default=True, help="Approximate cap of each result stream.")
 @click.option("--metrics-port", envvar="LLMQ_METRICS_PORT", type=click.IntRange(0, 65535),
               default=0, show_default=True, help="/metrics /healthz /readyz port (0: off).")
+@click.option("--cpus", envvar="LLMQ_CPUS", default=None, callback=lambda _c, _p, v: parse_cpus(v),
+              help="Cores to run on, e.g. 0 or 2-3,5 (default: any). `llmq up` pins each "
+              "worker to its own.")
 @engine_options
 def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None,
            lease_timeout: float, renew_interval: float | None, claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
-           metrics_port: int, **kwargs) -> None:
+           metrics_port: int, cpus: set[int] | None, **kwargs) -> None:
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
+    if cpus:
+        # NOTE: before torch starts its threads: they inherit the process's affinity.
+        os.sched_setaffinity(0, cpus)
     from llmq.broker.connection import resolve_redis_url
     from llmq.broker.errors import LLMQError
     from llmq.worker.engine.config import EngineConfig

@@ -151,7 +151,7 @@ def test_an_unknown_dtype_or_path_is_refused(tmp_path, tiny_model_path):
 
 
 def test_bfloat16_load_keeps_weights_and_cache_in_bfloat16(tiny_model_path, tiny_model):
-    loaded = load_model(tiny_model_path, "bfloat16")
+    loaded = load_model(tiny_model_path, "bfloat16", weights="bf16")
 
     assert loaded.model.embed_tokens.dtype == torch.bfloat16
     assert loaded.model.make_kv_caches(2, 16)[0].dtype == torch.bfloat16

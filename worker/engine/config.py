@@ -10,13 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16")
+WEIGHTS = ("native", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
 class EngineConfig:
     model: str = ""  # a .gguf file or a Hugging Face folder; "" means the default model
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the KV cache's (and the activations' on the all-bf16 path)
+    # How the projections are held: native (a GGUF's own quantization through int4 kernels for
+    # small batches, float32 GEMMs for large ones), bf16 or fp32. None: native, or fp32 when
+    # dtype is float32 (llama.py `default_weights`).
+    weights: str | None = None
     threads: int = 1  # torch intra-op threads; one worker process per core fills a machine
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     block_size: int = 16  # tokens per KV-cache block
@@ -31,6 +36,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights is not None and self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

@@ -52,7 +52,8 @@ class EngineCore:
 
         if loaded is None:
             started = time.perf_counter()
-            loaded = load_model(config.model or ensure_default_model(), config.dtype)
+            loaded = load_model(config.model or ensure_default_model(), config.dtype,
+                                config.weights)
             logger.info("loaded %s in %.1f s", config.model or "default model",
                         time.perf_counter() - started)
         self.tokenizer = loaded.tokenizer

@@ -272,6 +272,26 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -
     return threshold
 
 
+_ARGMAX_CHUNK = 128
+
+
+def _argmax_and_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the first index of the largest logit and that logit (NaN if any is NaN).
+
+    NOTE: torch's CPU argmax over a 49k vocab is not vectorised: ~7 ms for 64 rows, 10x an
+    amax. Maxima of 128-wide chunks (a vectorised amax), then argmax over the few chunk maxima
+    and inside the winning chunk give the same first index in ~1/5 of the time."""
+    num_rows, vocab_size = logits.shape
+    if vocab_size % _ARGMAX_CHUNK:
+        return logits.argmax(dim=-1), logits.amax(dim=-1)
+    chunks = logits.view(num_rows, -1, _ARGMAX_CHUNK)  # [num_rows, num_chunks, 128]
+    chunk_max = chunks.amax(dim=-1)  # [num_rows, num_chunks]
+    best_chunk = chunk_max.argmax(dim=-1)  # [num_rows]: the first chunk holding the max
+    rows = torch.arange(num_rows)
+    within = chunks[rows, best_chunk].argmax(dim=-1)  # [num_rows]
+    return best_chunk * _ARGMAX_CHUNK + within, chunk_max.amax(dim=-1)
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: list[int]  # per row; -1 for a bad row
@@ -302,18 +322,20 @@ class Sampler:
         # NaN anywhere makes amax NaN, +inf makes it +inf, and only an all -inf row gives -inf:
         # one reduction classifies every row. Every op below works row by row, so a bad row's
         # values never reach another row; its result is replaced by -1 at the end.
-        row_max = logits.amax(dim=-1)  # [num_rows]
+        argmax, row_max = _argmax_and_max(logits)  # [num_rows] each
         bad_code = (row_max.isnan().long()  # [num_rows] int64: a key of BAD_ROW_REASONS or 0
                     + (row_max == math.inf).long() * 2 + (row_max == -math.inf).long() * 3)
 
-        logits = self.apply_penalties(logits, metadata)  # [num_rows, vocab]
+        if metadata.has_penalties:
+            logits = self.apply_penalties(logits, metadata)  # [num_rows, vocab]
+            argmax, _ = _argmax_and_max(logits)
 
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)  # [num_rows]
+            sampled = argmax  # [num_rows]
         else:
             sampled = self.sample_random(logits, metadata)  # [num_rows]
             if metadata.greedy is not None:
-                sampled = torch.where(metadata.greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(metadata.greedy, argmax, sampled)
         sampled = torch.where(bad_code > 0, -1, sampled)  # [num_rows]
 
         parts = [sampled.double(), bad_code.double()]

@@ -4,10 +4,13 @@ References: vLLM v1 (`AttentionMetadata`, slot mapping, block tables, decodes or
 prefills), nano-vllm (`attention.py`, `store_kvcache`), gpt-fast (a preallocated cache and
 plain `scaled_dot_product_attention`).
 
-Cache layout, one tensor per layer: `[2, num_kv_heads, num_blocks, block_size, head_dim]`.
-Heads come before blocks so that gathering a batch's blocks along dim 2 gives
-`[num_kv_heads, num_seqs, context, head_dim]` directly: the attention matmuls then run on it
-without a transpose copy, and one `index_select` fetches K and V of every head at once.
+Cache layout, one tensor per layer: `[2, num_kv_heads, num_blocks, block_size * head_dim]`
+(allocated as `[2, num_kv_heads, num_blocks, block_size, head_dim]`). A V block holds its
+tokens' rows, `[block_size, head_dim]`; a K block holds them transposed, `[head_dim,
+block_size]` (`k_blocks` / `v_blocks` give the views). The transposed K lets the decode kernel
+score 16 keys with 16-wide multiply-adds instead of one horizontal sum per key (vLLM's CPU
+cache transposes K blocks for the same reason). Heads come before blocks so that one
+`index_select` along dim 2 fetches a batch's blocks of every head at once.
 
 Every per-step tensor (positions, slot mapping, gather indices, masks) is built once by
 `AttentionMetadata.build` and reused by all layers.
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .cpu_kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -159,58 +164,103 @@ class AttentionMetadata:
         )
 
 
+def k_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The K half as [num_kv_heads, num_blocks, head_dim, block_size] (a view)."""
+    _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    return kv_cache[0].view(kv_heads, num_blocks, head_dim, block_size)
+
+
+def v_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The V half as [num_kv_heads, num_blocks, block_size, head_dim] (a view)."""
+    return kv_cache[1]
+
+
+def store_kv(kv_cache: torch.Tensor, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """new_kv [2 * num_kv_heads, num_tokens, hd] (K heads, then V heads) into their slots."""
+    _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [num_tokens]
+    # indexed dims lead the result of a[:, i, :, j]: it is [num_tokens, kv_heads, hd]
+    k_blocks(kv_cache)[:, blocks, :, offsets] = new_kv[:kv_heads].transpose(0, 1)
+    v_blocks(kv_cache).view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
+                                                                new_kv[kv_heads:])
+
+
 class PagedAttention:
     """Attention of one step over the paged cache; owns a reusable gather buffer.
 
     One instance serves every layer of a model: layers run one after another, so they share
     the buffer, which also keeps it warm in cache from layer to layer.
+
+    Decodes read K/V in place through the block tables with the compiled kernel
+    (cpu_kernels.py) when float32 queries meet it; otherwise (no compiler, or the bfloat16
+    path) each decode's blocks are gathered into the buffer and attended with bmm.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kernels: CpuKernels | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
         self._buffer = torch.empty(0)
+        self.kernels = kernels if self.group <= CpuKernels.MAX_GROUP else None
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """K and V of `block_ids`, in order: [2, num_kv_heads, len(block_ids) * block_size, hd]."""
+        """K and V of `block_ids`, in order, as rows: [2, num_kv_heads, len(block_ids) *
+        block_size, hd] (K blocks un-transposed on the way)."""
         _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         n = block_ids.numel()
         numel = 2 * kv_heads * n * block_size * head_dim
         if self._buffer.numel() < numel or self._buffer.dtype != kv_cache.dtype:
             # NOTE: grown, never shrunk: fresh multi-MB allocations page-fault on every step.
             self._buffer = torch.empty(max(numel, 2 * self._buffer.numel()), dtype=kv_cache.dtype)
-        out = self._buffer[:numel].view(2 * kv_heads, n, block_size * head_dim)
-        torch.index_select(kv_cache.view(2 * kv_heads, num_blocks, block_size * head_dim),
-                           1, block_ids, out=out)
+        out = self._buffer[:numel].view(2, kv_heads, n, block_size, head_dim)
+        torch.index_select(v_blocks(kv_cache), 1, block_ids, out=out[1])
+        keys = k_blocks(kv_cache).index_select(1, block_ids)  # [kv_heads, n, hd, block_size]
+        out[0].copy_(keys.transpose(2, 3))
         return out.view(2, kv_heads, n * block_size, head_dim)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [num_tokens, num_heads, hd], k/v [num_tokens, num_kv_heads, hd] -> [num_tokens,
-        num_heads * hd]. Writes the step's K/V into `kv_cache` first."""
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """q [num_tokens, num_heads, hd], kv [num_tokens, 2 * num_kv_heads, hd] (K heads then
+        V heads) -> [num_tokens, num_heads * hd] in q's dtype. Writes the step's K/V into
+        `kv_cache` first."""
+        new_kv = kv.transpose(0, 1).to(kv_cache.dtype)  # [2 * kv_heads, num_tokens, hd]
+        store_kv(kv_cache, new_kv, meta.slot_mapping)
+        # NOTE: prefills attend to this step's K/V rounded as the cache holds them, so a
+        # prompt gets the same result prefilled whole or in chunks.
+        kv = new_kv.transpose(0, 1).to(q.dtype) if meta.prefills else kv
+        out = q.new_empty(q.shape)  # [num_tokens, num_heads, hd]
+        return self.attend(q, kv, kv_cache, meta, out)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor | None, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
+        """Attention over a cache that already holds the step's K/V. q [num_tokens,
+        num_heads, hd]; kv [num_tokens, 2 * num_kv_heads, hd] as the cache rounds it (read
+        only by prefills without cached context); out [num_tokens, num_heads, hd] (any float
+        dtype) is filled and returned as [num_tokens, num_heads * hd]."""
         num_tokens = q.shape[0]
         kv_heads, group, head_dim = self.num_kv_heads, self.group, self.head_dim
-        slots = kv_cache.view(2 * kv_heads, -1, head_dim)  # [2 * kv_heads, num_slots, hd]
-        new_kv = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * kv_heads, num_tokens, hd]
-        slots.index_copy_(1, meta.slot_mapping, new_kv)
-
-        out = q.new_empty(num_tokens, self.num_heads, head_dim)  # [num_tokens, num_heads, hd]
         nd = meta.num_decodes
-        if nd:
-            kv = self._gather(kv_cache, meta.decode_block_ids)
-            kv = kv.view(2, kv_heads * nd, -1, head_dim)  # [2, kv_heads * nd, ctx, hd]
+        if nd and self.kernels is not None and q.dtype == torch.float32:
+            # K/V read where they lie, through the block tables: no gather.
+            self.kernels.decode_attention(q[:nd], kv_cache, meta.block_tables[:nd],
+                                          meta.seq_lens_tensor[:nd], self.scale, out[:nd])
+        elif nd:
+            # NOTE: in the queries' dtype: float32 queries over a bfloat16 cache attend in
+            # float32, as the compiled kernel does.
+            gathered = self._gather(kv_cache, meta.decode_block_ids).to(q.dtype)
+            gathered = gathered.view(2, kv_heads * nd, -1, head_dim)  # [2, kh * nd, ctx, hd]
             # [kv_heads * nd, group, hd]: each (kv head, sequence) is one small matmul batch,
             # so the query heads of a group share their K/V without repeating it.
             qd = q[:nd].view(nd, kv_heads, group, head_dim).transpose(0, 1).reshape(
                 kv_heads * nd, group, head_dim)
             scores = torch.baddbmm(meta.decode_bias(kv_heads, q.dtype), qd,
-                                   kv[0].transpose(1, 2), alpha=self.scale)  # [kh*nd, group, ctx]
+                                   gathered[0].transpose(1, 2), alpha=self.scale)
             # NOTE: the CPU softmax accumulates in float32 whatever the dtype, like HF's upcast.
-            probs = torch.softmax(scores, dim=-1)
-            od = torch.bmm(probs, kv[1])  # [kv_heads * nd, group, hd]
+            probs = torch.softmax(scores, dim=-1)  # [kv_heads * nd, group, ctx]
+            od = torch.bmm(probs, gathered[1])  # [kv_heads * nd, group, hd]
             out[:nd] = od.view(kv_heads, nd, group, head_dim).transpose(0, 1).reshape(
                 nd, self.num_heads, head_dim)
 
@@ -220,10 +270,12 @@ class PagedAttention:
             # SDPA's CPU kernel reads without materialising the repeat.
             qp = q[rows].transpose(0, 1).reshape(kv_heads, group, seq.query_len, head_dim)
             if seq.mask is None:
-                kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kv_heads, q_len, hd]
+                assert kv is not None
+                kvp = kv[rows].transpose(0, 1)  # [2 * kv_heads, q_len, hd]
             else:
-                kv = self._gather(kv_cache, seq.block_ids)[:, :, :seq.seq_len]
-                kp, vp = kv[0], kv[1]  # [kv_heads, seq_len, hd]
+                kvp = self._gather(kv_cache, seq.block_ids)[:, :, :seq.seq_len].to(q.dtype)
+                kvp = kvp.reshape(2 * kv_heads, seq.seq_len, head_dim)
+            kp, vp = kvp[:kv_heads], kvp[kv_heads:]  # [kv_heads, seq_len, hd] each
             shape = (kv_heads, group, kp.shape[1], head_dim)
             op = F.scaled_dot_product_attention(
                 qp, kp[:, None].expand(shape), vp[:, None].expand(shape),
@@ -232,22 +284,22 @@ class PagedAttention:
         return out.view(num_tokens, self.num_heads * head_dim)
 
 
-def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         cache: torch.Tensor, start_pos: int) -> torch.Tensor:
+def contiguous_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
+                         start_pos: int) -> torch.Tensor:
     """The oracle: one sequence, cache [2, num_kv_heads, max_len, hd], plain causal SDPA.
 
-    q [T, num_heads, hd], k/v [T, num_kv_heads, hd] at positions start_pos..start_pos+T-1.
+    q [T, num_heads, hd], kv [T, 2 * num_kv_heads, hd] at positions start_pos..start_pos+T-1.
     Returns [T, num_heads * hd]. Kept deliberately simple: K/V heads are repeated outright.
     """
     num_tokens, num_heads, head_dim = q.shape
+    kv_heads = cache.shape[1]
     end = start_pos + num_tokens
     if end > cache.shape[2]:
         raise ValueError(f"contiguous cache holds {cache.shape[2]} positions, need {end}")
-    cache[0, :, start_pos:end] = k.transpose(0, 1)
-    cache[1, :, start_pos:end] = v.transpose(0, 1)
-    group = num_heads // cache.shape[1]
-    keys = cache[0, :, :end].repeat_interleave(group, dim=0)  # [num_heads, end, hd]
-    values = cache[1, :, :end].repeat_interleave(group, dim=0)  # [num_heads, end, hd]
+    cache[:, :, start_pos:end] = kv.transpose(0, 1).reshape(2, kv_heads, num_tokens, head_dim)
+    group = num_heads // kv_heads
+    keys = cache[0, :, :end].to(q.dtype).repeat_interleave(group, dim=0)  # [num_heads, end, hd]
+    values = cache[1, :, :end].to(q.dtype).repeat_interleave(group, dim=0)  # [num_heads, end, hd]
     mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [T, end]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
     return out.transpose(0, 1).reshape(num_tokens, num_heads * head_dim)  # [T, num_heads * hd]

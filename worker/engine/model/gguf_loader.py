@@ -1,8 +1,16 @@
-"""GGUF weights -> named float32 tensors in Hugging Face layout, one tensor at a time.
+"""GGUF weights -> named tensors with Hugging Face names, one tensor at a time.
 
 References: gguf-py (`GGUFReader`, `gguf.quants.dequantize`), llama.cpp's
-`convert_hf_to_gguf.py` (`LlamaModel.permute`, the Q/K row permutation undone here) and
-transformers' `modeling_gguf_pytorch_utils.py` (the same reverse permutation and name map).
+`convert_hf_to_gguf.py` (`LlamaModel.permute`: Q/K rows in interleaved-RoPE order) and
+transformers' `modeling_gguf_pytorch_utils.py` (the name map).
+
+Q and K rows are yielded in interleaved-RoPE order (pairs of adjacent rows rotate together),
+llama.cpp's order: the model rotates them with one complex multiply (llama.py `Rotary`).
+Llama GGUFs store them so already; Qwen2 GGUFs (and HF folders) are permuted into it.
+
+Quantized tensors can be yielded as `QuantizedTensor` (their raw blocks) instead of float32, for
+`--weights native`: the model builds its quantized forms from the blocks and dequantizes the
+rest.
 """
 
 from __future__ import annotations
@@ -10,6 +18,8 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import gguf
 import numpy as np
@@ -56,14 +66,25 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def unpermute_qk(rows: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's `permute`: per head, rows (pair index, half) -> (half, pair index).
-
-    llama.cpp keeps Q/K in interleaved-RoPE order; the model here uses HF's half-split RoPE.
-    """
+def permute_qk(rows: Any, num_heads: int) -> Any:
+    """llama.cpp's `permute`: per head, HF half-split rows (half, pair index) -> interleaved
+    (pair index, half). Works on any trailing shape (float rows or raw quantized blocks)."""
     head_dim_half = rows.shape[0] // num_heads // 2
-    return (rows.reshape(num_heads, head_dim_half, 2, *rows.shape[1:])
+    return (rows.reshape(num_heads, 2, head_dim_half, *rows.shape[1:])
             .swapaxes(1, 2).reshape(rows.shape))
+
+
+@dataclass
+class QuantizedTensor:
+    """A block-quantized GGUF matrix as stored: rows of raw blocks."""
+
+    qtype: gguf.GGMLQuantizationType
+    data: np.ndarray  # [out_features, row_bytes] uint8
+    shape: tuple[int, int]  # [out_features, in_features]
+
+    def dequantize(self) -> torch.Tensor:
+        """[out_features, in_features] float32."""
+        return torch.from_numpy(gguf.quants.dequantize(self.data, self.qtype).reshape(self.shape))
 
 
 def check_tensor_types(reader: gguf.GGUFReader) -> None:
@@ -76,21 +97,30 @@ def check_tensor_types(reader: gguf.GGUFReader) -> None:
                 f"{', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}")
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor in F.linear layout) for every tensor of the file."""
+def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig,
+                      keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, tensor in F.linear layout) for every tensor of the file: float32, or
+    with `keep_quantized` a `QuantizedTensor` for every block-quantized matrix."""
     check_tensor_types(reader)
-    # NOTE: only llama's converter permutes Q/K; qwen2 is written in half-split order already.
-    permuted = arch.architecture == "llama"
+    # NOTE: only llama's converter permutes Q/K; qwen2 is written in half-split order.
+    half_split = arch.architecture != "llama"
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        # [out, in] float32; GGUF lists dims innermost first, so reverse them
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        data = data.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-        if permuted and ".q_proj." in name:
-            data = unpermute_qk(data, arch.num_heads)
-        elif permuted and ".k_proj." in name:
-            data = unpermute_qk(data, arch.num_kv_heads)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF: innermost first
+        quantized = tensor.tensor_type not in (Q.F32, Q.F16, Q.BF16)
+        if keep_quantized and quantized and len(shape) == 2:
+            data: np.ndarray = np.asarray(tensor.data).reshape(shape[0], -1)  # [out, row_bytes]
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            quantized = False
+        if half_split and ".q_proj." in name:
+            data = permute_qk(data, arch.num_heads)
+        elif half_split and ".k_proj." in name:
+            data = permute_qk(data, arch.num_kv_heads)
+        if quantized:
+            yield name, QuantizedTensor(tensor.tensor_type, np.ascontiguousarray(data), shape)
+            continue
         if not data.flags.writeable:
             # F32 tensors come back as read-only memmaps of the file: torch wants its own copy.
             data = np.array(data)

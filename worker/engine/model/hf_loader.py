@@ -2,6 +2,8 @@
 
 References: transformers' safetensors checkpoints (`model.safetensors` or sharded
 `model-0000x-of-0000y.safetensors` with an index), vLLM `model_loader/weight_utils.py`.
+Q and K rows (and biases) are permuted from HF's half-split order into the interleaved-RoPE
+order the model uses (see gguf_loader.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .arch import ModelArchConfig
+from .gguf_loader import permute_qk
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +32,8 @@ def read_hf_arch(path: str | Path) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config(json.loads(config_path.read_text()))
 
 
-def iter_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(path: str | Path, arch: ModelArchConfig
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every *.safetensors file of the folder, in file order."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -39,4 +43,8 @@ def iter_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                if ".q_proj." in name or ".k_proj." in name:
+                    heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads
+                    tensor = permute_qk(tensor, heads)  # torch has reshape/swapaxes too
+                yield name, tensor

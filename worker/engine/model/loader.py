@@ -20,7 +20,7 @@ import gguf
 from .arch import ModelArchConfig
 from .gguf_loader import check_tensor_types, iter_gguf_weights
 from .hf_loader import iter_hf_weights, read_hf_arch
-from .llama import DTYPES, LlamaForCausalLM
+from .llama import DTYPES, WEIGHTS, LlamaForCausalLM, default_weights
 
 logger = logging.getLogger(__name__)
 
@@ -32,31 +32,39 @@ class LoadedModel:
     arch: ModelArchConfig
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "float32", weights: str | None = None
+               ) -> LoadedModel:
     """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors +
-    tokenizer.json). Unsupported architectures, quant types or dtypes raise ValueError."""
+    tokenizer.json). Unsupported architectures, quant types or dtypes raise ValueError.
+
+    `dtype` is the KV cache's; `weights` (native | bf16 | fp32; default `native`, `fp32` with
+    a float32 dtype) how the projections are held: see llama.py. A Hugging Face folder has no
+    quantized tensors, so `native` holds it as float32."""
     # NOTE: imported here, not at the top, so the model loads stay importable on their own.
     from .tokenizer import Tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    weights = weights or default_weights(dtype)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     path = Path(path)
     start = time.perf_counter()
     if path.is_file() and path.suffix == ".gguf":
         reader = gguf.GGUFReader(path)
         arch = ModelArchConfig.from_gguf(reader)
         check_tensor_types(reader)  # before the slow parts, so a bad file fails fast
-        model = LlamaForCausalLM(arch, dtype)
-        model.load_weights(iter_gguf_weights(reader, arch))
+        model = LlamaForCausalLM(arch, dtype, weights)
+        model.load_weights(iter_gguf_weights(reader, arch, keep_quantized=weights == "native"))
         tokenizer = Tokenizer.from_gguf(reader)
     elif path.is_dir():
         arch = read_hf_arch(path)
-        model = LlamaForCausalLM(arch, dtype)
-        model.load_weights(iter_hf_weights(path))
+        model = LlamaForCausalLM(arch, dtype, weights)
+        model.load_weights(iter_hf_weights(path, arch))
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
     model.eval()
-    logger.info("loaded %s (%s, %d layers, %s) in %.2f s", path.name, arch.architecture,
-                arch.num_layers, dtype, time.perf_counter() - start)
+    logger.info("loaded %s (%s, %d layers, %s cache, %s weights) in %.2f s", path.name,
+                arch.architecture, arch.num_layers, dtype, weights, time.perf_counter() - start)
     return LoadedModel(model=model, tokenizer=tokenizer, arch=arch)

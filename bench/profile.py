@@ -1,0 +1,178 @@
+"""Where a decode step's time goes, at batch 1 and batch 64, beside the floor of each part.
+
+    .venv/bin/python bench/profile.py                     # batches 1 and 64, default engine
+    .venv/bin/python bench/profile.py --batch-sizes 1 --weights bf16 --steps 50
+
+Each batch runs B requests of 128-token prompts until all are decoding, then times decode
+steps. Parts are timed by wrapping the engine's pieces (each wrapper costs ~0.3 us a call):
+the projections (quantized kernels or dense GEMMs, the LM head apart), attention, the fused
+norm / RoPE / SwiGLU kernels, sampling, the scheduler; "Python and glue" is the rest of the
+step. Times are CPU time of this process (robust to a busy neighbour, unlike wall time).
+
+Floors, measured here: weight bytes read once at the streaming bandwidth of one core (batch
+1), the step's GEMM FLOPs at the float32 GEMM peak of one core (batch 64), K/V bytes at the
+streaming bandwidth (attention). docs/performance.md reads these tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from llmq.worker.engine.config import EngineConfig  # noqa: E402
+from llmq.worker.engine.engine_core import EngineCore  # noqa: E402
+from llmq.worker.engine.model import cpu_kernels, linear  # noqa: E402
+from llmq.worker.engine.model.attention import PagedAttention  # noqa: E402
+from llmq.worker.engine.sampling_params import SamplingParams  # noqa: E402
+
+SPENT: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed(part: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[part] += time.process_time() - start
+            CALLS[part] += 1
+    return wrapper
+
+
+def instrument(engine: EngineCore) -> None:
+    """Wrap the parts of a step, once; nested parts are subtracted from their parent."""
+    model = engine.runner.model
+    head = model.lm_head
+
+    def linear_forward(self, x, _orig=linear.Linear.forward):
+        part = "lm head" if self is head else (
+            "projections (quantized)" if self.quant is not None
+            and x.shape[0] <= linear.QUANT_MAX_ROWS else "projections (dense GEMM)")
+        return timed(part, _orig)(self, x)
+
+    linear.Linear.forward = linear_forward  # type: ignore[method-assign]
+    PagedAttention.attend = timed("attention", PagedAttention.attend)  # type: ignore
+    PagedAttention.__call__ = timed("attention", PagedAttention.__call__)  # type: ignore
+    for name, part in (("add_rms_norm", "residual add + RMSNorm"),
+                       ("rope_store", "RoPE + K/V store"), ("silu_mul", "SwiGLU")):
+        method = getattr(cpu_kernels.CpuKernels, name)
+        setattr(cpu_kernels.CpuKernels, name, timed(part, method))
+    engine.runner.sampler.__call__ = None  # instance attribute is not used for calls
+    sampler_cls = type(engine.runner.sampler)
+    sampler_cls.__call__ = timed("sampling", sampler_cls.__call__)  # type: ignore
+    engine.scheduler.schedule = timed("scheduler", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = timed("scheduler", engine.scheduler.update_from_output)
+
+
+def best_rate(work: float, fn, repeats: int = 7) -> float:
+    """work / the shortest CPU time of `repeats` runs of fn (CPU time: a busy neighbour that
+    takes the core away does not count)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return work / best
+
+
+def stream_bandwidth() -> float:
+    """Bytes/s one core reads a 512 MiB tensor at (a sum: read-only streaming)."""
+    x = torch.ones(128 << 20)
+    return best_rate(x.nbytes, x.sum)
+
+
+def gemm_peak() -> float:
+    """FLOP/s of a float32 oneDNN GEMM of the batch-64 MLP's shape class (1024 rows)."""
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(3072, 576), None)
+    x = torch.randn(1024, 576)
+    return best_rate(2 * 1024 * 3072 * 576, lambda: torch.ops.mkldnn._linear_pointwise(
+        x, w, None, "none", [None], ""))
+
+
+def profile_batch(engine: EngineCore, batch: int, steps: int, prompt_len: int) -> None:
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(100, engine.arch.vocab_size, (prompt_len,), generator=g)
+        engine.add_request(f"p{batch}-{i}", prompt.tolist(), params)
+    while engine.scheduler.num_waiting or any(
+            r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    SPENT.clear()
+    CALLS.clear()
+    step_times = []
+    for _ in range(steps):
+        start = time.process_time()
+        engine.step()
+        step_times.append(time.process_time() - start)
+    total = sum(step_times)
+    context = prompt_len + 3 + steps // 2
+    print(f"\nbatch {batch}: {1e3 * statistics.median(step_times):.2f} ms a step "
+          f"(median CPU time of {steps}), {batch / statistics.median(step_times):.1f} tok/s, "
+          f"context ~{context} tokens")
+    print(f"  {'part':<36} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
+    accounted = 0.0
+    for part, spent in sorted(SPENT.items(), key=lambda kv: -kv[1]):
+        # NOTE: the fused kernels run inside no other timed part; attention's own time
+        # includes nothing else timed either, so the parts add up.
+        accounted += spent
+        print(f"  {part:<36} {1e3 * spent / steps:>8.2f} {spent / total:>6.1%} "
+              f"{CALLS[part] / steps:>10.0f}")
+    rest = total - accounted
+    print(f"  {'Python and glue (the rest)':<36} {1e3 * rest / steps:>8.2f} {rest / total:>6.1%}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,64", type=lambda s: [int(b) for b in s.split(",")])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--weights", default=None, choices=["native", "bf16", "fp32"])
+    ap.add_argument("--model", default="")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                                     threads=1, max_num_seqs=max(args.batch_sizes)))
+    model = engine.runner.model
+    projections = [m for m in model.modules() if isinstance(m, linear.Linear)]
+    quant_bytes = sum(m.quant.nbytes if m.quant is not None else 0 for m in projections)
+    dense_bytes = sum(m.nbytes for m in projections) - quant_bytes
+    flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
+    bandwidth, peak = stream_bandwidth(), gemm_peak()
+    print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
+          f"read {bandwidth / 1e9:.1f} GB/s, float32 GEMM peak {peak / 1e9:.0f} GFLOP/s")
+    print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, dense forms "
+          f"{dense_bytes / 2**20:.0f} MiB, {flops_per_token / 1e6:.0f} MFLOP per token "
+          "(LM head included)")
+    for batch in args.batch_sizes:
+        small = batch <= linear.QUANT_MAX_ROWS and quant_bytes
+        weight_floor = (quant_bytes if small else dense_bytes) / bandwidth
+        compute_floor = batch * flops_per_token / peak
+        print(f"floor batch {batch}: weights read once {1e3 * weight_floor:.2f} ms, GEMM FLOPs "
+              f"at peak {1e3 * compute_floor:.2f} ms")
+    instrument(engine)
+    for batch in args.batch_sizes:
+        profile_batch(engine, batch, args.steps, args.prompt_len)
+        arch = model.arch
+        kv_bytes = (batch * (args.prompt_len + 3 + args.steps // 2) * 2 * arch.num_kv_heads
+                    * arch.head_dim * model.dtype.itemsize * arch.num_layers)
+        print(f"  floor of attention: K/V read once {1e3 * kv_bytes / bandwidth:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

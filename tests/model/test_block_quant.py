@@ -1,0 +1,92 @@
+"""GGUF block-quantized matrices run natively: decoded exactly, multiplied without a dense copy.
+
+Per quant type, a small matrix is written with gguf.GGUFWriter and read back the way the
+loader reads it (raw blocks). Its decoding must reproduce gguf-py's float32 dequantization bit
+for bit, and both native kernels must multiply by it: the compiled one in float32 arithmetic
+(float32 rounding from the dequantized product), torch's int4 one where the type maps onto it
+(bfloat16 activations, scales and outputs: ~1% of the largest output).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant
+from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
+from llmq.worker.engine.model.gguf_loader import QuantizedTensor
+from llmq.worker.engine.model.int4_weight import Int4Weight
+from tests.fixtures.tiny_gguf import quantized
+
+Q = gguf.GGMLQuantizationType
+TYPES = sorted(BLOCK_QUANT_TYPES, key=lambda t: t.name)
+
+
+def write_and_read(tmp_path, qtype: Q, shape: tuple[int, int], seed: int) -> QuantizedTensor:
+    """One [out, in] matrix of `qtype` through a GGUF file, back as the loader keeps it."""
+    w = (np.random.default_rng(seed).standard_normal(shape) * 0.1).astype(np.float32)
+    path = tmp_path / f"{qtype.name}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("m", quantized(w, qtype, seed), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(path).tensors
+    return QuantizedTensor(tensor.tensor_type, np.asarray(tensor.data).reshape(shape[0], -1),
+                           shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_blocks_decode_to_exactly_the_dequantized_matrix(tmp_path, qtype):
+    # Given a quantized matrix read back from a GGUF file
+    tensor = write_and_read(tmp_path, qtype, (48, 512), seed=1)
+
+    # When its blocks are decoded into integers with a scale and an offset per group
+    bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
+
+    # Then q * scale + offset is gguf-py's float32 dequantization, bit for bit
+    assert np.array_equal(bq.dequantize(), tensor.dequantize().numpy())
+    if bq.bits == 4:
+        assert 0 <= bq.q.min() and bq.q.max() <= 15
+
+
+@pytest.mark.skipif(CpuKernels.load() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [48, 40])
+def test_the_compiled_kernel_multiplies_in_float32(tmp_path, qtype, out_features):
+    # Given a quantized matrix (40 rows: a partial 16-row tile) and 1..8 rows of activations
+    tensor = write_and_read(tmp_path, qtype, (out_features, 512), seed=2)
+    w = tensor.dequantize()  # [out, in] float32
+    matrix = QuantMatrix(BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape))
+    for rows in range(1, CpuKernels.MAX_QUANT_ROWS + 1):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+
+        # When the kernel multiplies by it without dequantizing
+        y = CpuKernels.load().quant_matmul(x, matrix)
+
+        # Then it is the float32 product with the dequantized matrix, to float32 rounding
+        torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_torch_int4_kernel_runs_the_types_that_map_onto_it(tmp_path, qtype):
+    # Given a quantized matrix
+    tensor = write_and_read(tmp_path, qtype, (48, 512), seed=3)
+    bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
+
+    # When it is packed for torch's int4 kernel
+    weight = Int4Weight.from_block_quant(bq)
+
+    # Then every type with 32-column groups runs on it (Q6_K's 16-column groups do not), and
+    # gives the product to bfloat16 precision
+    if bq.group != 32:
+        assert weight is None
+        return
+    assert weight is not None
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    expected = x @ tensor.dequantize().t()
+    y = weight(x.bfloat16()).float()
+    assert (y - expected).abs().max() < 0.01 * expected.abs().max()

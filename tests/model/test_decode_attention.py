@@ -1,0 +1,116 @@
+"""Decode attention reading K/V blocks in place, against the same attention over gathered blocks.
+
+The compiled kernel (cpu_kernels.py) walks each sequence's block table through the paged cache.
+Gathering every sequence's blocks into a fresh cache, in table order, and running the same kernel
+over that copy with trivial tables must give the very same floats: whatever the block tables,
+lengths, block sizes, head groupings and batch mix. And both must agree with plain torch
+attention over the gathered rows (attention.py's fallback when there is no compiler).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmq.worker.engine.model.attention import PagedAttention
+from llmq.worker.engine.model.cpu_kernels import CpuKernels
+
+KERNELS = CpuKernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler for the CPU kernels")
+
+
+def gathered(kv_cache: torch.Tensor, tables: list[list[int]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new cache holding exactly the tables' blocks, in table order, and the trivial block
+    tables into it (block 0 stays a pad, as in the engine)."""
+    order = [b for table in tables for b in table]
+    copy = kv_cache.index_select(2, torch.tensor([0, *order]))  # [2, kvh, 1 + n, bs, hd]
+    new_tables, start = [], 1
+    for table in tables:
+        new_tables.append(list(range(start, start + len(table))))
+        start += len(table)
+    return copy, padded(new_tables)
+
+
+def padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [seqs, width] int64
+
+
+def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: list[list[int]],
+                    seq_lens: list[int]) -> torch.Tensor:
+    """Each sequence's rows gathered (attention.py's gather, K blocks un-transposed), then
+    softmax(q k^T / sqrt(hd)) v in float64: the reference."""
+    _, kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    attention = PagedAttention(num_heads, kv_heads, head_dim)
+    out = []
+    for s, (table, n) in enumerate(zip(tables, seq_lens, strict=True)):
+        kv = attention._gather(kv_cache, torch.tensor(table))[:, :, :n].double()
+        k = kv[0].repeat_interleave(num_heads // kv_heads, 0)  # [heads, n, hd]
+        v = kv[1].repeat_interleave(num_heads // kv_heads, 0)
+        scores = (q[s].double()[:, None, :] * k).sum(-1) / head_dim ** 0.5  # [heads, n]
+        out.append((scores.softmax(-1)[:, None, :] @ v)[:, 0])  # [heads, hd]
+    return torch.stack(out).float()
+
+
+@st.composite
+def decode_batches(draw):
+    """A random paged cache and a batch of decodes: lengths, block tables drawn without
+    replacement from the whole cache, a block size and a head grouping."""
+    block_size = draw(st.sampled_from([1, 3, 4, 16, 32]))
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 7, 8]))
+    head_dim = draw(st.sampled_from([8, 16, 24, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    seq_lens = draw(st.lists(st.integers(1, 80), min_size=1, max_size=6))
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(needed) + draw(st.integers(0, 8))
+    free = draw(st.permutations(list(range(1, num_blocks))))
+    tables, start = [], 0
+    for n in needed:
+        tables.append(list(free[start:start + n]))
+        start += n
+    seed = draw(st.integers(0, 2**31 - 1))
+    return block_size, kv_heads, group, head_dim, dtype, seq_lens, tables, num_blocks, seed
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_batches())
+def test_in_place_reads_equal_reads_of_the_gathered_blocks(batch):
+    block_size, kv_heads, group, head_dim, dtype, seq_lens, tables, num_blocks, seed = batch
+    g = torch.Generator().manual_seed(seed)
+    # Given a cache of random K/V (every block, used or not, holds finite values) and queries
+    kv_cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
+    lens = torch.tensor(seq_lens)
+
+    # When the kernel reads the blocks where they lie, and reads a gathered copy of them
+    in_place = KERNELS.decode_attention(q, kv_cache, padded(tables), lens, head_dim ** -0.5,
+                                        torch.empty_like(q))
+    copy, copy_tables = gathered(kv_cache, tables)
+    from_copy = KERNELS.decode_attention(q, copy, copy_tables, lens, head_dim ** -0.5,
+                                         torch.empty_like(q))
+
+    # Then the two are the same floats, and both are attention over the sequence's own rows
+    assert torch.equal(in_place, from_copy)
+    torch.testing.assert_close(in_place, torch_attention(q, kv_cache, tables, seq_lens),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_bfloat16_output_is_the_float32_output_rounded():
+    # Given one decode over a bfloat16 cache
+    g = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 3, 9, 16, 64, generator=g).bfloat16()
+    q = torch.randn(2, 9, 64, generator=g)
+    tables, lens = torch.tensor([[3, 5, 1], [2, 4, 0]]), torch.tensor([40, 17])
+
+    # When the kernel writes float32 and bfloat16 outputs
+    out32 = KERNELS.decode_attention(q, kv_cache, tables, lens, 0.125, torch.empty(2, 9, 64))
+    out16 = KERNELS.decode_attention(q, kv_cache, tables, lens, 0.125,
+                                     torch.empty(2, 9, 64, dtype=torch.bfloat16))
+
+    # Then the bfloat16 one is the float32 one rounded to nearest even, as torch rounds
+    assert torch.equal(out16, out32.bfloat16())

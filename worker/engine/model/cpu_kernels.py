@@ -1,0 +1,296 @@
+"""CpuKernels: the few loops torch has no op for, compiled once with the system's C++ compiler.
+
+References: vLLM's CPU paged attention (`csrc/cpu/attention.cpp`: one query per decode
+sequence, K/V read through the block table where they lie), llama.cpp's `ggml_vec_dot_*`
+and `ggml_v_expf` (plain loops the compiler vectorises; a polynomial exp), Cephes `expf`.
+
+`decode_attention` is what a decode step needs from attention: for each sequence one
+query row per head, against the K/V of its blocks, read in place. In torch that takes a gather
+of every sequence's blocks into a contiguous buffer in every layer (attention.py's fallback);
+here each K/V row is read once, where the block table says it is.
+
+The source is compiled on first use into ~/.cache/llmq/kernels (LLMQ_KERNEL_DIR), keyed by a
+hash of the source, the flags and the CPU model, and loaded with ctypes: no torch headers, so
+it builds in about a second. Where there is no compiler (slim images) or LLMQ_CPU_KERNELS=0,
+`load()` returns None and the engine runs the torch path: same results to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .block_quant import BlockQuant
+from .kernel_source import SOURCE
+
+logger = logging.getLogger(__name__)
+
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared",
+          "-std=c++17"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+    except OSError:
+        return ""
+
+
+def _build(directory: Path) -> Path | None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, compiler, *_FLAGS, _cpu_model()]).encode())
+    target = directory / f"llmq_kernels_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        source = Path(tmp) / "kernels.cpp"
+        source.write_text(SOURCE)
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built)],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode:
+            logger.warning("CPU kernels did not compile (%s): %s", compiler,
+                           result.stderr.strip()[-500:])
+            return None
+        # NOTE: a rename, so a worker starting beside us never loads a half-written file.
+        os.replace(built, target)
+    return target
+
+
+class QMat(ctypes.Structure):
+    """The kernels' view of a QuantMatrix (kernel_source.py `QMat`)."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """One layer for `CpuKernels.decode_layers` (kernel_source.py `DecoderLayer`)."""
+
+    _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("cache", ctypes.c_void_p)]
+
+
+class QuantMatrix:
+    """A BlockQuant laid out for `CpuKernels.quant_matmul`: tiles of 16 rows (zero-padded),
+    each [in / 2, 16] bytes of 4-bit q (byte r of entry p: column 2p of row r in the low
+    nibble, 2p + 1 in the high) or [in, 16] int8, with float32 scales and offsets
+    [in / group, 16] per tile; plus the projection's bias, which the kernel adds."""
+
+    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
+        out_features, in_features = bq.shape
+        self.out_features, self.in_features = out_features, in_features
+        self.group, self.bits = bq.group, bq.bits
+        tiles = -(-out_features // 16)
+        pad = tiles * 16 - out_features
+
+        def tiled(a: np.ndarray) -> torch.Tensor:  # [out, c] -> [tiles, c, 16]
+            a = np.pad(a, ((0, pad), (0, 0)))
+            return torch.from_numpy(np.ascontiguousarray(
+                a.reshape(tiles, 16, -1).transpose(0, 2, 1)))
+
+        q = bq.q.astype(np.uint8)  # int8 keeps its bits
+        if bq.bits == 4:
+            q = q[:, 0::2] | (q[:, 1::2] << 4)  # [out, in / 2]
+        self.q = tiled(q)
+        self.scales, self.offsets = tiled(bq.scales), tiled(bq.offsets)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+                           0 if self.bias is None else self.bias.data_ptr(), out_features,
+                           in_features, bq.group, bq.bits, 0)
+
+    @staticmethod
+    def supports(bq: BlockQuant) -> bool:
+        return bq.group % 8 == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+
+class CpuKernels:
+    """The compiled kernels behind typed Python wrappers; `load()` builds them once."""
+
+    MAX_GROUP = 8  # decode_attention has kernels for up to 8 query heads per kv head
+    MAX_QUANT_ROWS = 8  # quant_matmul has kernels for up to 8 rows
+
+    _instance: CpuKernels | None = None
+    _tried = False
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+        self._decode_attention = _bind(
+            library.llmq_decode_attention,
+            [ptr, i64, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32],
+            ctypes.c_int32)
+        self._add_rms_norm = _bind(library.llmq_add_rms_norm,
+                                   [ptr, ptr, i32, ptr, i64, i64, f32, ptr, i32])
+        self._silu_mul = _bind(library.llmq_silu_mul, [ptr, i32, i64, i64, ptr, i32])
+        self._quant_matmul = _bind(library.llmq_quant_matmul,
+                                   [ptr, i64, i64, ptr, ptr, i64], ctypes.c_int32)
+        self._decode_layers = _bind(
+            library.llmq_decode_layers,
+            [ptr, i64, ptr, i64, i64, i64, ptr, f32, i64, i64, i64, i64, i64, i32, ptr, ptr,
+             ptr, ptr, ptr, i64, ptr, f32, ptr], ctypes.c_int32)
+        self._rope_store = _bind(
+            library.llmq_rope_store,
+            [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, ptr])
+
+    @classmethod
+    def load(cls) -> CpuKernels | None:
+        """The kernels, or None (logged once) when they cannot be built here."""
+        if cls._tried:
+            return cls._instance
+        cls._tried = True
+        if os.environ.get("LLMQ_CPU_KERNELS", "1") == "0":
+            return None
+        directory = Path(os.environ.get("LLMQ_KERNEL_DIR")
+                         or Path.home() / ".cache" / "llmq" / "kernels")
+        try:
+            path = _build(directory)
+            if path is not None:
+                cls._instance = cls(ctypes.CDLL(str(path)))
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.warning("CPU kernels unavailable: %s", e)
+        if cls._instance is None:
+            logger.warning("no CPU kernels (no C++ compiler, or it failed): the engine runs "
+                           "plain torch ops instead (slower, same results to rounding)")
+        return cls._instance
+
+    def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         out: torch.Tensor) -> torch.Tensor:
+        """q [num_seqs, num_heads, hd] float32 (rows may be strided, each contiguous);
+        kv_cache [2, num_kv_heads, num_blocks, block_size, hd]; block_tables [num_seqs,
+        max_blocks] int64 (entries past a sequence's length are never read); seq_lens
+        [num_seqs] int64. Fills and returns out [num_seqs, num_heads, hd]."""
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        num_seqs, num_heads, _ = q.shape
+        _check(kv_cache, block_tables, seq_lens, out)
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+            raise ValueError("decode_attention: q must be float32 with contiguous rows")
+        done = self._decode_attention(
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), _is_bf16(kv_cache),
+            block_tables.data_ptr(), seq_lens.data_ptr(), num_seqs, block_tables.shape[1],
+            num_heads, num_kv_heads, num_blocks, block_size, head_dim, scale, out.data_ptr(),
+            _is_bf16(out))
+        if not done:
+            raise ValueError(f"decode_attention: no kernel for {num_heads // num_kv_heads} "
+                             "query heads per kv head")
+        return out
+
+    def quant_matmul(self, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+        """x [rows <= 8, in] float32 -> x W^T [rows, out] float32, in float32 arithmetic."""
+        rows = x.shape[0]
+        y = torch.empty(rows, w.out_features)
+        if x.dtype != torch.float32 or x.stride(1) != 1:
+            raise ValueError("quant_matmul: x must be float32 with contiguous rows")
+        if not self._quant_matmul(x.data_ptr(), x.stride(0), rows, ctypes.byref(w.struct),
+                                  y.data_ptr(), y.stride(0)):
+            raise ValueError(f"quant_matmul: no kernel for {rows} rows, {w.bits}-bit groups "
+                             f"of {w.group}")
+        return y
+
+    def decode_layers(self, layers: ctypes.Array, h: torch.Tensor, intermediate_size: int,
+                      final_norm: torch.Tensor, eps: float, num_heads: int,
+                      kv_cache: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Every layer of a decode step of rows <= 8 sequences in one call (DecoderLayer array,
+        one per layer, all projections QuantMatrix). h [rows, hidden] float32: the embedded
+        tokens, updated in place. kv_cache: layer 0's cache (all share its shape and dtype).
+        Returns the final-normed hidden states, or None if some shape has no kernel."""
+        rows, hidden = h.shape
+        _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        out = torch.empty(rows, hidden)
+        _check(h, final_norm, positions, cos, sin, slot_mapping, block_tables, seq_lens)
+        done = self._decode_layers(
+            layers, len(layers), h.data_ptr(), rows, hidden, intermediate_size,
+            final_norm.data_ptr(), eps, num_heads, kv_heads, head_dim, num_blocks, block_size,
+            _is_bf16(kv_cache), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            seq_lens.data_ptr(), scale, out.data_ptr())
+        return out if done else None
+
+    def add_rms_norm(self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+        """h [rows, dim] float32 (+= y in place when given; y float32 or bfloat16), then
+        RMSNorm(h) * weight -> a new [rows, dim] tensor of out_dtype."""
+        rows, dim = h.shape
+        out = torch.empty(rows, dim, dtype=out_dtype)
+        _check(h, y, weight)
+        if h.dtype != torch.float32 or weight.dtype != torch.float32:
+            raise ValueError("add_rms_norm: h and weight must be float32")
+        self._add_rms_norm(h.data_ptr(), 0 if y is None else y.data_ptr(),
+                           int(y is not None and _is_bf16(y)), weight.data_ptr(),
+                           rows, dim, eps, out.data_ptr(), int(out_dtype == torch.bfloat16))
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """gate_up [rows, 2 * dim] -> silu(gate) * up [rows, dim] of out_dtype."""
+        rows, two_dim = gate_up.shape
+        out = torch.empty(rows, two_dim // 2, dtype=out_dtype)
+        _check(gate_up)
+        self._silu_mul(gate_up.data_ptr(), _is_bf16(gate_up), rows,
+                       two_dim // 2, out.data_ptr(), int(out_dtype == torch.bfloat16))
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_cache: torch.Tensor, with_kv: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """qkv [tokens, (heads + 2 * kv_heads) * hd] (interleaved-RoPE Q/K order) -> q
+        [tokens, heads, hd] float32 rotated, and (with_kv) kv [tokens, 2 * kv_heads, hd]
+        float32 as the cache holds it; K rotated and V are written into their slots of
+        kv_cache [2, kv_heads, num_blocks, block_size, hd]. cos/sin [positions, hd / 2]."""
+        tokens = qkv.shape[0]
+        head_dim = kv_cache.shape[-1]
+        q = torch.empty(tokens, num_heads, head_dim)
+        kv = torch.empty(tokens, 2 * num_kv_heads, head_dim) if with_kv else None
+        _check(positions, cos, sin, slot_mapping, kv_cache)
+        if qkv.stride(1) != 1:
+            raise ValueError("rope_store: qkv rows must be contiguous")
+        self._rope_store(qkv.data_ptr(), _is_bf16(qkv), qkv.stride(0),
+                         tokens, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
+                         cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+                         kv_cache.data_ptr(), _is_bf16(kv_cache),
+                         kv_cache.shape[2] * kv_cache.shape[3], kv_cache.shape[3], q.data_ptr(),
+                         0 if kv is None else kv.data_ptr())
+        return q, kv
+
+
+def _bind(fn, argtypes: list, restype=None):  # -> the ctypes function, typed
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def _check(*tensors: torch.Tensor | None) -> None:
+    """The kernels take raw pointers: every tensor must be contiguous, of a supported dtype."""
+    for t in tensors:
+        if t is not None and (not t.is_contiguous() or t.dtype not in _INDEX_OR_FLOAT):
+            raise ValueError(f"CPU kernels need contiguous float32/bfloat16/int64 tensors, got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+_INDEX_OR_FLOAT = (torch.float32, torch.bfloat16, torch.int64)

@@ -1,0 +1,680 @@
+"""SOURCE: the C++ of the CPU kernels (cpu_kernels.py builds and binds it).
+
+Kept as a Python string so it ships inside the package like any module. Plain loops over raw
+pointers, no torch headers (so it builds in about a second); `#pragma omp simd` (with
+-fopenmp-simd, no OpenMP runtime) lets the compiler vectorise the float reductions. Tensors are
+float32 or bfloat16 (`uint16_t`, the high half of a float32's bits), chosen per call by flags.
+
+References: vLLM `csrc/cpu/attention.cpp` (paged decode attention reading blocks in place),
+`csrc/cpu/layernorm.cpp` (`fused_add_rms_norm`), llama.cpp `ggml-cpu/vec.h` (`ggml_v_expf`,
+`ggml_vec_swiglu_f32`), Cephes `expf` (the polynomial).
+"""
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <string.h>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+typedef uint16_t bf16;
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const bf16* p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(bf16* p, int64_t i, float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+        p[i] = (bf16)((u >> 16) | 64);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch's .to(bfloat16)
+    p[i] = (bf16)(u >> 16);
+}
+
+// 16 floats: GCC's vector extension, one zmm with AVX-512, two ymm with AVX2.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
+// NOTE: a shuffle of lane 0 (one vbroadcastss), not `f + v16{}`: without -ffast-math that
+// first adds 0.0 (which would turn -0.0 into +0.0), nor a loop (sixteen masked broadcasts).
+inline v16 splat(float f) {
+    v16 v = {f};
+    return __builtin_shuffle(v, i16{});
+}
+inline v16 load16(const bf16* p) {
+    h16 h;
+    memcpy(&h, p, 32);
+    u16 w = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &w, 64);
+    return v;
+}
+
+// The sum of 16 lanes by halving (a shuffle tree), not lane by lane.
+inline float hsum(v16 v) {
+    v = v + __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v + __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v + __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v + __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+// x . y over n floats: 16 lanes at a time, then the tail.
+template <typename C>
+inline float dot(const float* x, const C* y, int64_t n) {
+    v16 acc = {};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) acc += load16(x + d) * load16(y + d);
+    float sum = hsum(acc);
+    for (; d < n; ++d) sum += x[d] * load(y, d);
+    return sum;
+}
+
+inline void store16(float* p, v16 x) { memcpy(p, &x, 64); }
+inline void store16(bf16* p, v16 x) {  // round to nearest even, NaN kept, as store() does
+    u16 u;
+    memcpy(&u, &x, 64);
+    const u16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u16 nan = (u >> 16) | 64u;
+    const u16 r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    const h16 h = __builtin_convertvector(r, h16);
+    memcpy(p, &h, 32);
+}
+
+// Call f with a null pointer of the element type a flag names: float32 (0) or bfloat16 (1).
+template <typename F> void typed(int32_t is_bf16, F f) {
+    if (is_bf16) f((bf16*)nullptr); else f((float*)nullptr);
+}
+
+// exp(x) for x <= 0, ~2 ulp: Cephes' range reduction and polynomial, branch-free so the
+// loops around it vectorise.
+inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// exp_neg on 16 lanes (the same polynomial); round to nearest by the 1.5 * 2^23 trick.
+inline v16 exp_neg16(v16 x) {
+    const v16 lo = splat(-87.0f);
+    x = x < lo ? lo : x;
+    const v16 magic = splat(12582912.0f);
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, 64);
+    return p * scale;
+}
+
+inline v16 silu16(v16 g) {
+    const v16 neg = g < 0.0f ? g : -g;  // -|g|
+    const v16 e = exp_neg16(neg);
+    return g * (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+}
+
+inline float silu(float g) {
+    float e = exp_neg(g < 0.0f ? g : -g);  // e^-|g|
+    return g * (g < 0.0f ? e : 1.0f) / (1.0f + e);
+}
+
+thread_local std::vector<float> scratch;
+
+// Ask for a block's rows before they are needed: a sequence's blocks lie anywhere in the
+// cache, so the hardware prefetcher cannot guess the next one.
+template <typename C>
+inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) {
+    const char* p = (const char*)rows;
+    const int64_t bytes = block_size * head_dim * (int64_t)sizeof(C);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+inline float hmax(v16 v) {
+    v16 w = __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    v = v > w ? v : w;
+    return v[0];
+}
+
+// s[0..n) <- exp(s - max) / sum, 16 lanes at a time.
+inline void softmax(float* s, int64_t n) {
+    float mx = s[0];
+    int64_t i = 0;
+    if (n >= 16) {
+        v16 m = load16(s);
+        for (i = 16; i + 16 <= n; i += 16) {
+            const v16 x = load16(s + i);
+            m = x > m ? x : m;
+        }
+        mx = hmax(m);
+    }
+    for (; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    v16 vsum = {};
+    float sum = 0.0f;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const v16 e = exp_neg16(load16(s + i) - mx);
+        memcpy(s + i, &e, 64);
+        vsum += e;
+    }
+    for (; i < n; ++i) sum += (s[i] = exp_neg(s[i] - mx));
+    const float inv = 1.0f / (hsum(vsum) + sum);
+    for (i = 0; i + 16 <= n; i += 16) {
+        const v16 e = load16(s + i) * inv;
+        memcpy(s + i, &e, 64);
+    }
+    for (; i < n; ++i) s[i] *= inv;
+}
+
+// Scores of one block for G query heads sharing a kv head. kt [head_dim, block_size]: the
+// block's keys transposed; n <= block_size of them are used; scores[g] gets n entries.
+// G is a template argument so the per-head accumulators live in registers.
+template <int G, typename C>
+void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
+                  int64_t head_dim, float* scores, int64_t stride) {
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        if (m == 16) {  // 16 keys per multiply-add, no horizontal sums
+            v16 s[G] = {};
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const v16 k = load16(kt + d * block_size + i0);
+                for (int g = 0; g < G; ++g) s[g] += qs[g * head_dim + d] * k;
+            }
+            for (int g = 0; g < G; ++g) memcpy(scores + g * stride + i0, &s[g], 64);
+        } else {
+            for (int g = 0; g < G; ++g)
+                for (int64_t i = 0; i < m; ++i) {
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; ++d)
+                        dot += qs[g * head_dim + d] * load(kt, d * block_size + i0 + i);
+                    scores[g * stride + i0 + i] = dot;
+                }
+        }
+    }
+}
+
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], 16 dims at
+// a time with the G accumulators in registers.
+template <int G, typename C>
+void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
+                  float* acc) {
+    int64_t d0 = 0;
+    for (; d0 + 16 <= head_dim; d0 += 16) {
+        v16 a[G];
+        for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, 64);
+        for (int64_t i = 0; i < n; ++i) {
+            const v16 x = load16(v + i * head_dim + d0);
+            for (int g = 0; g < G; ++g) a[g] += p[g * stride + i] * x;
+        }
+        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], 64);
+    }
+    for (; d0 < head_dim; ++d0)
+        for (int64_t i = 0; i < n; ++i)
+            for (int g = 0; g < G; ++g)
+                acc[g * head_dim + d0] += p[g * stride + i] * load(v, i * head_dim + d0);
+}
+
+// One decode query per sequence, K/V read through the block table where they lie.
+// q [seqs, heads, head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks,
+// block_size * head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks];
+// out [seqs, heads, head_dim]. Two passes per (sequence, kv head): scores of every key, one
+// softmax, then the weighted values; the next blocks (and the next pair's first ones) are
+// prefetched while one is worked on: a sequence's blocks lie anywhere in the cache.
+template <int G, typename C, typename O>
+void decode_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
+                      const int64_t* seq_lens, int64_t seqs, int64_t max_blocks, int64_t heads,
+                      int64_t kv_heads, int64_t num_blocks, int64_t block_size,
+                      int64_t head_dim, float scale, O* out) {
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t block_stride = block_size * head_dim;
+    const int64_t ahead = 2;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    const int64_t stride = (max_len + 15) / 16 * 16;
+    scratch.resize((size_t)(G * (stride + 2 * head_dim)));
+    float* scores = scratch.data();              // [G, stride]
+    float* qs = scores + G * stride;             // [G, head_dim]: q * scale
+    float* acc = qs + G * head_dim;              // [G, head_dim]
+    auto k_block = [&](int64_t s, int64_t h, int64_t b) {
+        return cache + h * head_stride + tables[s * max_blocks + b] * block_stride;
+    };
+    auto v_block = [&](int64_t s, int64_t h, int64_t b) {
+        return cache + (kv_heads + h) * head_stride + tables[s * max_blocks + b] * block_stride;
+    };
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t len = seq_lens[s];
+        const int64_t num_used = (len + block_size - 1) / block_size;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const float* qh = q + s * q_stride + h * G * head_dim;
+            for (int64_t i = 0; i < G * head_dim; ++i) qs[i] = qh[i] * scale;
+            if (s == 0 && h == 0)
+                for (int64_t b = 0; b < ahead && b < num_used; ++b)
+                    prefetch_block(k_block(s, h, b), block_size, head_dim);
+            for (int64_t b = 0; b < num_used; ++b) {
+                if (b + ahead < num_used)
+                    prefetch_block(k_block(s, h, b + ahead), block_size, head_dim);
+                else  // the V blocks of this pair come next
+                    prefetch_block(v_block(s, h, b + ahead - num_used), block_size, head_dim);
+                const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                    : block_size;
+                block_scores<G>(qs, k_block(s, h, b), n, block_size, head_dim,
+                                scores + b * block_size, stride);
+            }
+            for (int g = 0; g < G; ++g) softmax(scores + g * stride, len);
+            memset(acc, 0, sizeof(float) * G * head_dim);
+            // the pair after this one: its sequence, its head
+            const int64_t s2 = h + 1 < kv_heads ? s : s + 1, h2 = h + 1 < kv_heads ? h + 1 : 0;
+            const int64_t next_used = s2 < seqs ? (seq_lens[s2] + block_size - 1) / block_size
+                                                : 0;
+            for (int64_t b = 0; b < num_used; ++b) {
+                if (b + ahead < num_used)
+                    prefetch_block(v_block(s, h, b + ahead), block_size, head_dim);
+                else if (b + ahead - num_used < next_used)  // the next pair's first K blocks
+                    prefetch_block(k_block(s2, h2, b + ahead - num_used), block_size, head_dim);
+                const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                    : block_size;
+                block_values<G>(scores + b * block_size, stride, v_block(s, h, b), n, head_dim,
+                                acc);
+            }
+            O* oh = out + (s * heads + h * G) * head_dim;
+            for (int64_t i = 0; i < G * head_dim; ++i) store(oh, i, acc[i]);
+        }
+    }
+}
+
+// decode_attention<G> for the group sizes of common models (query heads per kv head).
+template <typename C, typename O, typename... A> bool decode_attention_g(int64_t group, A... a) {
+    switch (group) {
+        case 1: decode_attention<1, C, O>(a...); return true;
+        case 2: decode_attention<2, C, O>(a...); return true;
+        case 3: decode_attention<3, C, O>(a...); return true;
+        case 4: decode_attention<4, C, O>(a...); return true;
+        case 5: decode_attention<5, C, O>(a...); return true;
+        case 6: decode_attention<6, C, O>(a...); return true;
+        case 7: decode_attention<7, C, O>(a...); return true;
+        case 8: decode_attention<8, C, O>(a...); return true;
+        default: return false;
+    }
+}
+
+// h [rows, dim] float32 (+= y first, when y is given), then out = h / rms(h) * w.
+template <typename Y, typename O>
+void add_rms_norm(float* h, const Y* y, const float* w, int64_t rows, int64_t dim, float eps,
+                  O* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float* hr = h + r * dim;
+        O* orow = out + r * dim;
+        v16 vss = {};
+        float ss = 0.0f;
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16) {
+            v16 x = load16(hr + d);
+            if (y) x += load16(y + r * dim + d);
+            store16(hr + d, x);
+            vss += x * x;
+        }
+        for (; d < dim; ++d) {
+            if (y) hr[d] += load(y + r * dim, d);
+            ss += hr[d] * hr[d];
+        }
+        const float inv = 1.0f / sqrtf((hsum(vss) + ss) / (float)dim + eps);
+        for (d = 0; d + 16 <= dim; d += 16) store16(orow + d, load16(hr + d) * inv * load16(w + d));
+        for (; d < dim; ++d) store(orow, d, hr[d] * inv * w[d]);
+    }
+}
+
+// gate_up [rows, 2 * dim] (gate, then up) -> out [rows, dim] = silu(gate) * up.
+template <typename G, typename O>
+void silu_mul(const G* gate_up, int64_t rows, int64_t dim, O* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const G* g = gate_up + r * 2 * dim;
+        O* orow = out + r * dim;
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16)
+            store16(orow + d, silu16(load16(g + d)) * load16(g + dim + d));
+        for (; d < dim; ++d) store(orow, d, silu(load(g, d)) * load(g, dim + d));
+    }
+}
+
+// RoPE on interleaved pairs of Q and K, then K and V into their cache slots.
+// qkv [tokens, (heads + 2 * kv_heads) * head_dim], rows qkv_stride apart; cos/sin
+// [positions, head_dim / 2]; q_out [tokens, heads, head_dim] float32; kv_out (optional)
+// [tokens, 2 * kv_heads, head_dim] float32 holding K/V as the cache rounds them.
+template <typename X, typename C>
+void rope_store(const X* qkv, int64_t qkv_stride, int64_t tokens, int64_t heads,
+                int64_t kv_heads, int64_t head_dim, const int64_t* positions,
+                const float* cos_table, const float* sin_table, const int64_t* slots,
+                C* cache, int64_t num_slots, int64_t block_size, float* q_out, float* kv_out) {
+    const int64_t half = head_dim / 2;
+    std::vector<float> row((size_t)head_dim);
+    for (int64_t t = 0; t < tokens; ++t) {
+        const X* x = qkv + t * qkv_stride;
+        const float* c = cos_table + positions[t] * half;
+        const float* s = sin_table + positions[t] * half;
+        for (int64_t hh = 0; hh < heads + 2 * kv_heads; ++hh) {
+            const X* xh = x + hh * head_dim;
+            float* dst = hh < heads ? q_out + (t * heads + hh) * head_dim : row.data();
+            if (hh < heads + kv_heads) {
+                for (int64_t i = 0; i < half; ++i) {
+                    const float x0 = load(xh, 2 * i), x1 = load(xh, 2 * i + 1);
+                    dst[2 * i] = x0 * c[i] - x1 * s[i];
+                    dst[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                }
+            } else {
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = load(xh, d);
+            }
+            if (hh < heads) continue;
+            const int64_t kvh = hh - heads;  // K heads, then V heads: the cache's order too
+            // K blocks are [head_dim, block_size] (transposed), V blocks [block_size, head_dim]
+            const bool is_k = kvh < kv_heads;
+            const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+            C* base = cache + (kvh * num_slots + block * block_size) * head_dim;
+            const int64_t step = is_k ? block_size : 1;
+            C* first = base + (is_k ? offset : offset * head_dim);
+            for (int64_t d = 0; d < head_dim; ++d) store(first, d * step, dst[d]);
+            if (kv_out) {
+                float* ko = kv_out + (t * 2 * kv_heads + kvh) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) ko[d] = load((const C*)first, d * step);
+            }
+        }
+    }
+}
+
+
+// 16 quantized weights -> 16 floats. NOTE: intrinsics where AVX-512 is there: GCC widens
+// vector-extension bytes one byte at a time.
+#ifdef __AVX512F__
+inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+inline v16 widen_int8(const uint8_t* p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#else
+inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+    for (int i = 0; i < 16; ++i) lo[i] = (float)(p[i] & 15), hi[i] = (float)(p[i] >> 4);
+}
+inline v16 widen_int8(const uint8_t* p) {
+    v16 w;
+    for (int i = 0; i < 16; ++i) w[i] = (float)(int8_t)p[i];
+    return w;
+}
+#endif
+
+// y[m, n] = sum_k x[m, k] * w[n, k] for a block-quantized w: per group of `group` columns,
+// w = q * scale + offset. Weights come in tiles of 16 rows, vectorised across the rows (as
+// torch's int4 "tinygemm" does): no horizontal sums, and one unpack serves all M rows of x.
+// Tile layout: BITS 4: [K / 2][16] bytes, byte r of entry p holding q[r][2p] (low nibble) and
+// q[r][2p + 1] (high nibble); BITS 8: [K][16] int8. scales, offsets: [groups][16] per tile.
+// x [M, K] float32 (rows x_stride apart), xsum [M, groups] its sums per group; y [M, N]
+// float32 (rows y_stride apart). All arithmetic in float32.
+template <int M, int BITS>
+void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
+                const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
+                int64_t y_stride, int64_t rows) {
+    constexpr int P = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // partial sums: shorter FMA chains
+    const int64_t groups = K / group;
+    v16 acc[M] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group;
+        v16 t[M][P] = {};
+        // NOTE: the partial-sum index is a compile-time constant (an unrolled inner loop), so
+        // t stays in registers. Groups are even and at least 16 wide: P always divides.
+        if (BITS == 4) {
+            for (int64_t p0 = 0; p0 < group / 2; p0 += P) {
+#pragma GCC unroll 4
+                for (int i = 0; i < P; ++i) {
+                    const int64_t p = p0 + i;
+                    v16 lo, hi;
+                    unpack_nibbles(q + (k0 / 2 + p) * 16, lo, hi);
+                    for (int m = 0; m < M; ++m) {
+                        const float* xm = x + m * x_stride + k0 + 2 * p;
+                        t[m][i] += lo * xm[0] + hi * xm[1];
+                    }
+                }
+            }
+        } else {
+            for (int64_t j0 = 0; j0 < group; j0 += P) {
+#pragma GCC unroll 4
+                for (int i = 0; i < P; ++i) {
+                    const v16 w = widen_int8(q + (k0 + j0 + i) * 16);
+                    for (int m = 0; m < M; ++m) t[m][i] += w * x[m * x_stride + k0 + j0 + i];
+                }
+            }
+        }
+        const v16 sc = load16(scales + g * 16), off = load16(offsets + g * 16);
+        for (int m = 0; m < M; ++m) {
+            v16 sum = t[m][0];
+            for (int i = 1; i < P; ++i) sum += t[m][i];
+            acc[m] += sum * sc + off * xsum[m * groups + g];
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = acc[m][r];
+}
+
+template <int M, int BITS>
+void quant_matmul(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
+                  const float* scales, const float* offsets, int64_t N, int64_t K,
+                  int64_t group, float* y, int64_t y_stride) {
+    const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16;
+    const int64_t tile_scales = K / group * 16;
+    for (int64_t n = 0; n < N; n += 16)
+        quant_tile<M, BITS>(x, x_stride, xsum, q + n / 16 * tile_bytes,
+                            scales + n / 16 * tile_scales, offsets + n / 16 * tile_scales,
+                            K, group, y + n, y_stride, N - n < 16 ? N - n : 16);
+}
+
+template <int BITS, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
+    switch (rows) {
+        case 1: quant_matmul<1, BITS>(a...); return true;
+        case 2: quant_matmul<2, BITS>(a...); return true;
+        case 3: quant_matmul<3, BITS>(a...); return true;
+        case 4: quant_matmul<4, BITS>(a...); return true;
+        case 5: quant_matmul<5, BITS>(a...); return true;
+        case 6: quant_matmul<6, BITS>(a...); return true;
+        case 7: quant_matmul<7, BITS>(a...); return true;
+        case 8: quant_matmul<8, BITS>(a...); return true;
+        default: return false;
+    }
+}
+
+
+// A block-quantized projection as the fused decode step sees it (QuantMatrix in Python).
+struct QMat {
+    const uint8_t* q;
+    const float* scales;
+    const float* offsets;
+    const float* bias;  // or null
+    int64_t out_features, in_features, group;
+    int32_t bits, unused;
+};
+
+// y = x W^T (+ bias) for rows <= 8; false for shapes with no kernel.
+bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, float* y,
+              int64_t y_stride) {
+    const int64_t K = w.in_features, group = w.group, N = w.out_features;
+    if (K % group || group % 8 || (w.bits != 4 && w.bits != 8)) return false;
+    const int64_t groups = K / group;
+    std::vector<float> xsum((size_t)(rows * groups));  // [rows, groups]: sum of x per group
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < group; ++k) s += x[m * x_stride + g * group + k];
+            xsum[m * groups + g] = s;
+        }
+    const bool done = w.bits == 4
+        ? quant_matmul_m<4>(rows, x, x_stride, xsum.data(), w.q, w.scales, w.offsets, N, K,
+                            group, y, y_stride)
+        : quant_matmul_m<8>(rows, x, x_stride, xsum.data(), w.q, w.scales, w.offsets, N, K,
+                            group, y, y_stride);
+    if (done && w.bias)
+        for (int64_t m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * y_stride + n] += w.bias[n];
+    return done;
+}
+
+struct DecoderLayer {
+    QMat qkv, o, gate_up, down;
+    const float* input_norm;
+    const float* post_norm;
+    void* cache;  // [2, kv_heads, num_blocks, block_size * head_dim]
+};
+
+// A whole decode step for rows <= 8 sequences, every projection block-quantized: the layers
+// of llama.py's `_run_fused` in one call, no Python between the ops. h [rows, hidden] float32
+// is the embedded tokens (updated in place: the residual stream); out [rows, hidden] gets the
+// final-normed hidden states.
+template <typename C>
+bool decode_layers(const DecoderLayer* layers, int64_t num_layers, float* h, int64_t rows,
+                   int64_t hidden, int64_t inter, const float* final_norm, float eps,
+                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+                   int64_t block_size, const int64_t* positions, const float* cos_table,
+                   const float* sin_table, const int64_t* slots, const int64_t* tables,
+                   int64_t max_blocks, const int64_t* seq_lens, float scale, float* out) {
+    const int64_t q_dim = heads * head_dim, qkv_dim = q_dim + 2 * kv_heads * head_dim;
+    const int64_t wide = hidden > inter ? hidden : inter;
+    std::vector<float> x((size_t)(rows * wide)), qkv((size_t)(rows * qkv_dim));
+    std::vector<float> q((size_t)(rows * q_dim)), o((size_t)(rows * q_dim));
+    std::vector<float> gate_up((size_t)(rows * 2 * inter)), y((size_t)(rows * hidden));
+    add_rms_norm(h, (const float*)nullptr, layers[0].input_norm, rows, hidden, eps, x.data());
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const DecoderLayer& L = layers[l];
+        C* cache = (C*)L.cache;
+        if (!quant_mm(x.data(), hidden, rows, L.qkv, qkv.data(), qkv_dim)) return false;
+        rope_store(qkv.data(), qkv_dim, rows, heads, kv_heads, head_dim, positions, cos_table,
+                   sin_table, slots, cache, num_blocks * block_size, block_size, q.data(),
+                   (float*)nullptr);
+        if (!decode_attention_g<C, float>(heads / kv_heads, q.data(), q_dim, (const C*)cache,
+                                          tables, seq_lens, rows, max_blocks, heads, kv_heads,
+                                          num_blocks, block_size, head_dim, scale, o.data()))
+            return false;
+        if (!quant_mm(o.data(), q_dim, rows, L.o, y.data(), hidden)) return false;
+        add_rms_norm(h, y.data(), L.post_norm, rows, hidden, eps, x.data());
+        if (!quant_mm(x.data(), hidden, rows, L.gate_up, gate_up.data(), 2 * inter)) return false;
+        silu_mul(gate_up.data(), rows, inter, x.data());
+        if (!quant_mm(x.data(), inter, rows, L.down, y.data(), hidden)) return false;
+        const bool last = l + 1 == num_layers;
+        add_rms_norm(h, y.data(), last ? final_norm : layers[l + 1].input_norm, rows, hidden,
+                     eps, last ? out : x.data());
+    }
+    return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 when the group size (heads / kv_heads) has no kernel: the caller falls back.
+int32_t llmq_decode_attention(const float* q, int64_t q_stride, const void* cache,
+                              int32_t cache_bf16, const int64_t* tables, const int64_t* seq_lens,
+                              int64_t seqs, int64_t max_blocks, int64_t heads, int64_t kv_heads,
+                              int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                              float scale, void* out, int32_t out_bf16) {
+    bool done = false;
+    typed(cache_bf16, [&](auto c) { typed(out_bf16, [&](auto o) {
+        using C = std::remove_pointer_t<decltype(c)>;
+        using O = std::remove_pointer_t<decltype(o)>;
+        done = decode_attention_g<C, O>(heads / kv_heads, q, q_stride, (const C*)cache, tables,
+                                        seq_lens, seqs, max_blocks, heads, kv_heads, num_blocks,
+                                        block_size, head_dim, scale, (O*)out);
+    }); });
+    return done ? 1 : 0;
+}
+
+void llmq_add_rms_norm(float* h, const void* y, int32_t y_bf16, const float* w, int64_t rows,
+                       int64_t dim, float eps, void* out, int32_t out_bf16) {
+    typed(y_bf16, [&](auto yt) { typed(out_bf16, [&](auto o) {
+        add_rms_norm(h, (decltype(yt))y, w, rows, dim, eps, (decltype(o))out);
+    }); });
+}
+
+void llmq_silu_mul(const void* gate_up, int32_t in_bf16, int64_t rows, int64_t dim, void* out,
+                   int32_t out_bf16) {
+    typed(in_bf16, [&](auto g) { typed(out_bf16, [&](auto o) {
+        silu_mul((decltype(g))gate_up, rows, dim, (decltype(o))out);
+    }); });
+}
+
+void llmq_rope_store(const void* qkv, int32_t qkv_bf16, int64_t qkv_stride, int64_t tokens,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     const int64_t* positions, const float* cos_table, const float* sin_table,
+                     const int64_t* slots, void* cache, int32_t cache_bf16, int64_t num_slots,
+                     int64_t block_size, float* q_out, float* kv_out) {
+    typed(qkv_bf16, [&](auto x) { typed(cache_bf16, [&](auto c) {
+        rope_store((decltype(x))qkv, qkv_stride, tokens, heads, kv_heads, head_dim, positions,
+                   cos_table, sin_table, slots, (decltype(c))cache, num_slots, block_size, q_out,
+                   kv_out);
+    }); });
+}
+
+
+// Returns 0 for shapes with no kernel (rows > 8, groups not a multiple of 8).
+int32_t llmq_quant_matmul(const float* x, int64_t x_stride, int64_t rows, const QMat* w,
+                          float* y, int64_t y_stride) {
+    return quant_mm(x, x_stride, rows, *w, y, y_stride) ? 1 : 0;
+}
+
+// Returns 0 (having done nothing usable) when some shape has no kernel.
+int32_t llmq_decode_layers(const DecoderLayer* layers, int64_t num_layers, float* h,
+                           int64_t rows, int64_t hidden, int64_t inter, const float* final_norm,
+                           float eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t num_blocks, int64_t block_size, int32_t cache_bf16,
+                           const int64_t* positions, const float* cos_table,
+                           const float* sin_table, const int64_t* slots, const int64_t* tables,
+                           int64_t max_blocks, const int64_t* seq_lens, float scale,
+                           float* out) {
+    bool done = false;
+    typed(cache_bf16, [&](auto c) {
+        using C = std::remove_pointer_t<decltype(c)>;
+        done = decode_layers<C>(layers, num_layers, h, rows, hidden, inter, final_norm, eps,
+                                heads, kv_heads, head_dim, num_blocks, block_size, positions,
+                                cos_table, sin_table, slots, tables, max_blocks, seq_lens,
+                                scale, out);
+    });
+    return done ? 1 : 0;
+}
+
+}
+"""

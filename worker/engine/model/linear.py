@@ -1,0 +1,134 @@
+"""Linear: y = x W^T (+ b), with W held in the forms that are fastest for the step's batch.
+
+References: vLLM `layers/linear.py` (one module per projection, weights loaded in slices into a
+fused matrix), gpt-fast `quantize.py` (`WeightOnlyInt4Linear` over `_weight_int4pack_mm`),
+torch.compile's CPU freezing pass (the oneDNN ops used for the dense form).
+
+Forms, chosen per call by the number of rows (tokens) in x:
+
+- quantized (`--weights native`, GGUF block-quantized tensors), up to `QUANT_MAX_ROWS` rows:
+  a decode step of a few sequences reads each weight once, and 4-bit weights are 1/8 of
+  float32's bytes. With the compiled kernels (cpu_kernels.py) it is a `QuantMatrix`, run in
+  float32 arithmetic (the file's own numbers, exactly); without them torch's int4 kernel
+  (`Int4Weight`, bfloat16 in and out) where the type maps onto it.
+- dense: the weight prepacked for oneDNN in float32 (`fp32`, and `native` above the
+  crossover) or bfloat16 (`bf16`). Above a few rows the GEMM is compute-bound, and on CPUs
+  without AMX float32 oneDNN beats both bfloat16 and the int4 kernels (bench/kernels.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .block_quant import BLOCK_QUANT_TYPES, BlockQuant
+from .cpu_kernels import CpuKernels, QuantMatrix
+from .gguf_loader import QuantizedTensor
+from .int4_weight import Int4Weight
+
+logger = logging.getLogger(__name__)
+
+# NOTE: measured with bench/kernels.py on a 2-vCPU Xeon (AVX-512, no AMX), one thread: the
+# quantized kernels win up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x of float32 oneDNN;
+# M=16: 1.3-1.4x), float32 oneDNN from there on.
+QUANT_MAX_ROWS = 8
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # NOTE: torch.empty, not zeros: load_weights overwrites every element, and untouched
+    # pages cost no memory until then.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear(nn.Module):
+    """One projection (or several fused by rows: QKV, gate/up).
+
+    NOTE: oneDNN on a prepacked weight, not F.linear: torch's default float32 GEMM (MKL) runs
+    2-2.5x slower than oneDNN on a prepacked weight, and bfloat16 F.linear re-packs the weight
+    into oneDNN's blocked layout on every call (up to 4x slower for a one-token GEMM).
+    """
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype
+                 ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self._packed: torch.Tensor | None = None
+        self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
+        self._kernels: CpuKernels | None = None
+        self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
+
+    def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
+        """Remember the GGUF blocks of some rows, for `finalize` to build the int4 form."""
+        self._quantized_rows.append((rows or slice(0, self.out_features), tensor))
+
+    def finalize(self, native: bool, kernels: CpuKernels | None, keep_dense: bool = False
+                 ) -> None:
+        """Build the forms once the weights are loaded: quantized from the GGUF blocks
+        (`native`), and the oneDNN-packed dense weight. Unless it is shared (a tied head), the
+        dense copy is freed: the packed one replaces it, and keeping both doubles the RSS."""
+        if native:
+            bq = self._block_quant()
+            if bq is not None and kernels is not None and QuantMatrix.supports(bq):
+                self.quant, self._kernels = QuantMatrix(bq, self.bias), kernels
+            elif bq is not None:
+                self.quant = Int4Weight.from_block_quant(bq)
+        self._quantized_rows = []
+        if self._packed is not None or not _onednn_available():
+            return
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if not keep_dense:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _block_quant(self) -> BlockQuant | None:
+        parts = sorted(self._quantized_rows, key=lambda part: part[0].start)
+        qtypes = {tensor.qtype for _, tensor in parts}
+        covered = sum(rows.stop - rows.start for rows, _ in parts)
+        # NOTE: fused rows of mixed types (Q4_K_M keeps some attn_v in Q6_K) stay dense.
+        if covered != self.out_features or len(qtypes) != 1:
+            return None
+        qtype = qtypes.pop()
+        if qtype not in BLOCK_QUANT_TYPES:
+            return None
+        data = np.concatenate([tensor.data for _, tensor in parts])  # [out, row_bytes]
+        return BlockQuant.from_gguf(qtype, data, (self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every form held (the RSS the weights cost)."""
+        dense = self._packed if self._packed is not None else self.weight
+        quant = self.quant.nbytes if self.quant is not None else 0
+        return dense.numel() * dense.element_size() + quant
+
+    def input_dtype(self, num_rows: int) -> torch.dtype:
+        """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
+        if isinstance(self.quant, Int4Weight) and num_rows <= QUANT_MAX_ROWS:
+            return torch.bfloat16
+        return torch.float32 if self.quant is not None else self.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized form,
+        bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers cast
+        where they need another)."""
+        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+            if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
+                assert self._kernels is not None
+                return self._kernels.quant_matmul(x.float(), self.quant)
+            y = self.quant(x.to(torch.bfloat16))
+            return y if self.bias is None else y.add_(self.bias)
+        x = x.to(self.weight.dtype)
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self._packed, self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
