@@ -7,8 +7,9 @@ validates off the busy loop. Per entry, in order:
 1. record it in the in-flight table (from here on the lease keeper renews it, and a cancel that
    arrives while it is being admitted is not lost); past `max_deliveries` (it keeps killing
    workers) it goes to the dead-letter stream with `error{poison}`;
-2. decode with the broker's decoder, which never raises: an entry with a usable request id gets
-   `error{invalid_request}` on its result stream, one without goes to the dead-letter stream;
+2. decode with the broker's decoder, which never raises: an entry with a usable request id of its
+   own gets `error{invalid_request}` on its result stream; one without (none given, or none
+   readable) gets it on llmq:r:<entry id> and goes to the dead-letter stream too;
 3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
    `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
 4. cancel flag `llmq:x:<request_id>` (a cancel sent before a worker read the request);
@@ -161,19 +162,19 @@ class Admission:
                           processed.priority, arrival_time=self.clock() - waited_ms / 1000.0)
 
     def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Any) -> None:
-        if rejected.request_id is not None:
+        if rejected.request_id not in (None, entry.entry_id):
             logger.info("entry %s rejected (%s): %s", entry.entry_id, rejected.code,
                         rejected.message)
             self._fail(entry, rejected.code, rejected.message)
             return
-        # No usable request id, so no result stream to answer on: keep the payload for people.
+        # NOTE: no usable id of its own (none given, or unreadable): the error goes on
+        # llmq:r:<entry id>, the stream an id-less producer follows (the XADD reply is all it
+        # knows), and the payload is kept in the dead-letter stream for people. No other entry
+        # can write there: an explicit `id` of the entry-id form is refused.
         logger.warning("entry %s dead-lettered (%s): %s", entry.entry_id, rejected.code,
                        rejected.message)
-        entry.terminal = True
-        self.writer.put(EntryWrite(
-            entry.entry_id, None, "json", [], ack=True,
-            dead_letter=self.dead_letter(entry.entry_id, None, rejected.code, rejected.message,
-                                         entry.attempt, fields)))
+        self._fail(entry, rejected.code, rejected.message, dead_letter=self.dead_letter(
+            entry.entry_id, None, rejected.code, rejected.message, entry.attempt, fields))
 
     def _poison(self, entry: InFlight, decoded: Any, fields: Any) -> None:
         """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""
@@ -182,24 +183,18 @@ class Admission:
         logger.warning("entry %s is poison (%d deliveries): dead-lettered", entry.entry_id,
                        entry.attempt)
         code = ErrorCode.POISON
-        request_id = decoded.request_id  # None when the payload gave no usable id
-        entry.terminal = True
-        events: list[protocol.Event] = []
-        if request_id is not None:
-            events.append(protocol.Error(request_id=request_id, attempt=entry.attempt, code=code,
-                                         message=message, metadata=entry.metadata))
-        self.writer.put(EntryWrite(
-            entry.entry_id, request_id, entry.encoding, events, ack=True,
-            dead_letter=self.dead_letter(entry.entry_id, request_id, code, message,
-                                         entry.attempt, fields)))
+        # NOTE: without a usable id, entry.request_id is the entry id (answered there).
+        self._fail(entry, code, message, dead_letter=self.dead_letter(
+            entry.entry_id, decoded.request_id, code, message, entry.attempt, fields))
 
     def _fail(self, entry: InFlight, code: ErrorCode, message: str,
-              details: dict[str, Any] | None = None) -> None:
+              details: dict[str, Any] | None = None, *,
+              dead_letter: dict[str, bytes] | None = None) -> None:
         error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt, code=code,
                                message=message, details=details, metadata=entry.metadata)
         entry.terminal = True
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
-                                   ack=True))
+                                   ack=True, dead_letter=dead_letter))
 
     def _cancelled(self, entry: InFlight, waited_ms: int) -> None:
         waited = waited_ms / 1000.0

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import redis
 
+from llmq.broker import protocol
 from llmq.broker.errors import ErrorCode
 from llmq.broker.keys import GROUP
 from llmq.broker.protocol import as_str
@@ -256,13 +257,15 @@ class LeaseKeeper:
 
     def _dead_letter_deleted(self, entry_ids: list[str]) -> None:
         # NOTE: the payload is gone, so the request id is unknown (the producer may have given
-        # its own): keep a dead letter for operators; Redis already dropped it from the PEL.
+        # its own): answer on llmq:r:<entry id>, as for any entry without a usable id, and keep
+        # a dead letter for operators; Redis already dropped it from the PEL.
         message = "the entry was trimmed or deleted from the request stream while pending"
         code = ErrorCode.LOST_PAYLOAD
         logger.warning("%d pending entries lost their payload: %s", len(entry_ids), entry_ids[:5])
         for entry_id in entry_ids:
+            error = protocol.Error(request_id=entry_id, attempt=1, code=code, message=message)
             self.writer.put(EntryWrite(
-                entry_id, None, "json", [], ack=True, pop=False,
+                entry_id, entry_id, "json", [error], ack=True, pop=False,
                 dead_letter=self.admission.dead_letter(entry_id, None, code, message, 0, None)))
 
     # -- 3. heartbeat -----------------------------------------------------------------------------
