@@ -42,6 +42,7 @@ class ErrorCode(enum.StrEnum):
     NUMERICAL = "numerical"  # NaN/inf logits for this request
     ENGINE_ERROR = "engine_error"  # the engine failed this request for another reason
     LOST_PAYLOAD = "lost_payload"  # the entry was trimmed or deleted before a worker read it
+    DUPLICATE_ID = "duplicate_id"  # another entry owns this request id (running or finished)
 
 
 class LLMQError(Exception):

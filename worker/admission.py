@@ -12,7 +12,11 @@ validates off the busy loop. Per entry, in order:
    readable) gets it on llmq:r:<entry id> and goes to the dead-letter stream too;
 3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
    `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
-4. cancel flag `llmq:x:<request_id>` (a cancel sent before a worker read the request);
+4. ownership of the request id: `SET llmq:id:<request_id> <entry id> NX GET` (the marker the
+   producer's submit script sets, or the first worker to admit an entry of that id): an entry
+   whose id another entry owns is a duplicate, dead-lettered as `duplicate_id` and answered on
+   llmq:r:<its entry id>, never on the first run's stream; then the cancel flag
+   `llmq:x:<request_id>` (a cancel sent before a worker read the request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 
@@ -58,8 +62,9 @@ class Admission:
               forgiven: dict[str, int] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
 
-        Makes one round trip (TIME + cancel flags), retried through `backoff` while Redis is
-        away; if the worker stops meanwhile the entries stay in the table and are handed back.
+        Makes one round trip (TIME, cancel flags, id ownership), retried through `backoff` while
+        Redis is away; if the worker stops meanwhile the entries stay in the table and are
+        handed back.
         """
         fresh = []
         for raw_id, fields in entries:
@@ -75,12 +80,18 @@ class Admission:
         if not fresh:
             return 0
         flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)]
+        # NOTE: an id-less request's id is its entry id, which no other entry may name.
+        named = [e for e in flagged if e.request_id != e.entry_id]
         while True:
             try:
                 pipe = client.pipeline(transaction=False)
                 pipe.time()
                 for e in flagged:
                     pipe.exists(self.keys.cancel_flag(e.request_id))
+                for e in named:
+                    # NOTE: SET NX GET (Redis 7.0): claim the id, or learn which entry has it.
+                    pipe.set(self.keys.idempotency(e.request_id), e.entry_id, nx=True, get=True,
+                             ex=self.ctx.config.result_ttl)
                 results = pipe.execute()
                 backoff.succeeded()
                 break
@@ -97,17 +108,24 @@ class Admission:
                 raise
         seconds, micros = results[0]
         now_ms = int(seconds) * 1000 + int(micros) // 1000
-        cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, results[1:], strict=True)}
-        return self._admit_all(fresh, now_ms, cancel_flags)
+        flags, owners = results[1:1 + len(flagged)], results[1 + len(flagged):]
+        cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, flags, strict=True)}
+        # The entry that owns each id, when another one does.
+        taken = {e.entry_id: protocol.as_str(owner) for e, owner in zip(named, owners, strict=True)
+                 if owner is not None and protocol.as_str(owner) != e.entry_id}
+        return self._admit_all(fresh, now_ms, cancel_flags, taken)
 
     def _admit_all(self, fresh: list[tuple[InFlight, Any, Any]], now_ms: int,
-                   cancel_flags: dict[str, bool]) -> int:
+                   cancel_flags: dict[str, bool], taken: dict[str, str]) -> int:
         adds: list[AddRequest] = []
         for entry, decoded, fields in fresh:
             if entry.fenced:
                 self.table.pop(entry.entry_id)  # a peer took it while we waited for Redis
                 continue
             try:
+                if entry.entry_id in taken:
+                    self._duplicate(entry, taken[entry.entry_id], fields)
+                    continue
                 add = self._admit_one(entry, decoded, fields, now_ms,
                                       cancel_flags.get(entry.entry_id, False))
             except Exception:  # noqa: BLE001 - one bad request must never stop admission
@@ -175,6 +193,22 @@ class Admission:
                        rejected.message)
         self._fail(entry, rejected.code, rejected.message, dead_letter=self.dead_letter(
             entry.entry_id, None, rejected.code, rejected.message, entry.attempt, fields))
+
+    def _duplicate(self, entry: InFlight, owner: str, fields: Any) -> None:
+        """Another entry owns this request id: answer on llmq:r:<entry id>, never on the id's
+        own stream, whose run (attempts, events, ack) stays the owner's alone."""
+        request_id = entry.request_id
+        message = (f"request id {request_id!r} belongs to entry {owner}, submitted earlier: this "
+                   "entry is a duplicate and did not run (use a new id to run it again)")
+        logger.warning("entry %s is a duplicate of %s (request id %s): dead-lettered",
+                       entry.entry_id, owner, request_id)
+        entry.request_id = entry.entry_id  # cancels of the id must not reach it either
+        # NOTE: request_id None in the dead letter: a `dlq retry` of it must not delete the
+        # owner's result stream.
+        self._fail(entry, ErrorCode.DUPLICATE_ID, message, {"request_id": request_id,
+                                                              "owner_entry_id": owner},
+                   dead_letter=self.dead_letter(entry.entry_id, None, ErrorCode.DUPLICATE_ID,
+                                                message, entry.attempt, fields))
 
     def _poison(self, entry: InFlight, decoded: Any, fields: Any) -> None:
         """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""

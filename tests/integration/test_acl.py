@@ -103,6 +103,7 @@ ALLOWED = {
         ("XREVRANGE", CANCEL, "+", "-", "COUNT", "1"),             # cancellations
         ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),
         ("EXISTS", FLAG),
+        ("SET", IDEM, "1-0", "NX", "GET", "EX", "86400"),          # owning a request id
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
@@ -159,7 +160,6 @@ DENIED = {
         ("INFO",), ("SCRIPT", "FLUSH"),
         ("XADD", Q, "*", "json", "{}"),           # injecting requests
         ("SET", FLAG, "1"),                       # cancelling requests
-        ("SET", IDEM, "1-0"),                     # the submit script's marker
         ("XREAD", "STREAMS", R, "0"),             # reading results is the producer's
         ("DEL", Q), ("SET", Q, "x"),
         ("XGROUP", "DESTROY", Q, "workers"),
