@@ -101,6 +101,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     stream: bool = True  # False: no delta events, only start and the terminal event
     metadata: dict[str, Any] | None = None  # echoed back on the terminal event
     model: Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME_LEN)] | None = None
+    # True: special-token text in the prompt or message content is parsed as control tokens
+    # (trusted callers only; by default it is encoded as the text it is).
+    allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
