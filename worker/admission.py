@@ -59,8 +59,11 @@ class Admission:
 
     def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
               attempts: dict[str, int] | None = None,
-              forgiven: dict[str, int] | None = None) -> int:
+              forgiven: dict[str, int] | None = None, solo: set[str] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
+
+        `attempts`: delivery counts of reclaimed entries (default 1); `forgiven`: their
+        drain hand-backs; `solo`: the suspects among them, which run alone.
 
         Makes one round trip (TIME, cancel flags, id ownership), retried through `backoff` while
         Redis is away; if the worker stops meanwhile the entries stay in the table and are
@@ -73,6 +76,7 @@ class Admission:
             decoded = protocol.decode_request_entry(entry_id, fields)
             entry = _entry_for(decoded, attempt)
             entry.forgiven = (forgiven or {}).get(entry_id, 0)
+            entry.solo = entry_id in (solo or ())
             if not self.table.add(entry):
                 # Already ours and running: XAUTOCLAIM handed back our own entry after a stall.
                 continue
@@ -177,7 +181,8 @@ class Admission:
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
         return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
-                          processed.priority, arrival_time=self.clock() - waited_ms / 1000.0)
+                          processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
+                          solo=entry.solo)
 
     def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Any) -> None:
         if rejected.request_id not in (None, entry.entry_id):

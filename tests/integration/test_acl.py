@@ -105,7 +105,10 @@ ALLOWED = {
         ("EXISTS", FLAG),
         ("SET", IDEM, "1-0", "NX", "GET", "EX", "86400"),          # owning a request id
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
-        ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
+        ("PEXPIRE", HEARTBEAT, "5000"), ("DEL", HEARTBEAT),
+        ("EXISTS", HEARTBEAT),                                     # is a peer dead?
+        ("XPENDING", Q, "workers", "IDLE", "5000", "-", "+", "40", "worker-2"),
+        ("XCLAIM", Q, "workers", "worker-1", "5000", "1-0"),       # taking a dead peer's entries
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
     ],
     "gateway": [
