@@ -87,14 +87,18 @@ def dead_letters(r: redis.Redis) -> list[tuple[protocol.DeadLetter, dict[str, by
     return [protocol.decode_dead_letter(f) for _, f in r.xrange(KEYS.dlq("default"))]
 
 
-def worker_args(model_path: Path | str, *, lease: float = LEASE, renew: float = RENEW,
-                heartbeat: float = HEARTBEAT, drain: float = 5.0, max_num_seqs: int = 64,
-                extra: list[str] | None = None) -> list[str]:
+def worker_args(model_path: Path | str, *, lease: float | None = LEASE,
+                renew: float | None = RENEW, heartbeat: float | None = HEARTBEAT,
+                drain: float = 5.0, max_num_seqs: int = 64, extra: list[str] | None = None
+                ) -> list[str]:
+    """`llmq worker` flags for the tiny model; a lease, renew or heartbeat of None keeps the
+    worker's default."""
+    timing = [arg for flag, value in (("--lease-timeout", lease), ("--renew-interval", renew),
+                                      ("--heartbeat-timeout", heartbeat)) if value is not None
+              for arg in (flag, str(value))]
     return ["--model", str(model_path), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_BYTES),
-            "--max-num-seqs", str(max_num_seqs), "--lease-timeout", str(lease),
-            "--renew-interval", str(renew), "--heartbeat-timeout", str(heartbeat),
-            "--drain-timeout", str(drain),
+            "--max-num-seqs", str(max_num_seqs), *timing, "--drain-timeout", str(drain),
             "--max-deliveries", str(MAX_DELIVERIES), *(extra or [])]
 
 
