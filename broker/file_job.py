@@ -4,8 +4,9 @@ Each input line is a request object in the wire format (docs/protocol.md); the s
 the command fill the fields a line leaves out. Every line gets a request id: its `id` field, else
 a stable hash of the file's path, the line number and the line's text, so a rerun maps each line
 to the same id. All lines are validated, then submitted at once (one pipelined round trip per
-thousand), then followed together (`ResultGatherer`); results are written as JSONL in input order,
-one flushed line at a time, so a killed run leaves a valid prefix behind.
+thousand), then followed together (`Client.follow_many`: one reader for all of them); results
+are written as JSONL in input order, one flushed line at a time, so a killed run leaves a valid
+prefix behind.
 
 Rerunning the same command resumes: results already in the output file are kept and their
 requests are not submitted again; the others are submitted with the same ids, which the broker's
@@ -41,7 +42,6 @@ from llmq.broker.commands import build_submission
 from llmq.broker.errors import ErrorCode, InvalidRequest
 from llmq.broker.keys import is_valid_name
 from llmq.broker.protocol import Done, Error
-from llmq.broker.result_gatherer import ResultGatherer
 from llmq.broker.transcript import Transcript
 
 __all__ = ["FileJob", "FileJobListener", "FileLine", "OutputFile", "derive_request_id",
@@ -267,7 +267,7 @@ class FileJob:
         if to_submit:
             listener.submitting(len(to_submit))
         index_of = {file_lines[i].request_id: i for i in to_submit}
-        gatherer = ResultGatherer(self.client)
+        gatherer = self.client.follow_many()
         for start in range(0, len(to_submit), _SUBMIT_CHUNK):
             chunk = [file_lines[i].body for i in to_submit[start:start + _SUBMIT_CHUNK]]
             gatherer.add(self.client.submit_many(chunk))  # type: ignore[arg-type]
@@ -293,6 +293,8 @@ class FileJob:
                           "rerun the same command to resume (queued requests are not queued "
                           "again)")
             return 130
+        finally:
+            gatherer.close()
         listener.stopped()
         self._summary(len(file_lines))
         return 0
