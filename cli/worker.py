@@ -7,6 +7,7 @@ torch and the engine are imported inside the command only, so `llmq --help` stay
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -83,4 +84,10 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
     observability = start_observability(metrics_port, model_name, queue)
     engine = EngineCore(engine_config)
-    sys.exit(Worker(config, engine, model_name=model_name, observability=observability).run())
+    code = Worker(config, engine, model_name=model_name, observability=observability).run()
+    # NOTE: everything is written and handed back by now; the interpreter's own teardown of
+    # torch and the model (about a second) would only push the exit past the drain budget.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

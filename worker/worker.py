@@ -16,9 +16,10 @@ in-flight table); the engine is anything that satisfies `EngineClient`.
 
 Delivery is at-least-once (dramatiq/arq: ack only after the result is written). Lifecycle:
 
-- SIGTERM/SIGINT: stop reading at once, let the engine finish in-flight work for up to
-  `drain_timeout`, then hand the rest back (XCLAIM IDLE <huge>: a peer's XAUTOCLAIM takes it
-  immediately; no ack, no terminal event) and exit 0. A second signal exits at once.
+- SIGTERM/SIGINT: stop reading at once, let the engine finish in-flight work, then hand the
+  rest back (XCLAIM IDLE <huge>: a peer's next scan takes it immediately; no ack, no terminal
+  event) and exit 0, all within `drain_timeout` while Redis answers (the last second of it is
+  kept for the exit). A second signal exits at once.
 - An exception from `engine.step()` is engine-fatal: log it, hand every in-flight entry back,
   exit non-zero so peers (and the restarted pod) take the work. The entries that were in the
   engine go back as suspects, each to run alone on its next delivery (an `AddRequest.solo`
@@ -68,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_FATAL = 70  # EX_SOFTWARE
+# Seconds of the drain budget kept for the exit itself (flush, hand-back, threads, interpreter).
+SHUTDOWN_RESERVE = 0.25
 
 
 class Worker:
@@ -159,7 +162,13 @@ class Worker:
         if self.draining:
             return
         self.draining = True
-        self._drain_deadline = time.monotonic() + self.config.drain_timeout
+        # NOTE: the budget covers the whole exit: the engine drains until SHUTDOWN_RESERVE
+        # before its end, which leaves time to flush, hand back, unregister and join the
+        # threads (a blocked XREAD ends within read_block_ms), so a platform that waits
+        # drain_timeout before SIGKILL never kills a worker mid-hand-back.
+        reserve = min(self.config.drain_timeout / 2,
+                      SHUTDOWN_RESERVE + self.config.read_block_ms / 1000.0)
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout - reserve
         self.reader.stop_event.set()
         # NOTE: CLIENT UNBLOCK on a thread: the busy loop must not wait on Redis.
         threading.Thread(target=self.reader.stop, args=(self._admin,), daemon=True,
