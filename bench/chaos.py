@@ -78,7 +78,7 @@ class ChaosConfig:
 class ChaosReport:
     config: ChaosConfig
     accepted: int = 0
-    refused: int = 0  # submits that failed after the client's retries (not accepted)
+    refused: Counter[str] = field(default_factory=Counter)  # failed submits, by error
     faults: Counter[str] = field(default_factory=Counter)
     worker_exits: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)  # done / error code
@@ -103,7 +103,8 @@ class ChaosReport:
             (lambda q: "-")
         rows = [
             ("run", f"{c.duration:g} s of faults, {c.workers} workers, {c.server}, seed {c.seed}"),
-            ("requests accepted", f"{self.accepted} ({self.refused} refused after retries)"),
+            ("requests accepted", f"{self.accepted} ({sum(self.refused.values())} refused: "
+                                  f"{dict(self.refused) or 'none'})"),
             ("faults injected", ", ".join(f"{k} {self.faults[k]}" for k in FAULTS)),
             ("worker exits", ", ".join(f"{k} {v}" for k, v in sorted(self.worker_exits.items()))
              or "none"),
@@ -277,8 +278,8 @@ class Chaos:
                     client.submit(request_id=request_id, **body)
                     self.accepted[request_id] = time.time()
                     self.bodies[request_id] = body
-                except Exception:  # noqa: BLE001 - an outage past the retries: not accepted
-                    self.report.refused += 1
+                except Exception as e:  # noqa: BLE001 - refused, or an outage past the retries
+                    self.report.refused[f"{type(e).__name__}: {e}"[:120]] += 1
                 next_at += 1.0 / self.config.rate
                 self.stop.wait(max(0.0, next_at - time.monotonic()))
 
@@ -286,6 +287,9 @@ class Chaos:
 
     def _inject(self, pool: Pool, until: float) -> None:
         round_: list[str] = []
+        # NOTE: the producer's client must reach Redis once first: a client that never did
+        # fails at once instead of retrying (it may be pointed at the wrong place).
+        time.sleep(self.rng.uniform(*self.config.gap))
         while time.monotonic() < until:
             if not round_:
                 round_ = list(FAULTS)

@@ -11,6 +11,7 @@ finishes once resubmitted). The 30-minute figures are in docs/operations.md.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _chaos_module():
     spec = importlib.util.spec_from_file_location("chaos_bench", ROOT / "bench" / "chaos.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
@@ -40,6 +42,6 @@ def test_two_minutes_of_chaos_break_no_invariant(tiny_model_path: Path, tmp_path
     print(report.table())
     # Then every kind came up, requests flowed, and every invariant holds
     assert set(report.faults) == set(chaos.FAULTS), report.faults
-    assert report.accepted > 100 and report.refused == 0, report.table()
+    assert report.accepted > 100 and not report.refused, report.table()
     assert report.ok, f"{report.table()}\nworker logs: {report.log_dir}"
     assert sum(report.outcomes.values()) == report.accepted
