@@ -132,7 +132,21 @@ class AsyncClient(_ClientBase):
             keys, args = self._script_args(submission, queue)
             return await self._submit_script(keys=keys, args=args)
 
-        return self._submitted_id(submission, await self.call(send))
+        reply = await self.call(send)
+        await self._verify_markers(queue, [(submission, reply)])
+        return self._submitted_id(submission, reply)
+
+    async def _verify_markers(self, queue: str, sent: Iterable[tuple[Any, Any]]) -> None:
+        """`Client._verify_markers`, awaited."""
+        if not (marked := self._marked_elsewhere(sent)):
+            return
+
+        async def read() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_marker_checks(pipe, queue, marked)
+            return await pipe.execute(raise_on_error=False)
+
+        self._check_markers(marked, await self.call(read))
 
     async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                           queue: str | None = None) -> list[str]:
@@ -151,6 +165,7 @@ class AsyncClient(_ClientBase):
             return await pipe.execute()
 
         replies = await self.call(send)
+        await self._verify_markers(queue, zip(submissions, replies, strict=True))
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
 
     async def ensure_group(self, queue: str | None = None) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "LLMQError",
     "ProtocolError",
     "RequestFailed",
+    "RequestIdConflict",
     "RequestRejected",
     "ResultTimeout",
     "ServerStartError",
@@ -62,6 +63,11 @@ class RequestRejected(LLMQError):
         self.code = code
         self.message = message
         self.details = details
+
+
+class RequestIdConflict(LLMQError):
+    """A submit with a request id that is already marked, for an entry that is not this
+    request's or no longer exists: submitting again would queue nothing and answer nothing."""
 
 
 class BrokerUnavailable(LLMQError):

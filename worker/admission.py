@@ -15,7 +15,10 @@ validates off the busy loop. Per entry, in order:
 4. ownership of the request id: `SET llmq:id:<request_id> <entry id> NX GET` (the marker the
    producer's submit script sets, or the first worker to admit an entry of that id): an entry
    whose id another entry owns is a duplicate, dead-lettered as `duplicate_id` and answered on
-   llmq:r:<its entry id>, never on the first run's stream; then the cancel flag
+   llmq:r:<its entry id>, never on the first run's stream. A tenant's id (`<tenant>:<id>`) is
+   never claimed here: it runs only if its marker already names this entry (the tenant's own
+   submit script queued it), so a foreign XADD can neither hijack nor block it; then the cancel
+   flag
    `llmq:x:<request_id>` (a cancel sent before a worker read the request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
@@ -34,6 +37,7 @@ import redis
 
 from llmq.broker import protocol
 from llmq.broker.errors import ErrorCode, RequestRejected
+from llmq.broker.keys import tenant_of
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.inbox import AddRequest
@@ -93,9 +97,16 @@ class Admission:
                 for e in flagged:
                     pipe.exists(self.keys.cancel_flag(e.request_id))
                 for e in named:
-                    # NOTE: SET NX GET (Redis 7.0): claim the id, or learn which entry has it.
-                    pipe.set(self.keys.idempotency(e.request_id), e.entry_id, nx=True, get=True,
-                             ex=self.ctx.config.result_ttl)
+                    marker = self.keys.idempotency(e.request_id)
+                    if tenant_of(e.request_id) is not None:
+                        # NOTE: a tenant's id is never claimed here: only the tenant's own
+                        # submit script marks it, so an entry someone else XADDed with it
+                        # cannot take it (nor block it).
+                        pipe.get(marker)
+                    else:
+                        # NOTE: SET NX GET (Redis 7.0): claim the id, or learn who has it.
+                        pipe.set(marker, e.entry_id, nx=True, get=True,
+                                 ex=self.ctx.config.result_ttl)
                 results = pipe.execute()
                 backoff.succeeded()
                 break
@@ -114,9 +125,10 @@ class Admission:
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         flags, owners = results[1:1 + len(flagged)], results[1 + len(flagged):]
         cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, flags, strict=True)}
-        # The entry that owns each id, when another one does.
-        taken = {e.entry_id: protocol.as_str(owner) for e, owner in zip(named, owners, strict=True)
-                 if owner is not None and protocol.as_str(owner) != e.entry_id}
+        # The entry that owns each id, when another one does ("" for a tenant's unmarked id).
+        taken = {e.entry_id: protocol.as_str(owner or b"") for e, owner in zip(
+            named, owners, strict=True) if (owner is not None or tenant_of(e.request_id))
+            and protocol.as_str(owner or b"") != e.entry_id}
         return self._admit_all(fresh, now_ms, cancel_flags, taken)
 
     def _admit_all(self, fresh: list[tuple[InFlight, Any, Any]], now_ms: int,
@@ -200,20 +212,29 @@ class Admission:
             entry.entry_id, None, rejected.code, rejected.message, entry.attempt, fields))
 
     def _duplicate(self, entry: InFlight, owner: str, fields: Any) -> None:
-        """Another entry owns this request id: answer on llmq:r:<entry id>, never on the id's
-        own stream, whose run (attempts, events, ack) stays the owner's alone."""
+        """Another entry owns this request id (`owner`; "" when it is a tenant's id that its
+        submit script did not mark for this entry): answer on llmq:r:<entry id>, never on the
+        id's own stream, whose run (attempts, events, ack) stays the owner's alone."""
         request_id = entry.request_id
-        message = (f"request id {request_id!r} belongs to entry {owner}, submitted earlier: this "
-                   "entry is a duplicate and did not run (use a new id to run it again)")
-        logger.warning("entry %s is a duplicate of %s (request id %s): dead-lettered",
-                       entry.entry_id, owner, request_id)
+        if owner:
+            code = ErrorCode.DUPLICATE_ID
+            message = (f"request id {request_id!r} belongs to entry {owner}, submitted earlier: "
+                       "this entry is a duplicate and did not run (use a new id to run it "
+                       "again)")
+            details = {"request_id": request_id, "owner_entry_id": owner}
+        else:
+            code = ErrorCode.INVALID_REQUEST
+            message = (f"request id {request_id!r} is tenant {tenant_of(request_id)!r}'s: such "
+                       "ids run only when queued by the submit script, which marks the id as "
+                       "the entry's (a plain XADD cannot take or block a tenant's id)")
+            details = {"request_id": request_id, "tenant": tenant_of(request_id)}
+        logger.warning("entry %s not run (%s, request id %s, owner %s): dead-lettered",
+                       entry.entry_id, code, request_id, owner or "none")
         entry.request_id = entry.entry_id  # cancels of the id must not reach it either
         # NOTE: request_id None in the dead letter: a `dlq retry` of it must not delete the
         # owner's result stream.
-        self._fail(entry, ErrorCode.DUPLICATE_ID, message, {"request_id": request_id,
-                                                              "owner_entry_id": owner},
-                   dead_letter=self.dead_letter(entry.entry_id, None, ErrorCode.DUPLICATE_ID,
-                                                message, entry.attempt, fields))
+        self._fail(entry, code, message, details, dead_letter=self.dead_letter(
+            entry.entry_id, None, code, message, entry.attempt, fields))
 
     def _poison(self, entry: InFlight, decoded: Any, fields: Any) -> None:
         """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""

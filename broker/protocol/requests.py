@@ -55,12 +55,12 @@ RequestId = Annotated[str, Meta(pattern=f"^{NAME_PATTERN}\\Z")]
 # NOTE: an explicit id may not have the form of a stream entry id (`<ms>-<seq>`): that name
 # belongs to the id-less request added as that entry, whose producer follows llmq:r:<entry id>,
 # and no other entry may write there.
-_ENTRY_ID_RE = re.compile(r"[0-9]+-[0-9]+")
+ENTRY_ID_RE = re.compile(r"[0-9]+-[0-9]+")
 
 
 def is_usable_request_id(value: object) -> bool:
     """Whether a payload's `id` may name a result stream: a valid name, not an entry id."""
-    return is_valid_name(value) and _ENTRY_ID_RE.fullmatch(value) is None  # type: ignore[arg-type]
+    return is_valid_name(value) and ENTRY_ID_RE.fullmatch(value) is None  # type: ignore[arg-type]
 
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
@@ -108,7 +108,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
         # reach the caller exactly like the per-field bounds above.
-        if self.id is not None and _ENTRY_ID_RE.fullmatch(self.id):
+        if self.id is not None and ENTRY_ID_RE.fullmatch(self.id):
             raise ValueError(f"`id` {self.id!r} has the form of a stream entry id, which names "
                              "the result stream of a request sent without an id: choose another")
         given = [name for name in ("prompt", "messages", "prompt_token_ids")

@@ -69,6 +69,8 @@ ALLOWED = {
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
         ("SADD", "llmq:queues", "default"),
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
+        ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),  # is a marked entry running
+        ("XINFO", "GROUPS", Q),                               # ... or still queued
         ("EVALSHA", SHA, "2", Q, IDEM, "json", "{}", "86400"),  # submit with one (SUBMIT_SCRIPT)
         ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
         ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what the script runs
@@ -104,6 +106,7 @@ ALLOWED = {
         ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),
         ("EXISTS", FLAG),
         ("SET", IDEM, "1-0", "NX", "GET", "EX", "86400"),          # owning a request id
+        ("GET", IDEM),                                             # ... or a tenant's
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("PEXPIRE", HEARTBEAT, "5000"), ("DEL", HEARTBEAT),
         ("EXISTS", HEARTBEAT),                                     # is a peer dead?
@@ -120,6 +123,7 @@ ALLOWED = {
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
         ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
+        ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),         # marker checks
         ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
         ("HSET", "llmq:sse:alice:r1", "endpoint", "x"), ("HGETALL", "llmq:sse:alice:r1"),
         ("SET", "llmq:file:alice:file-1", "x", "EX", "60"),
