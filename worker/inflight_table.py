@@ -12,7 +12,7 @@ entries carry the same wire `id` (a resubmission), so their attempts never mix.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -41,6 +41,8 @@ class InFlight:
     solo: bool = False
     # Set by the busy loop once the engine has it: what an engine failure makes suspect.
     in_engine: bool = False
+    n: int = 1  # completions asked for; the terminal event waits for all of them
+    finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
 
 
 class InFlightTable:

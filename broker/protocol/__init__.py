@@ -7,9 +7,11 @@ without pulling in redis. By concept:
 
     encoding.py   the two encodings of an entry (`json` / `msgpack` field), reading reply fields
     requests.py   the request object on llmq:q:<queue> and decoding an entry into one
+    response_format.py  what a request may constrain its output to (`response_format`, `guided`)
     events.py     start / delta / done / error on llmq:r:<request_id>, and the terminal-event
                   builder the worker and `llmq generate -f` share
     records.py    operational records: cancellations, dead letters, worker heartbeats
+    control.py    utility calls on llmq:ctl:<queue> and the workers' answers
 
 Everything public is re-exported here: `from llmq.broker.protocol import Request, Done`.
 
@@ -17,8 +19,18 @@ References: vLLM v1 `engine/__init__.py` for msgspec wire structs.
 """
 
 from llmq.broker.errors import ErrorCode
+from llmq.broker.protocol.control import (
+    METHODS,
+    ControlCall,
+    ControlReply,
+    decode_call,
+    decode_reply,
+    encode_call,
+    encode_reply,
+)
 from llmq.broker.protocol.encoding import ENCODINGS, Encoding, as_str
 from llmq.broker.protocol.events import (
+    Choice,
     Delta,
     Done,
     Error,
@@ -30,6 +42,7 @@ from llmq.broker.protocol.events import (
     Usage,
     decode_event,
     encode_event,
+    gather_choices,
     is_terminal,
     terminal_event,
 )
@@ -52,6 +65,7 @@ from llmq.broker.protocol.requests import (
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
     MAX_MODEL_NAME_LEN,
+    MAX_N,
     MAX_PAYLOAD_BYTES,
     MAX_PRIORITY,
     MAX_PROMPT_CHARS,
@@ -70,6 +84,15 @@ from llmq.broker.protocol.requests import (
     parse_entry_id,
     parse_request,
 )
+from llmq.broker.protocol.response_format import (
+    Guided,
+    JsonSchema,
+    ResponseFormat,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    ResponseFormatText,
+    output_constraint,
+)
 
 __all__ = [
     "DEAD_LETTER_FIELD",
@@ -80,6 +103,7 @@ __all__ = [
     "MAX_MESSAGES",
     "MAX_METADATA_BYTES",
     "MAX_MODEL_NAME_LEN",
+    "MAX_N",
     "MAX_PAYLOAD_BYTES",
     "MAX_PRIORITY",
     "MAX_PROMPT_CHARS",
@@ -88,7 +112,11 @@ __all__ = [
     "MAX_STOP_STRING_LEN",
     "MAX_TOKEN_ID",
     "MAX_TOKENS_LIMIT",
+    "METHODS",
     "CancelNotice",
+    "Choice",
+    "ControlCall",
+    "ControlReply",
     "DeadLetter",
     "DecodedRequest",
     "Delta",
@@ -98,27 +126,39 @@ __all__ = [
     "ErrorCode",
     "Event",
     "FinishedOutput",
+    "Guided",
+    "JsonSchema",
     "Message",
     "RejectedEntry",
     "Request",
+    "ResponseFormat",
+    "ResponseFormatJsonObject",
+    "ResponseFormatJsonSchema",
+    "ResponseFormatText",
     "Start",
     "Timings",
     "TokenLogprob",
     "Usage",
     "WorkerHeartbeat",
     "as_str",
+    "decode_call",
     "decode_cancel",
     "decode_dead_letter",
     "decode_event",
     "decode_heartbeat",
+    "decode_reply",
     "decode_request_entry",
+    "encode_call",
     "encode_cancel",
     "encode_dead_letter",
     "encode_event",
     "encode_heartbeat",
+    "encode_reply",
     "encode_request",
     "entry_time_ms",
+    "gather_choices",
     "is_terminal",
+    "output_constraint",
     "parse_entry_id",
     "parse_request",
     "terminal_event",

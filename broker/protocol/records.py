@@ -114,6 +114,7 @@ class WorkerHeartbeat(Struct, kw_only=True):
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
     tokens_per_s: float = 0.0  # output tokens per second, recent average
     version: str = ""
+    sleeping: int = 0  # 0 awake; 1 KV cache freed; 2 weights freed too (`llmq admin sleep`)
 
 
 def encode_heartbeat(heartbeat: WorkerHeartbeat) -> dict[str, str]:
