@@ -31,6 +31,7 @@ __all__ = [
     "QueueStats",
     "Request",
     "RequestFailed",
+    "RequestIdConflict",
     "ResultTimeout",
     "Start",
     "Transcript",
@@ -54,6 +55,7 @@ _HOMES = {
     "QueueStats": "commands",
     "Request": "protocol",
     "RequestFailed": "errors",
+    "RequestIdConflict": "errors",
     "ResultTimeout": "errors",
     "Start": "protocol",
     "Transcript": "transcript",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
         InvalidRequest,
         LLMQError,
         RequestFailed,
+        RequestIdConflict,
         ResultTimeout,
     )
     from llmq.broker.keys import Keys

@@ -127,7 +127,21 @@ class AsyncClient(_ClientBase):
         async def send() -> Any:
             return await self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
 
-        return self._submitted_id(submission, await self._submitting(send, queue))
+        reply = await self._submitting(send, queue)
+        await self._verify_markers(queue, [(submission, reply)])
+        return self._submitted_id(submission, reply)
+
+    async def _verify_markers(self, queue: str, sent: Iterable[tuple[Any, Any]]) -> None:
+        """`Client._verify_markers`, awaited."""
+        if not (marked := self._marked_elsewhere(sent)):
+            return
+
+        async def read() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_marker_checks(pipe, queue, marked)
+            return await pipe.execute(raise_on_error=False)
+
+        self._check_markers(marked, await self.call(read))
 
     async def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                           queue: str | None = None) -> list[str]:
@@ -142,6 +156,7 @@ class AsyncClient(_ClientBase):
             return await pipe.execute()
 
         replies = await self._submitting(send, queue)
+        await self._verify_markers(queue, zip(submissions, replies, strict=True))
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
 
     async def _submitting(self, send: Callable[[], Awaitable[T]], queue: str) -> T:

@@ -31,6 +31,7 @@ import redis
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     DEFAULT_REQUEST_TTL,
+    MARKER_CHECK_REPLIES,
     RETRY_SCRIPT,
     DeadLetterEntry,
     Followed,
@@ -39,6 +40,7 @@ from llmq.broker.commands import (
     Submission,
     as_str,
     build_submission,
+    check_marker,
     dead_letter_to_retry,
     exhausted_message,
     group_created,
@@ -46,6 +48,7 @@ from llmq.broker.commands import (
     parse_heartbeats,
     parse_queue_stats,
     queue_group_creation,
+    queue_marker_check,
 )
 from llmq.broker.connection import (
     DEFAULT_MAX_CONNECTIONS,
@@ -70,6 +73,7 @@ from llmq.broker.protocol import (
     WorkerHeartbeat,
     encode_cancel,
 )
+from llmq.broker.protocol.requests import ENTRY_ID_RE
 from llmq.broker.result_reader import FollowerGroup, ResultReader
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff, RetryPolicy
 from llmq.broker.settings import BrokerSettings
@@ -182,6 +186,28 @@ class _ClientBase:
         return [len(keys), *keys, *args]
 
     @staticmethod
+    def _marked_elsewhere(sent: Iterable[tuple[Submission, Any]]) -> list[tuple[str, str]]:
+        """(request id, entry id its marker names) of the submits the script did not queue."""
+        return [(submission.request_id, as_str(reply[1])) for submission, reply in sent
+                if submission.request_id is not None and not int(reply[0])]
+
+    def _queue_marker_checks(self, pipe: Any, queue: str, marked: list[tuple[str, str]]) -> None:
+        for request_id, entry_id in marked:
+            if ENTRY_ID_RE.fullmatch(entry_id):
+                queue_marker_check(pipe, self.keys, queue, request_id, entry_id)
+
+    @staticmethod
+    def _check_markers(marked: list[tuple[str, str]], replies: list[Any]) -> None:
+        """RequestIdConflict for the first marker that cannot be its request's (see
+        `commands.check_marker`): raised rather than pretend the request is queued."""
+        at = 0
+        for request_id, entry_id in marked:
+            if not ENTRY_ID_RE.fullmatch(entry_id):
+                check_marker(request_id, entry_id, None)
+            check_marker(request_id, entry_id, replies[at:at + MARKER_CHECK_REPLIES])
+            at += MARKER_CHECK_REPLIES
+
+    @staticmethod
     def _submitted_id(submission: Submission, reply: Any) -> str:
         """The request id, from the submit function's reply {queued, entry id}."""
         if submission.request_id is None:
@@ -284,9 +310,12 @@ class Client(_ClientBase):
         Give exactly one of `prompt`, `messages` ([{"role", "content"}]) or `prompt_token_ids`;
         `params` are the other request fields (max_tokens, temperature, stop, metadata...).
         With `request_id`, submitting is idempotent: while the id is remembered (`request_ttl`),
-        a second submit of it queues nothing and returns the same id. Without one, the stream
+        a second submit of it queues nothing and returns the same id, once it has checked that
+        the entry the id is marked with can be this request (RequestIdConflict if it was
+        deleted unread, expired, or the marker was set by someone else). Without one, the stream
         entry id becomes the request id.
-        Raises InvalidRequest (message names the field), BrokerUnavailable, BrokerError.
+        Raises InvalidRequest (message names the field), RequestIdConflict, BrokerUnavailable,
+        BrokerError.
         """
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
@@ -295,7 +324,22 @@ class Client(_ClientBase):
         def send() -> Any:
             return self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
 
-        return self._submitted_id(submission, self._submitting(send, queue))
+        reply = self._submitting(send, queue)
+        self._verify_markers(queue, [(submission, reply)])
+        return self._submitted_id(submission, reply)
+
+    def _verify_markers(self, queue: str, sent: Iterable[tuple[Submission, Any]]) -> None:
+        """For submits that queued nothing because the id is marked: check, with one round trip,
+        that the marked entry can be this request (RequestIdConflict if not)."""
+        if not (marked := self._marked_elsewhere(sent)):
+            return
+
+        def read() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_marker_checks(pipe, queue, marked)
+            return pipe.execute(raise_on_error=False)
+
+        self._check_markers(marked, self.call(read))
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]], *,
                     queue: str | None = None) -> list[str]:
@@ -316,6 +360,7 @@ class Client(_ClientBase):
             return pipe.execute()
 
         replies = self._submitting(send, queue)
+        self._verify_markers(queue, zip(submissions, replies, strict=True))
         return [self._submitted_id(s, r) for s, r in zip(submissions, replies, strict=True)]
 
     def _submitting(self, send: Callable[[], T], queue: str) -> T:

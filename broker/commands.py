@@ -20,6 +20,7 @@ from llmq.broker.errors import (
     InvalidRequest,
     LLMQError,
     ProtocolError,
+    RequestIdConflict,
     ResultTimeout,
     SchemaMismatch,
     StreamExhausted,
@@ -38,10 +39,12 @@ from llmq.broker.protocol import (
     encode_event,
     parse_request,
 )
+from llmq.broker.protocol.requests import ENTRY_ID_RE
 from llmq.broker.transcript import Fold, Transcript
 
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
+    "MARKER_CHECK_REPLIES",
     "DEFAULT_REQUEST_TTL",
     "Followed",
     "RETRY_SCRIPT",
@@ -51,6 +54,7 @@ __all__ = [
     "Submission",
     "as_str",
     "build_submission",
+    "check_marker",
     "dead_letter_to_retry",
     "decode_result_entry",
     "exhausted_message",
@@ -63,10 +67,14 @@ __all__ = [
     "queue_event",
     "queue_events",
     "queue_group_creation",
+    "queue_marker_check",
     "stream_entries",
 ]
 
 logger = logging.getLogger(__name__)
+
+# Replies `queue_marker_check` queues per request id.
+MARKER_CHECK_REPLIES = 4
 
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
@@ -221,6 +229,55 @@ def queue_events(pipe: Any, keys: Keys, events: Iterable[tuple[Event, Encoding]]
         touched[key] = None
     for key in touched:
         pipe.expire(key, result_ttl)
+
+
+def queue_marker_check(pipe: Any, keys: Keys, queue: str, request_id: str,
+                       entry_id: str) -> None:
+    """Queue the reads `check_marker` needs, for a submit the script answered "already marked
+    as `entry_id`". Execute with raise_on_error=False. None of them reads a payload: a producer
+    may not read the request stream."""
+    pipe.time()
+    pipe.xlen(keys.result(request_id))  # NOTE: XLEN, the result readers' right (not EXISTS)
+    pipe.xpending_range(keys.queue(queue), GROUP, min=entry_id, max=entry_id, count=1)
+    pipe.xinfo_groups(keys.queue(queue))
+
+
+def check_marker(request_id: str, entry_id: str, replies: list[Any] | None) -> None:
+    """RequestIdConflict when the entry a request id's marker names cannot be this request:
+    the marker is no entry id, names an entry from the future, or one that was delivered, is
+    not running and left no result (trimmed or deleted, its result expired, or the marker was
+    set by someone else). Otherwise the request is running, finished or still queued.
+
+    `replies` are `queue_marker_check`'s (None: there is no entry id to check). A read this
+    user may not make (NOPERM, an older ACL) leaves the answer open: no error then."""
+    if replies is None or not ENTRY_ID_RE.fullmatch(entry_id):
+        raise RequestIdConflict(
+            f"request id {request_id!r} is marked as submitted, but its marker holds "
+            f"{entry_id[:40]!r}, which is no entry id: someone else set it; use another id")
+    now, has_result, pending, groups = replies
+    if any(isinstance(r, Exception) for r in replies):
+        logger.debug("cannot check the marker of %s: %s", request_id, replies)
+        return
+    if has_result or pending:
+        return  # finished, or running
+    seconds, micros = now
+    marked = parse_entry_id(entry_id)
+    if marked[0] > int(seconds) * 1000 + int(micros) // 1000 + 1000:
+        raise RequestIdConflict(
+            f"request id {request_id!r} is marked as entry {entry_id}, which is in the future: "
+            "someone else set the marker; use another id")
+    for info in groups:
+        if as_str(_field(info, "name")) == GROUP:
+            if marked > parse_entry_id(as_str(_field(info, "last-delivered-id"))):
+                return  # not read yet: it waits in the queue
+            break
+    else:
+        return  # no group yet: nothing was delivered, it waits
+    raise RequestIdConflict(
+        f"request id {request_id!r} is marked as submitted (entry {entry_id}), but that entry "
+        "was delivered, is not running and left no result: it was trimmed or deleted, its "
+        "result expired, or someone else set the marker. Submitting again would queue nothing: "
+        "use another id")
 
 
 def queue_group_creation(pipe: Any, keys: Keys, queue: str) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "SchemaMismatch",
     "StreamExhausted",
     "RequestFailed",
+    "RequestIdConflict",
     "RequestRejected",
     "ResultTimeout",
     "ServerStartError",
@@ -44,6 +45,7 @@ class ErrorCode(enum.StrEnum):
     NUMERICAL = "numerical"  # NaN/inf logits for this request
     ENGINE_ERROR = "engine_error"  # the engine failed this request for another reason
     LOST_PAYLOAD = "lost_payload"  # the entry was trimmed or deleted before a worker read it
+    DUPLICATE_ID = "duplicate_id"  # another entry owns this request id (running or finished)
 
 
 class LLMQError(Exception):
@@ -63,6 +65,11 @@ class RequestRejected(LLMQError):
         self.code = code
         self.message = message
         self.details = details
+
+
+class RequestIdConflict(LLMQError):
+    """A submit with a request id that is already marked, for an entry that is not this
+    request's or no longer exists: submitting again would queue nothing and answer nothing."""
 
 
 class BrokerUnavailable(LLMQError):

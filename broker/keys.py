@@ -79,6 +79,7 @@ __all__ = [
     "Keys",
     "is_valid_name",
     "is_valid_tenant",
+    "tenant_of",
     "validate_name",
 ]
 
@@ -108,6 +109,16 @@ def is_valid_name(value: object) -> bool:
 
 def is_valid_tenant(value: object) -> bool:
     return isinstance(value, str) and _TENANT_RE.fullmatch(value) is not None
+
+
+def tenant_of(request_id: str) -> str | None:
+    """The tenant a request id belongs to: what comes before its first `:`, if it has one.
+
+    Such an id is a tenant's (`<tenant>:<id>`): only that tenant's producer user can write its
+    keys, and a worker runs an entry with it only when the id's marker names that entry (it was
+    queued by the submit function, which the tenant alone can run for its ids)."""
+    tenant, colon, _ = request_id.partition(":")
+    return tenant if colon else None
 
 
 def validate_name(kind: str, value: object) -> str:

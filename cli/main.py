@@ -13,6 +13,7 @@ import click
 import redis
 
 from llmq.broker.errors import LLMQError
+from llmq.cli.acl import acl
 from llmq.cli.admin import admin
 from llmq.cli.batch import batch, batch_worker
 from llmq.cli.bench import bench
@@ -47,7 +48,7 @@ def cli(log_level: str) -> None:
 
 
 for command in (up, down, submit, result, cancel, status, dlq, batch, batch_worker, bench,
-                worker, generate, serve, admin):
+                worker, generate, serve, admin, acl):
     cli.add_command(command)
 
 

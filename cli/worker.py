@@ -7,6 +7,7 @@ torch and the engine are imported inside the command only, so `llmq --help` stay
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -40,9 +41,14 @@ def parse_cpus(value: str | None) -> set[int] | None:
 @click.option("--renew-interval", envvar="LLMQ_RENEW_INTERVAL",
               type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds between lease renewals (default: lease timeout / 3).")
+@click.option("--heartbeat-timeout", envvar="LLMQ_HEARTBEAT_TIMEOUT",
+              type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds without a heartbeat after which a worker is dead and peers take "
+                   "its requests at once.")
 @click.option("--claim-interval", envvar="LLMQ_CLAIM_INTERVAL",
               type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds between scans for dead workers' requests (default: renew interval).")
+              help="Seconds between scans for dead workers' requests (default: heartbeat "
+                   "timeout / 5).")
 @click.option("--drain-timeout", envvar="LLMQ_DRAIN_TIMEOUT", type=click.FloatRange(min=0),
               default=20.0, show_default=True,
               help="Seconds to finish in-flight requests after SIGTERM before handing them back.")
@@ -61,7 +67,8 @@ def parse_cpus(value: str | None) -> set[int] | None:
               "worker to its own.")
 @engine_options
 def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None,
-           lease_timeout: float, renew_interval: float | None, claim_interval: float | None,
+           lease_timeout: float, renew_interval: float | None, heartbeat_timeout: float,
+           claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
            metrics_port: int, cpus: set[int] | None, **kwargs) -> None:
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
@@ -78,7 +85,8 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
         config = WorkerConfig(
             redis_url=resolve_redis_url(redis_url), prefix=prefix, queue=queue,
             worker_id=worker_id or default_worker_id(), lease_timeout=lease_timeout,
-            renew_interval=renew_interval, claim_interval=claim_interval,
+            renew_interval=renew_interval, heartbeat_timeout=heartbeat_timeout,
+            claim_interval=claim_interval,
             drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
             result_maxlen=result_maxlen, metrics_port=metrics_port)
     except LLMQError as e:
@@ -96,4 +104,10 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
     observability = start_observability(metrics_port, model_name, queue)
     engine = EngineCore(engine_config)
-    sys.exit(Worker(config, engine, model_name=model_name, observability=observability).run())
+    code = Worker(config, engine, model_name=model_name, observability=observability).run()
+    # NOTE: everything is written and handed back by now; the interpreter's own teardown of
+    # torch and the model (about a second) would only push the exit past the drain budget.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

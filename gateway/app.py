@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
-from llmq.broker.errors import LLMQError
+from llmq.broker.errors import LLMQError, RequestIdConflict
 from llmq.gateway import batches, completions, files
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_view import PoolView
@@ -107,6 +107,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _broker_error(request: Request, exc: Exception) -> Response:
     logger.warning("%s %s: %s", request.method, request.url.path, exc)
+    if isinstance(exc, RequestIdConflict):
+        # NOTE: an X-Request-Id reused after its request was lost or its result expired.
+        return json_response({"error": {"message": str(exc), "type": "invalid_request_error",
+                                        "param": None, "code": "request_id_conflict"}}, 409)
     return json_response({"error": {"message": str(exc), "type": "server_error", "param": None,
                                     "code": "broker_unavailable"}}, 503)
 

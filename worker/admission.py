@@ -7,11 +7,18 @@ validates off the busy loop. Per entry, in order:
 1. record it in the in-flight table (from here on the lease keeper renews it, and a cancel that
    arrives while it is being admitted is not lost); past `max_deliveries` (it keeps killing
    workers) it goes to the dead-letter stream with `error{poison}`;
-2. decode with the broker's decoder, which never raises: an entry with a usable request id gets
-   `error{invalid_request}` on its result stream, one without goes to the dead-letter stream;
+2. decode with the broker's decoder, which never raises: an entry with a usable request id of its
+   own gets `error{invalid_request}` on its result stream; one without (none given, or none
+   readable) gets it on llmq:r:{<entry id>} and goes to the dead-letter stream too;
 3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
    `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
-4. cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the request);
+4. ownership of the request id: `SET llmq:id:{<queue>}:<request_id> <entry id> NX GET` (the
+   marker the producer's submit function sets, or the first worker to admit an entry of that
+   id): an entry whose id another entry owns is a duplicate, dead-lettered as `duplicate_id`
+   and answered on llmq:r:{<its entry id>}, never on the first run's stream. A tenant's id
+   (`<tenant>:<id>`) is never claimed here: it runs only if its marker already names this entry (the tenant's own
+   submit function queued it), so a foreign XADD can neither hijack nor block it; then the
+   cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 
@@ -30,6 +37,7 @@ import redis
 from llmq.broker import protocol
 from llmq.broker.connection import is_cluster
 from llmq.broker.errors import ErrorCode, RequestRejected
+from llmq.broker.keys import tenant_of
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.inbox import AddRequest
@@ -55,11 +63,15 @@ class Admission:
 
     def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
               attempts: dict[str, int] | None = None,
-              forgiven: dict[str, int] | None = None) -> int:
+              forgiven: dict[str, int] | None = None, solo: set[str] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
 
-        Makes one round trip (TIME + cancel flags), retried through `backoff` while Redis is
-        away; if the worker stops meanwhile the entries stay in the table and are handed back.
+        `attempts`: delivery counts of reclaimed entries (default 1); `forgiven`: their
+        drain hand-backs; `solo`: the suspects among them, which run alone.
+
+        Makes one round trip (TIME, cancel flags, id ownership), retried through `backoff` while
+        Redis is away; if the worker stops meanwhile the entries stay in the table and are
+        handed back.
         """
         fresh = []
         for raw_id, fields in entries:
@@ -68,6 +80,7 @@ class Admission:
             decoded = protocol.decode_request_entry(entry_id, fields)
             entry = _entry_for(decoded, attempt)
             entry.forgiven = (forgiven or {}).get(entry_id, 0)
+            entry.solo = entry_id in (solo or ())
             if not self.table.add(entry):
                 # Already ours and running: XAUTOCLAIM handed back our own entry after a stall.
                 continue
@@ -75,9 +88,11 @@ class Admission:
         if not fresh:
             return 0
         flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)]
+        # NOTE: an id-less request's id is its entry id, which no other entry may name.
+        named = [e for e in flagged if e.request_id != e.entry_id]
         while True:
             try:
-                results = self._read_time_and_flags(client, flagged)
+                results = self._read_time_flags_and_markers(client, flagged, named)
                 backoff.succeeded()
                 break
             except TRANSIENT_ERRORS as e:
@@ -93,17 +108,25 @@ class Admission:
                 raise
         seconds, micros = results[0]
         now_ms = int(seconds) * 1000 + int(micros) // 1000
-        cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, results[1:], strict=True)}
-        return self._admit_all(fresh, now_ms, cancel_flags)
+        flags, owners = results[1:1 + len(flagged)], results[1 + len(flagged):]
+        cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, flags, strict=True)}
+        # The entry that owns each id, when another one does ("" for a tenant's unmarked id).
+        taken = {e.entry_id: protocol.as_str(owner or b"") for e, owner in zip(
+            named, owners, strict=True) if (owner is not None or tenant_of(e.request_id))
+            and protocol.as_str(owner or b"") != e.entry_id}
+        return self._admit_all(fresh, now_ms, cancel_flags, taken)
 
     def _admit_all(self, fresh: list[tuple[InFlight, Any, Any]], now_ms: int,
-                   cancel_flags: dict[str, bool]) -> int:
+                   cancel_flags: dict[str, bool], taken: dict[str, str]) -> int:
         adds: list[AddRequest] = []
         for entry, decoded, fields in fresh:
             if entry.fenced:
                 self.table.pop(entry.entry_id)  # a peer took it while we waited for Redis
                 continue
             try:
+                if entry.entry_id in taken:
+                    self._duplicate(entry, taken[entry.entry_id], fields)
+                    continue
                 add = self._admit_one(entry, decoded, fields, now_ms,
                                       cancel_flags.get(entry.entry_id, False))
             except Exception:  # noqa: BLE001 - one bad request must never stop admission
@@ -155,22 +178,48 @@ class Admission:
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
         return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
-                          processed.priority, arrival_time=self.clock() - waited_ms / 1000.0)
+                          processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
+                          solo=entry.solo)
 
     def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Any) -> None:
-        if rejected.request_id is not None:
+        if rejected.request_id not in (None, entry.entry_id):
             logger.info("entry %s rejected (%s): %s", entry.entry_id, rejected.code,
                         rejected.message)
             self._fail(entry, rejected.code, rejected.message)
             return
-        # No usable request id, so no result stream to answer on: keep the payload for people.
+        # NOTE: no usable id of its own (none given, or unreadable): the error goes on
+        # llmq:r:{<entry id>}, the stream an id-less producer follows (the XADD reply is all it
+        # knows), and the payload is kept in the dead-letter stream for people. No other entry
+        # can write there: an explicit `id` of the entry-id form is refused.
         logger.warning("entry %s dead-lettered (%s): %s", entry.entry_id, rejected.code,
                        rejected.message)
-        entry.terminal = True
-        self.writer.put(EntryWrite(
-            entry.entry_id, None, "json", [], ack=True,
-            dead_letter=self.dead_letter(entry.entry_id, None, rejected.code, rejected.message,
-                                         entry.attempt, fields)))
+        self._fail(entry, rejected.code, rejected.message, dead_letter=self.dead_letter(
+            entry.entry_id, None, rejected.code, rejected.message, entry.attempt, fields))
+
+    def _duplicate(self, entry: InFlight, owner: str, fields: Any) -> None:
+        """Another entry owns this request id (`owner`; "" when it is a tenant's id that its
+        submit function did not mark for this entry): answer on llmq:r:{<entry id>}, never on the
+        id's own stream, whose run (attempts, events, ack) stays the owner's alone."""
+        request_id = entry.request_id
+        if owner:
+            code = ErrorCode.DUPLICATE_ID
+            message = (f"request id {request_id!r} belongs to entry {owner}, submitted earlier: "
+                       "this entry is a duplicate and did not run (use a new id to run it "
+                       "again)")
+            details = {"request_id": request_id, "owner_entry_id": owner}
+        else:
+            code = ErrorCode.INVALID_REQUEST
+            message = (f"request id {request_id!r} is tenant {tenant_of(request_id)!r}'s: such "
+                       "ids run only when queued by the submit function, which marks the id as "
+                       "the entry's (a plain XADD cannot take or block a tenant's id)")
+            details = {"request_id": request_id, "tenant": tenant_of(request_id)}
+        logger.warning("entry %s not run (%s, request id %s, owner %s): dead-lettered",
+                       entry.entry_id, code, request_id, owner or "none")
+        entry.request_id = entry.entry_id  # cancels of the id must not reach it either
+        # NOTE: request_id None in the dead letter: a `dlq retry` of it must not delete the
+        # owner's result stream.
+        self._fail(entry, code, message, details, dead_letter=self.dead_letter(
+            entry.entry_id, None, code, message, entry.attempt, fields))
 
     def _poison(self, entry: InFlight, decoded: Any, fields: Any) -> None:
         """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""
@@ -179,24 +228,18 @@ class Admission:
         logger.warning("entry %s is poison (%d deliveries): dead-lettered", entry.entry_id,
                        entry.attempt)
         code = ErrorCode.POISON
-        request_id = decoded.request_id  # None when the payload gave no usable id
-        entry.terminal = True
-        events: list[protocol.Event] = []
-        if request_id is not None:
-            events.append(protocol.Error(request_id=request_id, attempt=entry.attempt, code=code,
-                                         message=message, metadata=entry.metadata))
-        self.writer.put(EntryWrite(
-            entry.entry_id, request_id, entry.encoding, events, ack=True,
-            dead_letter=self.dead_letter(entry.entry_id, request_id, code, message,
-                                         entry.attempt, fields)))
+        # NOTE: without a usable id, entry.request_id is the entry id (answered there).
+        self._fail(entry, code, message, dead_letter=self.dead_letter(
+            entry.entry_id, decoded.request_id, code, message, entry.attempt, fields))
 
     def _fail(self, entry: InFlight, code: ErrorCode, message: str,
-              details: dict[str, Any] | None = None) -> None:
+              details: dict[str, Any] | None = None, *,
+              dead_letter: dict[str, bytes] | None = None) -> None:
         error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt, code=code,
                                message=message, details=details, metadata=entry.metadata)
         entry.terminal = True
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
-                                   ack=True))
+                                   ack=True, dead_letter=dead_letter))
 
     def _cancelled(self, entry: InFlight, waited_ms: int) -> None:
         waited = waited_ms / 1000.0
@@ -208,9 +251,11 @@ class Admission:
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [done],
                                    ack=True))
 
-    def _read_time_and_flags(self, client: Any, flagged: list[InFlight]) -> list[Any]:
-        """[TIME of the queue's server, then EXISTS of each cancel flag], in one round trip on
-        one server. A cluster pipeline takes no TIME: it goes to the queue's node first."""
+    def _read_time_flags_and_markers(self, client: Any, flagged: list[InFlight],
+                                     named: list[InFlight]) -> list[Any]:
+        """[TIME of the queue's server, EXISTS of each cancel flag, then each named entry's
+        claim on its id's marker], in one round trip on one server. A cluster pipeline takes no
+        TIME: it goes to the queue's node first."""
         pipe = client.pipeline(transaction=False)
         if is_cluster(client):
             now = client.time(target_nodes=client.get_node_from_key(self.ctx.queue_key))
@@ -220,6 +265,16 @@ class Admission:
             pipe.time()
         for e in flagged:
             pipe.exists(self.keys.cancel_flag(e.request_id))
+        for e in named:
+            marker = self.keys.idempotency(self.ctx.queue, e.request_id)
+            if tenant_of(e.request_id) is not None:
+                # NOTE: a tenant's id is never claimed here: only the tenant's own submit
+                # function marks it, so an entry someone else XADDed with it cannot take it
+                # (nor block it).
+                pipe.get(marker)
+            else:
+                # NOTE: SET NX GET (Redis 7.0): claim the id, or learn who has it.
+                pipe.set(marker, e.entry_id, nx=True, get=True, ex=self.ctx.config.result_ttl)
         results = pipe.execute()
         return [now, *results] if is_cluster(client) else results
 

@@ -29,6 +29,9 @@ class AddRequest:
     sampling_params: SamplingParams
     priority: int
     arrival_time: float  # engine clock (monotonic), back-dated to the entry's XADD
+    # Run it alone: it was in the engine when the engine failed (worker/reclaimer.py), so it
+    # waits for the engine to empty and nothing joins it until it ends.
+    solo: bool = False
 
 
 @dataclass

@@ -37,6 +37,10 @@ class InFlight:
     cancel_requested: bool = False
     # Set once the terminal event is queued for writing: the entry is done in the engine.
     terminal: bool = False
+    # A suspect after an engine-fatal error: it runs alone (worker/reclaimer.py).
+    solo: bool = False
+    # Set by the busy loop once the engine has it: what an engine failure makes suspect.
+    in_engine: bool = False
     n: int = 1  # completions asked for; the terminal event waits for all of them
     finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
 
@@ -117,6 +121,11 @@ class InFlightTable:
                     e.fenced = True
                     newly.append(entry_id)
         return newly
+
+    def holds_solo(self) -> bool:
+        """Whether a suspect entry is held: a worker takes no second one meanwhile."""
+        with self._lock:
+            return any(e.solo for e in self._entries.values())
 
     def running_count(self) -> int:
         """Entries whose engine work is not finished yet (not terminal, not fenced)."""

@@ -1,30 +1,29 @@
-"""LeaseKeeper: the worker's threads that keep its leases, take over dead peers' work, and beat.
+"""LeaseKeeper: the worker's thread that beats, keeps its leases, and hands work back.
 
-Every `renew_interval` (about lease_timeout / 3), step 1 on the lease-keeper thread and steps
-2-4 on the reclaimer thread (so a slow reclaim never delays a renewal):
+Every `heartbeat_interval` (heartbeat_timeout / 5, one second by default):
 
-1. Fence, then renew. One Lua script checks, per in-flight entry, that XPENDING still lists it
-   under this consumer and re-claims only those (XCLAIM to itself, min-idle 0, JUSTID: idle
-   back to 0, delivery count unchanged). An entry it no longer owns was reclaimed by a peer
-   after our lease lapsed (a stall, a partition, a paused process): the engine aborts it and
-   nothing more is written for it, so the stale owner stops within one renewal interval
-   (RELIABILITY.md #14). Check and claim are one atomic script, so the keeper never steals an
-   entry back from the peer that took it.
-2. Reclaim. XAUTOCLAIM entries idle past `lease_timeout` (a dead or stalled worker's, or ones a
-   draining worker handed back), at most as many as there is room for, and admit them as
-   attempt n = their delivery count (XPENDING times_delivered). Admission dead-letters them
-   past `max_deliveries` (poison). Entries trimmed away while pending come back from Redis 7's
-   XAUTOCLAIM as deleted ids, already out of the PEL: they are dead-lettered (`lost_payload`).
-3. Heartbeat: `HSET llmq:w:<worker_id>` (model, queue, running, waiting, KV use, tokens/s) with
-   EXPIRE, and the worker registry's `ZADD llmq:workers`.
-4. Once a minute: remove dead workers' idle consumers, and trim acked entries from the request
-   stream (broker/retention.py) so it does not grow forever.
+1. Heartbeat: `HSET llmq:w:<worker_id>` (model, queue, running, waiting, KV use, tokens/s) with
+   `PEXPIRE heartbeat_timeout`, and the registry's `ZADD llmq:workers`. A worker whose hash has
+   expired is dead: peers take its requests at once (worker/reclaimer.py). Each beat's outcome
+   feeds `Liveness`, which tells the reclaimer whether Redis has been answering steadily.
+2. Every `renew_interval` (about lease_timeout / 3): fence, then renew. One Lua script checks,
+   per in-flight entry, that XPENDING still lists it under this consumer and re-claims only
+   those (XCLAIM to itself, min-idle 0, JUSTID: idle back to 0, delivery count unchanged). An
+   entry it no longer owns was taken by a peer (this worker's heartbeat lapsed, or its lease:
+   a stall, a partition, a paused process): the engine aborts it and nothing more is written for
+   it, so the stale owner stops within one renewal (RELIABILITY.md #14). Check and claim are
+   one atomic script, so the keeper never steals an entry back from the peer that took it.
+
+Beats and renewals share this one light thread and nothing heavy ever runs on it (reclaims,
+which tokenize, are the reclaimer's), so a live worker's heartbeat never lapses behind work.
 
 The same script with a huge IDLE hands entries back on shutdown (`hand_back`): a peer's next
-XAUTOCLAIM takes them at once, without waiting for the lease to lapse.
+scan takes them at once. After an engine-fatal error the entries that were in the engine are
+handed back as suspects (an even larger IDLE): each runs alone on its next delivery, so only
+the one that kills the engine reaches `max_deliveries` (worker/reclaimer.py).
 
-References: Redis streams docs (XPENDING/XCLAIM/XAUTOCLAIM, "recovering from permanent
-failures"); the Celery visibility-timeout failure mode that lease renewal avoids.
+References: Redis streams docs (XPENDING/XCLAIM, "recovering from permanent failures"); the
+Celery visibility-timeout failure mode that lease renewal avoids.
 """
 
 from __future__ import annotations
@@ -36,15 +35,11 @@ from collections.abc import Callable
 
 import redis
 
-from llmq.broker import protocol
-from llmq.broker.errors import ErrorCode
-from llmq.broker.keys import GROUP, is_valid_name
+from llmq.broker.keys import GROUP
 from llmq.broker.protocol import as_str
-from llmq.broker.retention import trim_acked_requests
-from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.inbox import AbortRequests
-from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.liveness import Liveness
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -81,105 +76,97 @@ _SLICE = 500
 # Idle set on handed-back entries: far past any lease, yet below the server's clock in ms
 # (XCLAIM resets a delivery time before the epoch to "now", which would be idle 0).
 HAND_BACK_IDLE_MS = 10**10
+# Idle set on entries handed back after an engine-fatal error (suspects: one of them may have
+# killed the engine). Readers tell them apart by idle >= SUSPECT_MIN_IDLE_MS: the two values
+# stay apart for 58 days of waiting.
+SUSPECT_IDLE_MS = 2 * 10**10
+SUSPECT_MIN_IDLE_MS = (HAND_BACK_IDLE_MS + SUSPECT_IDLE_MS) // 2
 # The hand-back counts outlive any entry's stay in the PEL; acked entries' counts are deleted.
 HANDBACK_TTL_S = 7 * 24 * 3600
-# Idle consumers with nothing pending are removed after this long (dead workers' names).
-CONSUMER_CLEANUP_IDLE_MS = 10 * 60 * 1000
 
 
 class LeaseKeeper:
     """`heartbeat()` gives the fields of this worker's heartbeat hash; `ensure_group()`
     recreates the consumer group when Redis lost it."""
 
-    def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter, *,
-                 heartbeat: Callable[[], dict[str, str]],
-                 ensure_group: Callable[[], None],
-                 first_contact: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, ctx: WorkerContext, *, heartbeat: Callable[[], dict[str, str]],
+                 ensure_group: Callable[[], None]) -> None:
         config = ctx.config
-        assert config.renew_interval is not None and config.claim_interval is not None
+        assert config.renew_interval is not None
         self.ctx = ctx
         self.client = ctx.connect()
         self.keys = ctx.keys
         self.queue_key = ctx.queue_key
         self.worker_id = ctx.worker_id
         self.table = ctx.table
-        self.admission = admission
-        self.writer = writer
-        self.lease_ms = int(config.lease_timeout * 1000)
         self.renew_interval = config.renew_interval
-        self.claim_interval = config.claim_interval
+        self.heartbeat_interval = config.heartbeat_interval
+        self.heartbeat_ttl_ms = max(1, int(config.heartbeat_timeout * 1000))
         self.heartbeat = heartbeat
         self.ensure_group = ensure_group
-        self.first_contact: Callable[[], None] | None = first_contact
-        self.heartbeat_ttl = max(10, int(3 * max(self.renew_interval, 1.0)))
+        self.liveness = Liveness(self.heartbeat_interval, config.heartbeat_timeout)
         self.stop_event = threading.Event()
-        self.reclaiming = True  # off while draining: a draining worker takes nothing new
         self.backoff = Backoff("lease keeper", ctx.state, stop=self.stop_event)
-        self.reclaim_backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
         self._script = self.client.register_script(_CLAIM_OWNED)
-        self._cursor = "0-0"
-        self._next_claim = 0.0
-        self._next_cleanup = time.monotonic() + 60.0
-        # NOTE: two threads: renewals must never wait behind a reclaim, whose admission
-        # tokenizes (and chat-templates) up to max_num_seqs prompts; a late renewal lets peers
-        # take live work.
-        self._threads = [
-            threading.Thread(target=self._loop, args=(self._renew_once, self.backoff),
-                             name="llmq-lease-keeper", daemon=True),
-            threading.Thread(target=self._loop, args=(self._maintain_once, self.reclaim_backoff),
-                             name="llmq-reclaimer", daemon=True),
-        ]
+        self._refused: dict[str, str] = {}  # what Redis last refused, per task (logged once)
+        self._thread = threading.Thread(target=self._run, name="llmq-lease-keeper", daemon=True)
 
     def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
+        self._thread.start()
 
     def is_alive(self) -> bool:
-        return all(thread.is_alive() for thread in self._threads)
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self.stop_event.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
+        self._thread.join(timeout=10)
 
-    # -- the threads ------------------------------------------------------------------------------
-
-    def _renew_once(self, _started: float) -> None:
-        self.renew()
-
-    def _maintain_once(self, started: float) -> None:
-        if self.first_contact is not None:
-            self.first_contact()
-            self.first_contact = None
-        if self.reclaiming and started >= self._next_claim:
-            self._next_claim = started + self.claim_interval
-            self.reclaim()
-        self.beat()
-        if started >= self._next_cleanup:
-            self._next_cleanup = started + 60.0
-            self._cleanup_consumers()
-            self.answer_vanished()
-            trim_acked_requests(self.client, self.keys, self.ctx.queue)
-
-    def _loop(self, work: Callable[[float], None], backoff: Backoff) -> None:
+    def _run(self) -> None:
+        next_renew = 0.0
         while not self.stop_event.is_set():
             started = time.monotonic()
-            try:
-                work(started)
-                backoff.succeeded()
-            except TRANSIENT_ERRORS as e:
-                backoff.failed(e)
-                continue
-            except redis.ResponseError as e:
-                if "NOGROUP" in str(e):
-                    self._on_nogroup()
-                else:
-                    logger.error("lease keeper: Redis refused a command: %s", e)
-                    self.stop_event.wait(self.renew_interval)
-                continue
-            self.stop_event.wait(max(0.0, self.renew_interval - (time.monotonic() - started)))
+            # NOTE: each task on its own: a refused beat (OOM: HSET is denied, XCLAIM is not)
+            # must not stop renewals, nor a failed renewal the heartbeat.
+            if self._attempt("heartbeat", self.beat):
+                self.liveness.beat_succeeded()
+            else:
+                self.liveness.beat_failed()
+            if started >= next_renew and self._attempt("renewal", self.renew):
+                next_renew = started + self.renew_interval
+            self.stop_event.wait(max(0.0, self.heartbeat_interval
+                                     - (time.monotonic() - started)))
 
-    # -- 1. fence and renew -----------------------------------------------------------------------
+    def _attempt(self, task: str, work: Callable[[], object]) -> bool:
+        try:
+            work()
+        except TRANSIENT_ERRORS as e:
+            self.backoff.failed(e)
+            return False
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):
+                self._on_nogroup()
+            elif self._refused.get(task) != str(e):
+                logger.error("lease keeper: Redis refused the %s: %s", task, e)
+            self._refused[task] = str(e)
+            return False
+        self.backoff.succeeded()
+        if self._refused.pop(task, None) is not None:
+            logger.warning("lease keeper: the %s works again", task)
+        return True
+
+    # -- 1. heartbeat -----------------------------------------------------------------------------
+
+    def beat(self) -> None:
+        now_ms = int(time.time() * 1000)
+        fields = self.heartbeat()
+        key = self.keys.worker(self.worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(key, mapping=fields)
+        pipe.pexpire(key, self.heartbeat_ttl_ms)
+        pipe.zadd(self.keys.workers(), {self.worker_id: now_ms})
+        pipe.execute()
+
+    # -- 2. fence and renew -----------------------------------------------------------------------
 
     def renew(self) -> list[str]:
         """Renew every live in-flight entry; fence and abort the ones a peer took. Returns those."""
@@ -199,12 +186,15 @@ class LeaseKeeper:
             self.ctx.inbox.put(AbortRequests(fenced))
         return fenced
 
-    def hand_back(self, entry_ids: list[str], *, forgive: bool = False) -> int:
+    def hand_back(self, entry_ids: list[str], *, forgive: bool = False,
+                  suspect: bool = False) -> int:
         """Make entries instantly reclaimable by peers (shutdown); returns how many were ours.
 
         With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:{<queue>}`, so
-        the delivery it used up is not held against it as poison."""
-        lost, orphaned = self._claim_owned(entry_ids, HAND_BACK_IDLE_MS)
+        the delivery it used up is not held against it as poison. With `suspect` (they were in
+        the engine when it failed) each runs alone on its next delivery."""
+        lost, orphaned = self._claim_owned(entry_ids,
+                                           SUSPECT_IDLE_MS if suspect else HAND_BACK_IDLE_MS)
         owned = sorted(set(entry_ids) - set(lost) - set(orphaned))
         if owned and forgive:
             key = self.keys.handbacks(self.ctx.queue)
@@ -215,12 +205,13 @@ class LeaseKeeper:
             pipe.execute()
         return len(owned)
 
-    def hand_back_retrying(self, entry_ids: list[str], *, forgive: bool) -> int | None:
+    def hand_back_retrying(self, entry_ids: list[str], *, forgive: bool,
+                           suspect: bool = False) -> int | None:
         """`hand_back` tried three times through Redis trouble; None (logged) when every try
         failed, and peers reclaim the entries once their lease lapses."""
         for attempt in range(3):
             try:
-                return self.hand_back(entry_ids, forgive=forgive)
+                return self.hand_back(entry_ids, forgive=forgive, suspect=suspect)
             except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
                 logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
                 time.sleep(0.2 * (attempt + 1))
@@ -239,127 +230,6 @@ class LeaseKeeper:
             orphaned.extend(as_str(r) for r in result[1])
         return lost, orphaned
 
-    # -- 2. reclaim -------------------------------------------------------------------------------
-
-    def reclaim(self) -> int:
-        """Take over entries idle past the lease; returns how many were admitted."""
-        room = self.ctx.max_num_seqs - len(self.table)
-        if room <= 0:
-            return 0
-        reply = self.client.xautoclaim(self.queue_key, GROUP, self.worker_id, self.lease_ms,
-                                       start_id=self._cursor, count=room)
-        next_cursor, claimed = reply[0], reply[1]
-        deleted = reply[2] if len(reply) > 2 else []
-        self._cursor = as_str(next_cursor)
-        if deleted:
-            self._dead_letter_deleted([as_str(d) for d in deleted])
-        if not claimed:
-            return 0
-        ids = [as_str(i) for i, _ in claimed]
-        pipe = self.client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
-        pipe.hmget(self.keys.handbacks(self.ctx.queue), ids)
-        *pendings, handbacks = pipe.execute()
-        attempts = {}
-        for entry_id, pending in zip(ids, pendings, strict=True):
-            # NOTE: XAUTOCLAIM just counted this delivery, so times_delivered is this attempt.
-            attempts[entry_id] = int(pending[0]["times_delivered"]) if pending else 1
-        forgiven = {entry_id: int(n) for entry_id, n in zip(ids, handbacks, strict=True) if n}
-        logger.warning("reclaimed %d entr%s idle past the %d ms lease: %s", len(ids),
-                       "y" if len(ids) == 1 else "ies", self.lease_ms,
-                       ", ".join(f"{i} (attempt {attempts[i]})" for i in ids[:5]))
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.inc_reclaimed(len(ids))
-        return self.admission.admit(self.client, claimed, self.reclaim_backoff, attempts,
-                                    forgiven)
-
-    def _dead_letter_deleted(self, entry_ids: list[str]) -> None:
-        # NOTE: the payload is gone, so the request id is known only from the submit function's
-        # record (a raw XADD leaves none): answer it there, and keep a dead letter for operators;
-        # Redis already dropped the entry from the PEL.
-        message = "the entry was trimmed or deleted from the request stream while pending"
-        logger.warning("%d pending entries lost their payload: %s", len(entry_ids), entry_ids[:5])
-        submitted = self.client.hmget(self.keys.submissions(self.ctx.queue), entry_ids)
-        for entry_id, request_id in zip(entry_ids, submitted, strict=True):
-            self._answer_lost(entry_id, None if request_id is None else as_str(request_id),
-                              message)
-
-    def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
-        code = ErrorCode.LOST_PAYLOAD
-        events = [] if request_id is None else [protocol.Error(
-            request_id=request_id, attempt=1, code=code, message=message)]
-        self.writer.put(EntryWrite(
-            entry_id, request_id, "json", events, ack=True, pop=False,
-            dead_letter=self.admission.dead_letter(entry_id, request_id, code, message, 0,
-                                                   None)))
-
-    def answer_vanished(self) -> int:
-        """Answer `lost_payload` for submissions whose entry left the request stream unread
-        (someone trimmed or deleted it); returns how many. Runs once a minute.
-
-        `llmq:sub:{queue}` names every entry the submit function added until a worker acks it;
-        one that is neither in the stream nor pending vanished. Its request id counts only if
-        its idempotency marker still names that entry (or the id is the entry id), so a
-        record forged by another producer cannot fail someone else's request."""
-        key = self.keys.submissions(self.ctx.queue)
-        answered, cursor = 0, 0
-        while True:
-            cursor, records = self.client.hscan(key, cursor, count=500)
-            if records:
-                answered += self._answer_vanished_in(
-                    {as_str(k): as_str(v) for k, v in records.items()})
-            if not int(cursor):
-                return answered
-
-    def _answer_vanished_in(self, records: dict[str, str]) -> int:
-        pipe = self.client.pipeline(transaction=False)
-        for entry_id in records:
-            pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
-            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
-        replies = pipe.execute()
-        vanished = {entry_id: request_id for (entry_id, request_id), present, pending in zip(
-            records.items(), replies[0::2], replies[1::2], strict=True)
-            if not present and not pending}
-        if not vanished:
-            return 0
-        # NOTE: a record names a request id, and its marker must name the entry back.
-        named = [(e, r) for e, r in vanished.items() if r != e and is_valid_name(r)]
-        pipe = self.client.pipeline(transaction=False)
-        for _, request_id in named:
-            pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
-        confirmed = {e for (e, _), marker in zip(named, pipe.execute(), strict=True)
-                     if marker is not None and as_str(marker) == e}
-        message = "the entry was trimmed or deleted from the request stream before a worker read it"
-        for entry_id, request_id in vanished.items():
-            genuine = request_id == entry_id or entry_id in confirmed
-            self._answer_lost(entry_id, request_id if genuine else None, message)
-        logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
-                       len(vanished), self.queue_key)
-        return len(vanished)
-
-    # -- 3. heartbeat -----------------------------------------------------------------------------
-
-    def beat(self) -> None:
-        now_ms = int(time.time() * 1000)
-        fields = self.heartbeat()
-        key = self.keys.worker(self.worker_id)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
-        pipe.expire(key, self.heartbeat_ttl)
-        pipe.zadd(self.keys.workers(), {self.worker_id: now_ms})
-        pipe.execute()
-
-    def _cleanup_consumers(self) -> None:
-        """Delete consumers of dead workers: nothing pending and idle for a long time."""
-        for consumer in self.client.xinfo_consumers(self.queue_key, GROUP):
-            name = as_str(consumer["name"])
-            if (name != self.worker_id and int(consumer["pending"]) == 0
-                    and int(consumer["idle"]) > CONSUMER_CLEANUP_IDLE_MS):
-                # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
-                self.client.xgroup_delconsumer(self.queue_key, GROUP, name)
-                logger.info("removed idle consumer %s", name)
-
     def _on_nogroup(self) -> None:
         # The group is gone (Redis restarted without persistence, or someone destroyed it): our
         # entries went with it, so nobody can take them from us; keep running and recreate it.
@@ -369,4 +239,3 @@ class LeaseKeeper:
             self.ensure_group()
         except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
             self.backoff.failed(e)
-

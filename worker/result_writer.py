@@ -14,7 +14,9 @@ and `EXPIRE result_ttl` once per stream touched (an abandoned stream still expir
 
 When Redis is unreachable the batch is kept and retried with capped backoff, never dropped. A
 retry after an ambiguous failure (EXEC sent, reply lost) first asks XPENDING whether the batch's
-acks landed; if they did, the whole transaction did, and it is not written twice.
+acks landed (a batch without acks: whether its last event is on its stream, known by type,
+attempt and seq); if so, the whole transaction did, and it is not written twice: a delta is
+never repeated.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import redis
 from llmq.broker import protocol
 from llmq.broker.commands import queue_events
 from llmq.broker.connection import is_cluster
+from llmq.broker.errors import ProtocolError
 from llmq.broker.keys import GROUP
 from llmq.broker.protocol import Encoding, Event
 from llmq.broker.retry import is_refusal_to_wait_out
@@ -261,9 +264,10 @@ class ResultWriter:
     def _write(self, batch: _Batch) -> None:
         ambiguous = False
         while True:
-            if ambiguous and batch.ack_ids and self._acks_landed(batch.ack_ids):
-                logger.info("a batch of %d acks was applied before the connection broke: not "
-                            "written again", len(batch.ack_ids))
+            if ambiguous and self._landed(batch):
+                logger.info("a batch of %d events and %d acks was applied before the "
+                            "connection broke: not written again", len(batch.events),
+                            len(batch.ack_ids))
                 self.backoff.succeeded()
                 return
             try:
@@ -386,6 +390,31 @@ class ResultWriter:
             # will never succeed: log it and go on rather than retry forever.
             logger.error("a result write failed: %s", result)
 
+    def _landed(self, batch: _Batch) -> bool:
+        """After an ambiguous failure (EXEC sent, reply lost): whether the transaction ran.
+        It is all or nothing, so one witness decides: its acks, else its last event."""
+        if batch.ack_ids:
+            return self._acks_landed(batch.ack_ids)
+        if batch.events:
+            return self._event_landed(*batch.events[-1])
+        return False
+
+    def _event_landed(self, event: Event, encoding: Encoding) -> bool:
+        """Whether `event` is among the last entries of its result stream. A request's events
+        are told apart by (type, attempt, seq): a delta written twice would repeat a `seq`."""
+        try:
+            entries = self.client.xrevrange(self.ctx.keys.result(event.request_id), count=64)
+        except (*TRANSIENT_ERRORS, redis.ResponseError):  # type: ignore[misc]
+            return False
+        key = _identity(event)
+        for _, fields in entries:
+            try:
+                if _identity(protocol.decode_event(fields)) == key:
+                    return True
+            except ProtocolError:
+                continue
+        return False
+
     def _acks_landed(self, ack_ids: list[str]) -> bool:
         """After an ambiguous failure: True when every acked entry is still in the stream but no
         longer pending, i.e. the transaction ran. When the entries are gone altogether (Redis
@@ -425,3 +454,7 @@ class ResultWriter:
             self.metrics.observe_finished("error", code, 0, 0, 0, None, None, 0.0, None)
         if batch.dead_letters:
             self.metrics.inc_dead_letters(len(batch.dead_letters))
+
+
+def _identity(event: Event) -> tuple[str, int, int]:
+    return (type(event).__name__, event.attempt, getattr(event, "seq", -1))

@@ -70,7 +70,7 @@ class UtilityCalls:
         if self.sleep_level:
             return {"level": self.sleep_level, "already_sleeping": True}
         w.reader.pause()
-        w.keeper.reclaiming = False
+        w.reclaimer.reclaiming = False
         threading.Thread(target=w.reader.unblock, args=(w.admin,), daemon=True,
                          name="llmq-pause-reader").start()
         handed_back = self.hand_back_in_flight()
@@ -78,7 +78,7 @@ class UtilityCalls:
             freed = w.engine.sleep(level)
         except Exception:
             w.reader.resume()  # still awake: serve again rather than hang half asleep
-            w.keeper.reclaiming = not w.draining
+            w.reclaimer.reclaiming = not w.draining
             raise
         logger.warning("sleeping at level %d: %d MiB freed, %d request(s) handed back", level,
                        freed >> 20, len(handed_back))
@@ -92,7 +92,7 @@ class UtilityCalls:
         started = time.perf_counter()
         w.engine.wake_up()
         if not w.draining:
-            w.keeper.reclaiming = True
+            w.reclaimer.reclaiming = True
             w.reader.resume()
         logger.warning("awake after sleep level %d (%.2f s to restore)", level,
                        time.perf_counter() - started)

@@ -5,7 +5,8 @@ steps it; input and output IO run on other threads and meet the loop at FIFO que
 round trips never stall a forward pass. Threads:
 
     StreamReader   XREADGROUP what fits -> Admission -> inbox          (worker/stream_reader.py)
-    LeaseKeeper    renew + fence, XAUTOCLAIM dead peers' work, beat    (worker/lease_keeper.py)
+    LeaseKeeper    heartbeat, renew + fence                            (worker/lease_keeper.py)
+    Reclaimer      dead workers' and lapsed entries -> Admission       (worker/reclaimer.py)
     CancelListener cancel stream -> abort                              (worker/cancel_listener.py)
     ControlListener control stream -> utility calls -> answers         (worker/control_listener.py)
     busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
@@ -16,17 +17,22 @@ in-flight table); the engine is anything that satisfies `EngineClient`.
 
 Delivery is at-least-once (dramatiq/arq: ack only after the result is written). Lifecycle:
 
-- SIGTERM/SIGINT: stop reading at once, let the engine finish in-flight work for up to
-  `drain_timeout`, then hand the rest back (XCLAIM IDLE <huge>: a peer's XAUTOCLAIM takes it
-  immediately; no ack, no terminal event) and exit 0. A second signal exits at once.
+- SIGTERM/SIGINT: stop reading at once, let the engine finish in-flight work, then hand the
+  rest back (XCLAIM IDLE <huge>: a peer's next scan takes it immediately; no ack, no terminal
+  event) and exit 0, all within `drain_timeout` while Redis answers (the last second of it is
+  kept for the exit). A second signal exits at once.
 - An exception from `engine.step()` is engine-fatal: log it, hand every in-flight entry back,
-  exit non-zero so peers (and the restarted pod) take the work. Per-request problems never get
-  this far: they are refused at admission or finish that request alone with an `error`.
+  exit non-zero so peers (and the restarted pod) take the work. The entries that were in the
+  engine go back as suspects, each to run alone on its next delivery (an `AddRequest.solo`
+  waits for the engine to empty and nothing joins it), so only the request that kills engines
+  is dead-lettered. Per-request problems never get this far: they are refused at admission or
+  finish that request alone with an `error`.
 - Redis loss: every thread retries with capped backoff; readiness is false meanwhile.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -51,6 +57,7 @@ from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine_client import EngineClient
 from llmq.worker.inbox import AbortRequests, AddRequest, UtilityCall
 from llmq.worker.lease_keeper import LeaseKeeper
+from llmq.worker.reclaimer import Reclaimer
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.stream_reader import StreamReader
 from llmq.worker.utility_calls import UtilityCalls
@@ -66,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_FATAL = 70  # EX_SOFTWARE
+# Seconds of the drain budget kept for the exit itself (flush, hand-back, threads, interpreter).
+SHUTDOWN_RESERVE = 0.25
 
 
 class Worker:
@@ -87,9 +96,11 @@ class Worker:
         self.processor = InputProcessor.for_engine(engine)
         self.admission = Admission(ctx, self.processor, self.writer, clock=engine.clock)
         self.admin = ctx.connect()
-        self.keeper = LeaseKeeper(ctx, self.admission, self.writer,
-                                  heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group,
-                                  first_contact=self._first_contact)
+        self.keeper = LeaseKeeper(ctx, heartbeat=self._heartbeat_fields,
+                                  ensure_group=self.ensure_group)
+        self.reclaimer = Reclaimer(ctx, self.admission, self.writer, self.keeper.liveness,
+                                   ensure_group=self.ensure_group,
+                                   first_contact=self._first_contact)
         self.reader = StreamReader(ctx, self.admission, ensure_group=self.ensure_group,
                                    hand_back=self.keeper.hand_back)
         self.cancels = CancelListener(ctx)
@@ -104,6 +115,9 @@ class Worker:
         self._rate = (time.monotonic(), 0)
         self._stats: EngineStats | None = None
         self._group_seen = False  # a group existed once: recreating it later is news
+        self._held: collections.deque[AddRequest] = collections.deque()  # admitted, not added
+        self._solo: str | None = None  # the suspect running alone, while it runs
+        self._engine_failed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -119,6 +133,7 @@ class Worker:
             return EXIT_ENGINE_FATAL
         self.writer.start()
         self.keeper.start()
+        self.reclaimer.start()
         self.cancels.start()
         self.controls.start()
         self.reader.start()
@@ -155,12 +170,18 @@ class Worker:
         if self.draining:
             return
         self.draining = True
-        self._drain_deadline = time.monotonic() + self.config.drain_timeout
+        # NOTE: the budget covers the whole exit: the engine drains until SHUTDOWN_RESERVE
+        # before its end, which leaves time to flush, hand back, unregister and join the
+        # threads (a blocked XREAD ends within read_block_ms), so a platform that waits
+        # drain_timeout before SIGKILL never kills a worker mid-hand-back.
+        reserve = min(self.config.drain_timeout / 2,
+                      SHUTDOWN_RESERVE + self.config.read_block_ms / 1000.0)
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout - reserve
         self.reader.stop_event.set()
         # NOTE: CLIENT UNBLOCK on a thread: the busy loop must not wait on Redis.
         threading.Thread(target=self.reader.stop, args=(self.admin,), daemon=True,
                          name="llmq-stop-reader").start()
-        self.keeper.reclaiming = False
+        self.reclaimer.reclaiming = False
         if self.health is not None:
             self.health.set_draining()
         logger.warning("stopping: no new reads; draining %d in-flight request(s) for up to "
@@ -238,12 +259,14 @@ class Worker:
                 except Exception:  # noqa: BLE001 - engine-fatal: peers must take the work
                     logger.exception("engine step failed: handing in-flight work back and "
                                      "exiting")
+                    self._engine_failed = True
                     return EXIT_ENGINE_FATAL
 
     def _dead_threads(self) -> list[str]:
         """IO threads that ended on an unexpected exception (they only end when told to)."""
         threads = {"result writer": self.writer, "lease keeper": self.keeper,
-                   "cancel listener": self.cancels, "control listener": self.controls}
+                   "reclaimer": self.reclaimer, "cancel listener": self.cancels,
+                   "control listener": self.controls}
         if not self.draining:
             threads["stream reader"] = self.reader
         return [name for name, t in threads.items() if not t.is_alive()]
@@ -256,7 +279,8 @@ class Worker:
                                "request(s)", self.config.drain_timeout, left)
             return True
         return (not self.engine.has_unfinished_requests() and self.inbox.empty()
-                and not self.reader.is_alive() and self.table.running_count() == 0)
+                and not self._held and not self.reader.is_alive()
+                and self.table.running_count() == 0)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -274,14 +298,15 @@ class Worker:
         """Feed queued adds and aborts to the engine; True when an abort needs a step."""
         aborted = False
         try:
-            item = self.inbox.get(timeout=block) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=block) if block and not self._held else \
+                self.inbox.get_nowait()
         except queue.Empty:
-            return False
+            item = None
         while item is not None:
             if isinstance(item, list):  # one read's requests, added before the next step
-                for add in item:
-                    aborted |= self._add(add)
+                self._held.extend(item)
             elif isinstance(item, AbortRequests):
+                aborted |= self._add_held()  # adds queued before the abort go in first
                 self.engine.abort(item.entry_ids)
                 aborted = True
             elif isinstance(item, UtilityCall):
@@ -292,6 +317,25 @@ class Worker:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 item = None
+        return self._add_held() or aborted
+
+    def _add_held(self) -> bool:
+        """Add held requests in order; a suspect (`solo`) waits for the engine to empty, and
+        nothing joins it while it runs. True when an abort needs a step."""
+        aborted = False
+        while self._held:
+            running = self.engine.has_unfinished_requests()
+            if self._solo is not None and running:
+                break  # a suspect runs alone
+            self._solo = None
+            add = self._held[0]
+            if add.solo and running:
+                break  # it waits for the engine to empty, and so does whatever came after it
+            self._held.popleft()
+            aborted |= self._add(add)
+            if add.solo and self.engine.has_unfinished_requests():
+                self._solo = add.entry_id
+                logger.info("running suspect entry %s alone", add.entry_id)
         return aborted
 
     def _add(self, item: AddRequest) -> bool:
@@ -305,6 +349,7 @@ class Worker:
         try:
             self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
                                     priority=item.priority, arrival_time=item.arrival_time)
+            entry.in_engine = True
         except RequestRejected as e:
             error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt,
                                    code=e.code, message=e.message, metadata=entry.metadata)
@@ -322,21 +367,28 @@ class Worker:
 
     def _shutdown(self, exit_code: int) -> None:
         self.reader.stop()
-        self.keeper.reclaiming = False
+        self.reclaimer.reclaiming = False
         self.cancels.stop()
         self.controls.stop()
         self.reader.join(self.config.read_block_ms / 1000.0 + 1.0)
         flushed = self.writer.stop(self.config.flush_timeout)
         # NOTE: renewals stop before the hand-back, or one could reset the huge IDLE to 0.
+        self.reclaimer.stop()
         self.keeper.stop()
         left = self.table.live_entry_ids()
         if left:
-            # NOTE: a drain's hand-back is no failure of the request; an engine-fatal exit may
-            # be caused by one of them, so those deliveries still count towards poison.
-            n = self.keeper.hand_back_retrying(left, forgive=exit_code == EXIT_OK)
-            if n is not None:
-                logger.warning("handed back %d in-flight entr%s for peers to take now", n,
-                               "y" if n == 1 else "ies")
+            # NOTE: a drain's hand-back is no failure of the request. After an engine failure
+            # the requests that were in the engine are suspects: their delivery counts, and each
+            # runs alone next time; those it never had are as innocent as a drain's.
+            suspects = [e for e in left if self._engine_failed
+                        and getattr(self.table.get(e), "in_engine", False)]
+            innocent = [e for e in left if e not in set(suspects)]
+            if innocent:
+                self._log_hand_back(self.keeper.hand_back_retrying(
+                    innocent, forgive=exit_code == EXIT_OK or self._engine_failed), False)
+            if suspects:
+                self._log_hand_back(self.keeper.hand_back_retrying(
+                    suspects, forgive=False, suspect=True), True)
         self._unregister()
         self.cancels.join(self.config.read_block_ms / 1000.0 + 1.0)
         self.controls.join(self.config.read_block_ms / 1000.0 + 1.0)
@@ -345,6 +397,13 @@ class Worker:
         logger.warning("worker %s stopped (exit %d, %d entr%s handed back, events %s)",
                        self.config.worker_id, exit_code, len(left),
                        "y" if len(left) == 1 else "ies", "flushed" if flushed else "NOT flushed")
+
+    @staticmethod
+    def _log_hand_back(n: int | None, suspect: bool) -> None:
+        if n is not None:
+            logger.warning("handed back %d in-flight entr%s for peers to take now%s", n,
+                           "y" if n == 1 else "ies",
+                           " (suspects: each runs alone next)" if suspect else "")
 
     def _unregister(self) -> None:
         try:

@@ -28,9 +28,11 @@ class WorkerConfig:
     prefix: str = DEFAULT_PREFIX
     queue: str = DEFAULT_QUEUE
     worker_id: str = field(default_factory=default_worker_id)  # the consumer name
-    lease_timeout: float = 30.0  # s without renewal before peers reclaim an entry
+    lease_timeout: float = 30.0  # s without renewal before peers reclaim a live worker's entry
     renew_interval: float | None = None  # s between lease renewals; None: lease_timeout / 3
-    claim_interval: float | None = None  # s between reclaim scans; None: renew_interval
+    # s without a heartbeat after which a worker is dead and peers take its entries at once
+    heartbeat_timeout: float = 5.0
+    claim_interval: float | None = None  # s between reclaim scans; None: heartbeat_interval
     drain_timeout: float = 20.0  # s to finish in-flight work after SIGTERM
     max_deliveries: int = 3  # deliveries before an entry is dead-lettered as poison
     result_ttl: int = DEFAULT_RESULT_TTL  # s a result stream lives after its last event
@@ -50,8 +52,10 @@ class WorkerConfig:
         if not 0 < self.renew_interval < self.lease_timeout:
             raise ValueError(f"renew_interval must be in (0, lease_timeout="
                              f"{self.lease_timeout}), got {self.renew_interval}")
+        if self.heartbeat_timeout <= 0:
+            raise ValueError(f"heartbeat_timeout must be > 0 s, got {self.heartbeat_timeout}")
         if self.claim_interval is None:
-            self.claim_interval = self.renew_interval
+            self.claim_interval = self.heartbeat_interval
         if self.claim_interval <= 0:
             raise ValueError(f"claim_interval must be > 0 s, got {self.claim_interval}")
         if self.drain_timeout < 0:
@@ -65,3 +69,16 @@ class WorkerConfig:
         if self.read_block_ms < 1:
             raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
 
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats: five fit in the timeout, so a live worker's heartbeat
+        never lapses on one slow beat."""
+        return self.heartbeat_timeout / 5
+
+    @property
+    def takeover_bound(self) -> float:
+        """The longest a SIGKILLed worker's requests wait before a peer takes them: its last
+        beat's TTL runs out `heartbeat_timeout` after it, a peer's scan comes within
+        `claim_interval`, and one more scan if the lease was renewed after that last beat."""
+        assert self.claim_interval is not None
+        return self.heartbeat_timeout + self.heartbeat_interval + 2 * self.claim_interval

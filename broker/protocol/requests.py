@@ -11,6 +11,7 @@ References: vLLM's `SamplingParams` and OpenAI's completions API for field names
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -58,6 +59,16 @@ MAX_TOKEN_ID = 2**31 - 1  # a sanity bound only: the worker checks ids against i
 
 # NOTE: `\Z`, not `$`: Python's `$` also matches before a trailing newline.
 RequestId = Annotated[str, Meta(pattern=f"^{NAME_PATTERN}\\Z")]
+# NOTE: an explicit id may not have the form of a stream entry id (`<ms>-<seq>`): that name
+# belongs to the id-less request added as that entry, whose producer follows llmq:r:<entry id>,
+# and no other entry may write there.
+ENTRY_ID_RE = re.compile(r"[0-9]+-[0-9]+")
+
+
+def is_usable_request_id(value: object) -> bool:
+    """Whether a payload's `id` may name a result stream: a valid name, not an entry id."""
+    return is_valid_name(value) and ENTRY_ID_RE.fullmatch(value) is None  # type: ignore[arg-type]
+
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -100,10 +111,16 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions, sampled over one prefill
     response_format: ResponseFormat | None = None  # OpenAI's shapes
     guided: Guided | None = None  # regex, choice or grammar
+    # True: special-token text in the prompt or message content is parsed as control tokens
+    # (trusted callers only; by default it is encoded as the text it is).
+    allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
         # reach the caller exactly like the per-field bounds above.
+        if self.id is not None and ENTRY_ID_RE.fullmatch(self.id):
+            raise ValueError(f"`id` {self.id!r} has the form of a stream entry id, which names "
+                             "the result stream of a request sent without an id: choose another")
         given = [name for name in ("prompt", "messages", "prompt_token_ids")
                  if getattr(self, name) is not None]
         if len(given) != 1:
@@ -215,7 +232,7 @@ def _probe_request_id(payload: bytes, encoding: Encoding, entry_id: str) -> str 
         return None
     if probe.id is None:
         return entry_id  # no id given: the entry id is the request id
-    return probe.id if is_valid_name(probe.id) else None
+    return probe.id if is_usable_request_id(probe.id) else None
 
 
 def decode_request_entry(

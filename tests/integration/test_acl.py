@@ -78,6 +78,8 @@ ALLOWED = {
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
         ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what it runs
         ("HSET", SUB, "1-0", "req-1"),
+        ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),  # is a marked entry running
+        ("XINFO", "GROUPS", Q),                               # ... or still queued
         ("SET", FLAG, "1", "EX", "86400"),                    # cancel
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "100", "BLOCK", "5000", "STREAMS", R, "0-0"),  # events / result
@@ -113,8 +115,13 @@ ALLOWED = {
         ("XREVRANGE", CANCEL, "+", "-", "COUNT", "1"),             # cancellations
         ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),
         ("EXISTS", FLAG),
+        ("SET", IDEM, "1-0", "NX", "GET", "EX", "86400"),          # owning a request id
+        ("GET", IDEM),                                             # ... or a tenant's
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
-        ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
+        ("PEXPIRE", HEARTBEAT, "5000"), ("DEL", HEARTBEAT),
+        ("EXISTS", HEARTBEAT),                                     # is a peer dead?
+        ("XPENDING", Q, "workers", "IDLE", "5000", "-", "+", "40", "worker-2"),
+        ("XCLAIM", Q, "workers", "worker-1", "5000", "1-0"),       # taking a dead peer's entries
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
         ("XREVRANGE", CTL, "+", "-", "COUNT", "1"),                # utility calls
         ("XREAD", "BLOCK", "200", "STREAMS", CTL, "0-0"),
@@ -134,6 +141,7 @@ ALLOWED = {
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
         ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
+        ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),         # marker checks
         ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
         ("HSET", "llmq:sse:{alice:r1}", "endpoint", "x"), ("HGETALL", "llmq:sse:{alice:r1}"),
         ("SET", "llmq:file:{alice}:file-1", "x", "EX", "60"),
@@ -182,7 +190,6 @@ DENIED = {
         ("INFO",), ("SCRIPT", "FLUSH"),
         ("XADD", Q, "*", "json", "{}"),           # injecting requests
         ("SET", FLAG, "1"),                       # cancelling requests
-        ("SET", IDEM, "1-0"),                     # the submit script's marker
         ("XREAD", "STREAMS", R, "0"),             # reading results is the producer's
         ("DEL", Q), ("SET", Q, "x"),
         ("XGROUP", "DESTROY", Q, "workers"),

@@ -137,3 +137,40 @@ def test_bad_input_gets_its_error_and_the_worker_lives_on(case, table_worker, re
     table_worker.wait_ready(redis_client)
     beat = protocol.decode_heartbeat(redis_client.hgetall(KEYS.worker("table-worker")))
     assert beat.pid == table_worker.pid
+
+
+# Entries no usable id can be read from: each is answered on llmq:r:<entry id> (the stream an
+# id-less producer follows: the XADD reply is all it knows) AND kept in the dead-letter stream.
+ID_LESS: dict[str, dict[str, Any]] = {
+    "truncated json": {"json": '{"prompt": "Hi", "max_tok'},
+    "garbage bytes": {"json": b"\x00\xff\xfe garbage \x81"},
+    "garbage msgpack": {"msgpack": b"\xc1\xc1\xc1"},
+    "wrong field name": {"payload": '{"prompt": "Hi"}'},
+    "5 MB payload": {"json": json.dumps({"id": "big-1", "prompt": "x" * (5 << 20)})},
+    "lone surrogate": {"json": b'{"prompt": "\xed\xa0\x80"}'},
+    "escaped lone surrogate": {"json": '{"prompt": "\\ud800"}'},
+    "deep nesting": {"json": '{"prompt": "Hi", "metadata": {"a": ' + "[" * DEEP + "]" * DEEP
+                     + "}}"},
+    "non-object top level": {"json": '"just a string"'},
+    "bad id": {"json": '{"id": "has space", "prompt": "Hi"}'},
+    "id of the entry-id form": {"json": '{"id": "1700000000000-0", "prompt": "Hi"}'},
+    "invalid utf-8 in msgpack": {"msgpack": b"\x81\xa6prompt\xa2\xff\xfe"},
+}
+
+
+@pytest.mark.parametrize("case", list(ID_LESS))
+def test_entry_without_a_usable_id_is_answered_on_its_entry_id(case, table_worker,
+                                                               redis_client) -> None:
+    # Given a running worker
+    table_worker.wait_ready(redis_client)
+    # When an entry that names no usable id is queued
+    entry_id = redis_client.xadd(QUEUE_KEY, ID_LESS[case]).decode()
+    # Then the producer, following llmq:r:<entry id>, gets an invalid_request error there
+    error = wait_terminal(redis_client, entry_id)
+    assert isinstance(error, protocol.Error) and error.code == "invalid_request", error
+    assert error.request_id == entry_id and error.attempt == 1
+    # And the entry is dead-lettered with its payload for people, and acked
+    wait_for(lambda: any(letter.entry_id == entry_id for letter, _ in dead_letters(redis_client)),
+             10, "the dead letter")
+    wait_for(lambda: num_pending(redis_client) == 0, 10, "the entry to be acked")
+    assert table_worker.alive(), table_worker.log_tail()

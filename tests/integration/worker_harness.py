@@ -32,6 +32,7 @@ KEYS = Keys()
 QUEUE_KEY = KEYS.queue("default")
 LEASE = 1.5  # s
 RENEW = 0.3  # s
+HEARTBEAT = 1.5  # s: a killed worker's requests are taken within about 2 s
 MAX_DELIVERIES = 3
 MAX_MODEL_LEN = 256
 KV_BYTES = 8_000_000  # the tiny model needs little; the default 1 GiB would be real memory
@@ -86,13 +87,18 @@ def dead_letters(r: redis.Redis) -> list[tuple[protocol.DeadLetter, dict[str, by
     return [protocol.decode_dead_letter(f) for _, f in r.xrange(KEYS.dlq("default"))]
 
 
-def worker_args(model_path: Path | str, *, lease: float = LEASE, renew: float = RENEW,
+def worker_args(model_path: Path | str, *, lease: float | None = LEASE,
+                renew: float | None = RENEW, heartbeat: float | None = HEARTBEAT,
                 drain: float = 5.0, max_num_seqs: int = 64, extra: list[str] | None = None
                 ) -> list[str]:
+    """`llmq worker` flags for the tiny model; a lease, renew or heartbeat of None keeps the
+    worker's default."""
+    timing = [arg for flag, value in (("--lease-timeout", lease), ("--renew-interval", renew),
+                                      ("--heartbeat-timeout", heartbeat)) if value is not None
+              for arg in (flag, str(value))]
     return ["--model", str(model_path), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_BYTES),
-            "--max-num-seqs", str(max_num_seqs), "--lease-timeout", str(lease),
-            "--renew-interval", str(renew), "--drain-timeout", str(drain),
+            "--max-num-seqs", str(max_num_seqs), *timing, "--drain-timeout", str(drain),
             "--max-deliveries", str(MAX_DELIVERIES), *(extra or [])]
 
 
@@ -173,7 +179,7 @@ class InProcessWorker:
 
     def __init__(self, url: str, loaded: Any, *, worker_id: str = "inproc", fault: str = "",
                  max_num_seqs: int = 64, num_kv_blocks: int = 64, lease: float = LEASE,
-                 renew: float = RENEW, **config: Any) -> None:
+                 renew: float = RENEW, heartbeat: float = HEARTBEAT, **config: Any) -> None:
         from llmq.worker.engine.config import EngineConfig
         from llmq.worker.engine.engine_core import EngineCore
         from llmq.worker.worker import Worker
@@ -185,7 +191,8 @@ class InProcessWorker:
                                               num_kv_blocks=num_kv_blocks), loaded=loaded)
         self.worker = Worker(
             WorkerConfig(redis_url=url, worker_id=worker_id, lease_timeout=lease,
-                         renew_interval=renew, max_deliveries=MAX_DELIVERIES, **config),
+                         renew_interval=renew, heartbeat_timeout=heartbeat,
+                         max_deliveries=MAX_DELIVERIES, **config),
             wrap_engine(self.engine, Faults.from_env(fault)), model_name="tiny")
         self.exit_code: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{worker_id}",

@@ -67,6 +67,9 @@ def test_completions_logprobs_are_a_count() -> None:
     (CHAT, {"model": "m"}, "messages", "needs `messages`"),
     (COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "prompt", "one prompt"),
     (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True}, "echo", "`echo`"),
+    # API keys are untrusted callers: their special-token text always stays text
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "allow_special_tokens": True}, "allow_special_tokens", "not supported"),
     (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
 ])
 def test_a_body_llmq_cannot_run_names_the_field(endpoint, body, param, words) -> None:

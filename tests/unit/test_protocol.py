@@ -203,6 +203,18 @@ def test_a_rejection_keeps_the_payloads_own_id() -> None:
     assert (outcome.request_id, outcome.encoding) == ("mine", "json")
 
 
+@pytest.mark.parametrize("entry_like", ["1700000000000-0", "0-1"])
+def test_an_id_of_the_entry_id_form_is_refused_and_never_names_a_stream(entry_like: str) -> None:
+    # An id-less producer follows llmq:r:<its entry id>; no other entry may claim that name.
+    outcome = decode_request_entry(ENTRY_ID, _json({"id": entry_like, "prompt": "x"}))
+    assert isinstance(outcome, RejectedEntry)
+    assert "entry id" in outcome.message and outcome.request_id is None
+    with pytest.raises(InvalidRequest, match="entry id"):
+        build_submission({"id": entry_like, "prompt": "x"})
+    assert isinstance(decode_request_entry(ENTRY_ID, _json({"id": "t:1-0", "prompt": "x"})),
+                      DecodedRequest)
+
+
 def test_a_million_nested_arrays_in_a_full_size_payload_are_rejected_not_crashed() -> None:
     depth = (MAX_PAYLOAD_BYTES - 64) // 2
     fields = {b"json": b'{"prompt":"x","metadata":{"a":' + b"[" * depth + b"]" * depth + b"}}"}

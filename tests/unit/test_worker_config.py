@@ -9,9 +9,15 @@ from llmq.worker.worker_config import WorkerConfig
 from tests.fixtures.faults import Faults
 
 
-def test_renew_and_claim_intervals_default_from_the_lease() -> None:
+def test_renewals_default_from_the_lease_and_scans_from_the_heartbeat() -> None:
     config = WorkerConfig(lease_timeout=30.0, worker_id="w")
-    assert (config.renew_interval, config.claim_interval) == (10.0, 10.0)
+    assert (config.renew_interval, config.heartbeat_interval, config.claim_interval) == (
+        10.0, 1.0, 1.0)
+
+
+def test_a_killed_workers_requests_are_taken_within_ten_seconds_by_default() -> None:
+    # heartbeat timeout 5 s + a beat + two scans: the bound the SIGKILL test checks against
+    assert WorkerConfig(worker_id="w").takeover_bound == 8.0 < 10
 
 
 @pytest.mark.parametrize("kwargs, field", [

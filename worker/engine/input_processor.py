@@ -15,6 +15,10 @@ and its scheduler trust what passes: they check nothing again.
                      cache (a request running alone must always fit, so preemption makes progress)
 - invalid_token_id   a prompt or stop token id outside the vocabulary
 
+Special-token text in a prompt or in message content is encoded as text: only the chat
+template's own markers become control tokens, so content cannot forge a system turn
+(`allow_special_tokens` on the request lets a trusted caller opt out).
+
 A request whose prompt fits but whose `max_tokens` would run past the context is not refused:
 it stops with finish_reason `length` at the context limit, as llama.cpp's server does.
 """
@@ -41,9 +45,11 @@ logger = logging.getLogger(__name__)
 class PromptTokenizer(Protocol):
     """What the gate needs of a tokenizer (worker/engine/model/tokenizer.py)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               split_special_tokens: bool = False) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    allow_special_tokens: bool = False) -> list[int]: ...
 
 
 @dataclass
@@ -145,12 +151,16 @@ class InputProcessor:
         if request.messages is not None:
             chat = [msgspec.structs.asdict(m) for m in request.messages]
             try:
-                return self.tokenizer.encode_chat(chat)
+                return self.tokenizer.encode_chat(
+                    chat, allow_special_tokens=request.allow_special_tokens)
             except Exception as e:  # noqa: BLE001 - a template is untrusted code: any failure
                 raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                       f"messages: the chat template failed: {e}") from None
         if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
+            # NOTE: special-token text in a prompt is text (`<|im_start|>` cannot open a turn)
+            # unless the caller is trusted with them (`allow_special_tokens`).
+            return self.tokenizer.encode(request.prompt,
+                                         split_special_tokens=not request.allow_special_tokens)
         raise RequestRejected(ErrorCode.INVALID_REQUEST,
                               "one of prompt, messages or prompt_token_ids is required")
 

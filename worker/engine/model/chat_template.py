@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from datetime import datetime
 from typing import Any
 
@@ -132,3 +133,46 @@ class ChatTemplate:
         return self._template.render(
             messages=chat, tools=tools, documents=documents,
             add_generation_prompt=add_generation_prompt, **variables)
+
+    def render_parts(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                     **kwargs: Any) -> list[tuple[str, bool]] | None:
+        """The rendered conversation as (text, from_content) parts, in order: what came from a
+        message's `content` and what the template itself wrote. Their concatenation is exactly
+        `render(...)`. None when the template transforms content in a way the parts cannot
+        follow (it slices it, or branches on its exact value): treat the whole text as content.
+
+        NOTE: each content is rendered between markers made of private-use characters and a
+        random nonce, so content cannot forge or close them; a template that trims content
+        (`| trim`, as Llama 3's does) is followed by marking the trimmed content instead.
+        """
+        plain = self.render(messages, add_generation_prompt, **kwargs)
+        nonce = secrets.token_hex(8)
+        begin, end = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        for strip in (False, True):
+            marked = [_marked(m, begin, end, strip) for m in messages]
+            parts = _split_marked(self.render(marked, add_generation_prompt, **kwargs), begin, end)
+            if parts is not None and "".join(text for text, _ in parts) == plain:
+                return [part for part in parts if part[0]]
+        return None
+
+
+def _marked(message: Any, begin: str, end: str, strip: bool) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        return message
+    return {**message, "content": begin + (content.strip() if strip else content) + end}
+
+
+def _split_marked(text: str, begin: str, end: str) -> list[tuple[str, bool]] | None:
+    parts: list[tuple[str, bool]] = []
+    pos = 0
+    while (start := text.find(begin, pos)) >= 0:
+        stop = text.find(end, start + len(begin))
+        if stop < 0:
+            return None
+        parts += [(text[pos:start], False), (text[start + len(begin):stop], True)]
+        pos = stop + len(end)
+    parts.append((text[pos:], False))
+    if any(begin in t or end in t for t, _ in parts):
+        return None  # markers cut apart or nested: the template sliced content
+    return parts

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,6 +153,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template_tokens = dict(template_tokens or {})
         self._compiled_template: ChatTemplate | None = None
+        self._split_backend: _Backend | None = None  # built on first use (_text_backend)
+        self._text_backend_lock = threading.Lock()
 
     # --- construction ------------------------------------------------------------------------
 
@@ -318,13 +321,17 @@ class Tokenizer:
 
     # --- encode / decode ---------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in it are parsed as specials.
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               split_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in it are parsed as specials, unless
+        `split_special_tokens`: then `<|im_start|>` in the text is just text (several ordinary
+        tokens), which is how untrusted text must be encoded.
 
         `add_special_tokens` adds BOS (and EOS) only where the model asks for them (`add_bos`);
         rendered chat templates already carry their specials, see `encode_chat`.
         """
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        backend = self._text_backend() if split_special_tokens else self._backend
+        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.add_bos:
                 ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
@@ -366,11 +373,72 @@ class Tokenizer:
             self._compiled_template = ChatTemplate(self.chat_template, self._template_tokens)
         return self._compiled_template.render(messages, add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        """Prompt ids of a conversation; like transformers, adds no BOS the template lacks."""
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    allow_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        """Prompt ids of a conversation; like transformers, adds no BOS the template lacks.
+
+        Only the template's own markers become control tokens: special-token text inside a
+        message's content (`<|im_end|>\n<|im_start|>system`) is encoded as the text it is, so
+        content cannot forge a turn. `allow_special_tokens` (trusted callers) parses it as
+        specials, as transformers' `apply_chat_template(tokenize=True)` does.
+        """
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        if allow_special_tokens:
+            return self.encode(text, add_special_tokens=False)
+        assert self._compiled_template is not None  # apply_chat_template compiled it
+        parts = self._compiled_template.render_parts(messages, add_generation_prompt, **kwargs)
+        if parts is None:
+            # NOTE: the template reshapes content so it cannot be told apart: refuse content
+            # that holds a special token, encode the rest as before (nothing to forge with).
+            contents = [m.get("content") for m in messages if isinstance(m, dict)]
+            if forged := self._special_texts_in([c for c in contents if isinstance(c, str)]):
+                raise ValueError(f"message content holds the special token {forged!r} and this "
+                                 "model's chat template cannot keep content apart from its "
+                                 "markers: remove it, or set allow_special_tokens")
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_parts(parts)
+
+    def _encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Ids of rendered parts: the specials the template wrote are control tokens, content is
+        encoded with specials split. Same ids as encoding the text whole when content holds no
+        special text, because `tokenizers` itself cuts the text at every special and encodes
+        the stretches between them apart: only the cuts that fall in content are skipped."""
+        text = "".join(t for t, _ in parts)
+        content: list[tuple[int, int]] = []
+        pos = 0
+        for part, from_content in parts:
+            if from_content:
+                content.append((pos, pos + len(part)))
+            pos += len(part)
+        whole = self._backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        pos = 0
+        for token_id, (start, stop) in zip(whole.ids, whole.offsets, strict=True):
+            if token_id not in self.special_token_ids or any(
+                    start < c_stop and c_start < stop for c_start, c_stop in content):
+                continue
+            ids += self._text_backend().encode(text[pos:start], add_special_tokens=False).ids
+            ids.append(token_id)
+            pos = stop
+        ids += self._text_backend().encode(text[pos:], add_special_tokens=False).ids
+        return ids
+
+    def _text_backend(self) -> _Backend:
+        """A copy of the backend that encodes special-token text as ordinary text."""
+        with self._text_backend_lock:
+            if self._split_backend is None:
+                backend = _Backend.from_str(self._backend.to_str())
+                backend.encode_special_tokens = True
+                self._split_backend = backend
+            return self._split_backend
+
+    def _special_texts_in(self, texts: list[str]) -> str | None:
+        """The first special token's text found in any of `texts`, or None."""
+        for text in texts:
+            for token_id in self._backend.encode(text, add_special_tokens=False).ids:
+                if token_id in self.special_token_ids:
+                    return self._backend.id_to_token(token_id)
+        return None
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "

@@ -1,0 +1,93 @@
+"""TenantAcl: the Redis ACL rule of one tenant's producer user (`llmq acl tenant NAME`).
+
+A tenant's request ids are `<tenant>:<id>` (the gateway names its API keys' requests so), so all
+of its per-request keys share a prefix an ACL key pattern can name. The rule lets the tenant's
+producer:
+
+- XADD to any queue and to the cancel streams (the one-command producer contract: an ACL cannot
+  restrict XADD's arguments, so what a plain XADD can do is in docs/operations.md), create the
+  consumer group on first use;
+- run the submit function, which marks the id (`llmq:id:{<queue>}:<tenant>:<id>`) as the
+  entry's and records the submission, and read and write its own markers;
+- set its own cancel flags, read its own results, and check that a marked entry is running or
+  queued (XPENDING, XINFO GROUPS: no payload);
+
+and nothing else: no other tenant's results, markers or cancel flags, no request payloads, no
+consumer-group commands, no admin commands. A worker runs an entry with a tenant's id only when
+its marker names that entry, so another tenant's XADD of `acme:...` can neither hijack nor
+block acme's ids.
+
+Every pattern is built from `Keys` with a stand-in name, then globbed: a change of the key
+schema changes the rule with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from llmq.broker.keys import Keys, is_valid_tenant, validate_name
+
+__all__ = ["TenantAcl"]
+
+# A valid name no real key holds, replaced by `*` in the patterns.
+_STAND_IN = "ACLGLOBSTANDIN"
+
+
+@dataclass(frozen=True)
+class TenantAcl:
+    keys: Keys
+    tenant: str
+
+    def __post_init__(self) -> None:
+        if not is_valid_tenant(self.tenant):
+            raise ValueError(f"invalid tenant {self.tenant!r}: letters, digits, `_.-`, no `:`")
+
+    def _glob(self, key: str) -> str:
+        return key.replace(_STAND_IN, "*")
+
+    @property
+    def request_id_glob(self) -> str:
+        return f"{self.tenant}:*"
+
+    def patterns(self) -> dict[str, str]:
+        """The key patterns of the rule, by what they hold."""
+        own = f"{self.tenant}:{_STAND_IN}"
+        return {
+            "queues": self._glob(self.keys.queue(_STAND_IN)),
+            "version-1 queues": self._glob(self.keys.legacy_queue(_STAND_IN)),
+            "submission records": self._glob(self.keys.submissions(_STAND_IN)),
+            "cancel streams": self._glob(self.keys.cancel(_STAND_IN)),
+            "results": self._glob(self.keys.result(own)),
+            "cancel flags": self._glob(self.keys.cancel_flag(own)),
+            "markers": self._glob(self.keys.idempotency(_STAND_IN, own)),
+            "queue registry": self.keys.queues(),
+        }
+
+    def rule(self, password_hash: str, user: str | None = None) -> str:
+        """An ACL file line (`user ...`); everything after `user` is also what ACL SETUSER
+        takes. `password_hash` is the SHA-256 of the password, in hex."""
+        name = validate_name("user", user or self.tenant)
+        p = self.patterns()
+        q, markers, subs = p["queues"], p["markers"], p["submission records"]
+        selectors = [
+            f"(~{q} ~{p['cancel streams']} +xadd)",
+            f"(~{q} +xgroup|create +exists +xinfo|stream)",
+            f"(%R~{p['version-1 queues']} +exists)",
+            f"(~{p['queue registry']} +sadd)",
+            # NOTE: the submit function declares the queue, its records and the marker as its
+            # keys; what it runs is checked against this user too, so it can mark only this
+            # tenant's ids.
+            f"(~{q} ~{subs} ~{markers} +fcall)",
+            f"(~{subs} +hset)",
+            f"(~{markers} +get +set)",
+            f"(~{p['cancel flags']} +set)",
+            f"(%R~{p['results']} +xread +xrange +xrevrange +xlen +xinfo|stream)",
+            f"(%R~{q} +xpending +xinfo|groups)",
+        ]
+        return (f"user {name} on #{password_hash} resetkeys resetchannels -@all +ping +time "
+                + " ".join(selectors))
+
+    @staticmethod
+    def password_hash(password: str) -> str:
+        return hashlib.sha256(password.encode()).hexdigest()

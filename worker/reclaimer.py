@@ -1,0 +1,309 @@
+"""Reclaimer: the worker's thread that takes over other workers' requests, and tidies the queue.
+
+Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not draining:
+
+1. Dead workers. A consumer that holds pending entries and whose heartbeat hash
+   `llmq:w:<name>` has expired is dead (SIGKILL, OOM kill, node loss): its entries are taken at
+   once (XPENDING for that consumer, then XCLAIM with min-idle = heartbeat_timeout, so two
+   peers never both take one) and rerun as attempt n = their delivery count. A SIGKILLed
+   worker's requests restart within `WorkerConfig.takeover_bound` (8 s by default).
+2. Lapsed leases. Entries idle past `lease_timeout` although their worker still beats (its
+   busy loop or process stalled) are taken the same way, and so are entries handed back by a
+   draining or failing worker (huge IDLE) at once.
+3. Once a minute: remove dead workers' idle consumers, and trim acked entries from the request
+   stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
+   under OOM the trim (not refused: it frees memory) still goes on.
+
+**Never during a Redis-wide stall.** Both takeovers need `Liveness.healthy_for(...)`: this
+worker's own heartbeats have gone through steadily for a whole heartbeat timeout (dead
+workers) or a whole lease (lapsed leases). When every heartbeat went stale together (CLIENT
+PAUSE, a stopped or out-of-memory Redis, this worker paused), the owners are alive: they beat
+and renew within that time, and nothing is taken from them.
+
+**Suspects run alone.** Entries handed back after an engine-fatal error carry a distinctive
+IDLE (lease_keeper.SUSPECT_IDLE_MS): one of them may have killed the engine. A worker takes at
+most one suspect at a time, and none while it holds one; the busy loop runs it alone. So only
+the request that really kills engines reaches `max_deliveries` and is dead-lettered, while its
+batch-mates finish on their next delivery.
+
+Entries that vanished from the request stream while pending (trimmed or deleted) are dropped
+from the PEL by XCLAIM: they are answered `lost_payload` on llmq:r:{<entry id>} and dead-lettered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from llmq.broker import protocol
+from llmq.broker.errors import ErrorCode
+from llmq.broker.keys import GROUP, is_valid_name
+from llmq.broker.protocol import as_str
+from llmq.broker.retention import trim_acked_requests
+from llmq.worker.admission import Admission
+from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.lease_keeper import HAND_BACK_IDLE_MS, SUSPECT_MIN_IDLE_MS
+from llmq.worker.liveness import Liveness
+from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.worker_context import WorkerContext
+
+logger = logging.getLogger(__name__)
+
+# Idle consumers with nothing pending are removed after this long (dead workers' names).
+CONSUMER_CLEANUP_IDLE_MS = 10 * 60 * 1000
+# XPENDING rows read beyond the room there is, so suspects skipped do not hide other work.
+_SCAN_SLACK = 32
+
+
+class Reclaimer:
+    """`liveness` is the lease keeper's record of this worker's own heartbeats."""
+
+    def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter,
+                 liveness: Liveness, *, ensure_group: Callable[[], None],
+                 first_contact: Callable[[], None] = lambda: None) -> None:
+        config = ctx.config
+        assert config.claim_interval is not None
+        self.ctx = ctx
+        self.client = ctx.connect()
+        self.keys = ctx.keys
+        self.queue_key = ctx.queue_key
+        self.worker_id = ctx.worker_id
+        self.table = ctx.table
+        self.admission = admission
+        self.writer = writer
+        self.liveness = liveness
+        self.ensure_group = ensure_group
+        self.first_contact: Callable[[], None] | None = first_contact
+        self.lease_timeout = config.lease_timeout
+        self.lease_ms = int(config.lease_timeout * 1000)
+        self.heartbeat_timeout = config.heartbeat_timeout
+        self.heartbeat_ms = int(config.heartbeat_timeout * 1000)
+        self.claim_interval = config.claim_interval
+        self.reclaiming = True  # off while draining: a draining worker takes nothing new
+        self.stop_event = threading.Event()
+        self.backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
+        self._next_cleanup = time.monotonic() + 60.0
+        self._thread = threading.Thread(target=self._run, name="llmq-reclaimer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            started = time.monotonic()
+            if self.first_contact is not None:
+                self._guard(self._make_first_contact)
+            if self.reclaiming:
+                self._guard(self.take_dead_workers)
+                self._guard(self.take_lapsed)
+            if started >= self._next_cleanup:
+                self._next_cleanup = started + 60.0
+                self._guard(self._cleanup_consumers)
+                self._guard(self.answer_vanished_unread)
+                self._guard(lambda: trim_acked_requests(self.client, self.keys, self.ctx.queue))
+            self.stop_event.wait(max(0.0, self.claim_interval - (time.monotonic() - started)))
+
+    def _make_first_contact(self) -> None:
+        assert self.first_contact is not None
+        self.first_contact()
+        self.first_contact = None
+
+    def _guard(self, work: Callable[[], object]) -> None:
+        try:
+            work()
+            self.backoff.succeeded()
+        except TRANSIENT_ERRORS as e:
+            self.backoff.failed(e)
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):
+                try:
+                    self.ensure_group()
+                except (redis.RedisError, *TRANSIENT_ERRORS) as e2:  # type: ignore[misc]
+                    self.backoff.failed(e2)
+            elif "no such key" not in str(e).lower():
+                logger.error("reclaimer: Redis refused a command: %s", e)
+
+    # -- 1. dead workers --------------------------------------------------------------------------
+
+    def take_dead_workers(self) -> int:
+        """Take the entries of consumers whose heartbeat expired; returns how many."""
+        if not self.liveness.healthy_for(self.heartbeat_timeout) or self._room() <= 0:
+            return 0
+        holders = [as_str(c["name"]) for c in self.client.xinfo_consumers(self.queue_key, GROUP)
+                   if int(c["pending"]) and as_str(c["name"]) != self.worker_id]
+        # NOTE: a consumer name that is no valid worker id cannot have a heartbeat: dead.
+        named = [h for h in holders if is_valid_name(h)]
+        pipe = self.client.pipeline(transaction=False)
+        for name in named:
+            pipe.exists(self.keys.worker(name))
+        alive = dict(zip(named, pipe.execute(), strict=True))
+        taken = 0
+        for name in (h for h in holders if not alive.get(h)):
+            rows = self.client.xpending_range(self.queue_key, GROUP, "-", "+",
+                                              self._room() + _SCAN_SLACK, consumername=name,
+                                              idle=self.heartbeat_ms)
+            got = self._take(rows, self.heartbeat_ms, f"from dead worker {name}")
+            taken += got
+            if got:
+                self.client.zrem(self.keys.workers(), name)
+        return taken
+
+    # -- 2. lapsed leases and handed-back entries -------------------------------------------------
+
+    def take_lapsed(self) -> int:
+        """Take entries idle past the lease (or handed back); returns how many."""
+        if self._room() <= 0:
+            return 0
+        # NOTE: handed-back entries may go at any time; a lapsed lease only once this worker's
+        # beats have been steady for a whole lease, so an owner alive through a common stall
+        # has renewed first.
+        steady = self.liveness.healthy_for(self.lease_timeout)
+        min_idle = self.lease_ms if steady else HAND_BACK_IDLE_MS
+        rows = self.client.xpending_range(self.queue_key, GROUP, "-", "+",
+                                          self._room() + _SCAN_SLACK, idle=min_idle)
+        return self._take(rows, min_idle, f"idle past the {self.lease_ms} ms lease")
+
+    # -- taking entries ---------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        return self.ctx.max_num_seqs - len(self.table)
+
+    def _take(self, rows: list[dict[str, Any]], min_idle_ms: int, why: str) -> int:
+        """XCLAIM the XPENDING `rows` there is room for (one suspect at most) and admit them."""
+        room = self._room()
+        holding_suspect = self.table.holds_solo()
+        chosen: list[str] = []
+        suspects: set[str] = set()
+        for row in rows:
+            if len(chosen) >= room:
+                break
+            entry_id = as_str(row["message_id"])
+            if self.table.get(entry_id) is not None:
+                continue  # ours already: a renewal raced the scan
+            if int(row["time_since_delivered"]) >= SUSPECT_MIN_IDLE_MS:
+                if holding_suspect:
+                    continue  # one at a time: it runs alone
+                holding_suspect = True
+                suspects.add(entry_id)
+            chosen.append(entry_id)
+        if not chosen:
+            return 0
+        claimed = self.client.xclaim(self.queue_key, GROUP, self.worker_id, min_idle_ms, chosen)
+        got = [as_str(entry_id) for entry_id, _ in claimed]
+        if missing := [i for i in chosen if i not in set(got)]:
+            self._answer_vanished(missing)
+        if not claimed:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in got:
+            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+        pipe.hmget(self.keys.handbacks(self.ctx.queue), got)
+        *pendings, handbacks = pipe.execute()
+        attempts = {}
+        for entry_id, pending in zip(got, pendings, strict=True):
+            # NOTE: XCLAIM just counted this delivery, so times_delivered is this attempt.
+            attempts[entry_id] = int(pending[0]["times_delivered"]) if pending else 1
+        forgiven = {entry_id: int(n) for entry_id, n in zip(got, handbacks, strict=True) if n}
+        logger.warning("took %d entr%s %s: %s", len(got), "y" if len(got) == 1 else "ies", why,
+                       ", ".join(f"{i} (attempt {attempts[i]}"
+                                 f"{', alone' if i in suspects else ''})" for i in got[:5]))
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.inc_reclaimed(len(got))
+        return self.admission.admit(self.client, claimed, self.backoff, attempts, forgiven,
+                                    solo=suspects & set(got))
+
+    def _answer_vanished(self, entry_ids: list[str]) -> None:
+        """Chosen entries XCLAIM did not return: a peer took them first (still pending), or they
+        were trimmed or deleted from the stream while pending (XCLAIM dropped them)."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+        gone = [i for i, pending in zip(entry_ids, pipe.execute(), strict=True) if not pending]
+        if not gone:
+            return
+        message = "the entry was trimmed or deleted from the request stream while pending"
+        logger.warning("%d pending entries lost their payload: %s", len(gone), gone[:5])
+        # NOTE: the payload is gone; the request id is known only from the submit function's
+        # record (a raw XADD leaves none).
+        submitted = self.client.hmget(self.keys.submissions(self.ctx.queue), gone)
+        for entry_id, request_id in zip(gone, submitted, strict=True):
+            self._answer_lost(entry_id, None if request_id is None else as_str(request_id),
+                              message)
+
+    def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
+        """`lost_payload` on the request's stream, or on llmq:r:{<entry id>} when its id is
+        unknown (as for any entry without a usable id), and a dead letter for operators."""
+        code = ErrorCode.LOST_PAYLOAD
+        answered_on = request_id if request_id is not None else entry_id
+        error = protocol.Error(request_id=answered_on, attempt=1, code=code, message=message)
+        self.writer.put(EntryWrite(
+            entry_id, answered_on, "json", [error], ack=True, pop=False,
+            dead_letter=self.admission.dead_letter(entry_id, request_id, code, message, 0, None)))
+
+    def answer_vanished_unread(self) -> int:
+        """Answer `lost_payload` for submissions whose entry left the request stream unread
+        (someone trimmed or deleted it); returns how many. Runs once a minute.
+
+        `llmq:sub:{queue}` names every entry the submit function added until a worker acks it;
+        one that is neither in the stream nor pending vanished. Its request id counts only if
+        its idempotency marker still names that entry (or the id is the entry id), so a
+        record forged by another producer cannot fail someone else's request."""
+        key = self.keys.submissions(self.ctx.queue)
+        answered, cursor = 0, 0
+        while True:
+            cursor, records = self.client.hscan(key, cursor, count=500)
+            if records:
+                answered += self._answer_vanished_in(
+                    {as_str(k): as_str(v) for k, v in records.items()})
+            if not int(cursor):
+                return answered
+
+    def _answer_vanished_in(self, records: dict[str, str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in records:
+            pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+        replies = pipe.execute()
+        vanished = {entry_id: request_id for (entry_id, request_id), present, pending in zip(
+            records.items(), replies[0::2], replies[1::2], strict=True)
+            if not present and not pending}
+        if not vanished:
+            return 0
+        # NOTE: a record names a request id, and its marker must name the entry back.
+        named = [(e, r) for e, r in vanished.items() if r != e and is_valid_name(r)]
+        pipe = self.client.pipeline(transaction=False)
+        for _, request_id in named:
+            pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
+        confirmed = {e for (e, _), marker in zip(named, pipe.execute(), strict=True)
+                     if marker is not None and as_str(marker) == e}
+        message = "the entry was trimmed or deleted from the request stream before a worker read it"
+        for entry_id, request_id in vanished.items():
+            genuine = request_id == entry_id or entry_id in confirmed
+            self._answer_lost(entry_id, request_id if genuine else None, message)
+        logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
+                       len(vanished), self.queue_key)
+        return len(vanished)
+
+    # -- 3. tidying -------------------------------------------------------------------------------
+
+    def _cleanup_consumers(self) -> None:
+        """Delete consumers of dead workers: nothing pending and idle for a long time."""
+        for consumer in self.client.xinfo_consumers(self.queue_key, GROUP):
+            name = as_str(consumer["name"])
+            if (name != self.worker_id and int(consumer["pending"]) == 0
+                    and int(consumer["idle"]) > CONSUMER_CLEANUP_IDLE_MS):
+                # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
+                self.client.xgroup_delconsumer(self.queue_key, GROUP, name)
+                logger.info("removed idle consumer %s", name)
