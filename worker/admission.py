@@ -14,11 +14,12 @@ validates off the busy loop. Per entry, in order:
    `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
 4. ownership of the request id: `SET llmq:id:{<queue>}:<request_id> <entry id> NX GET` (the
    marker the producer's submit function sets, or the first worker to admit an entry of that
-   id): an entry whose id another entry owns is a duplicate, dead-lettered as `duplicate_id`
-   and answered on llmq:r:{<its entry id>}, never on the first run's stream. A tenant's id
-   (`<tenant>:<id>`) is never claimed here: it runs only if its marker already names this entry (the tenant's own
-   submit function queued it), so a foreign XADD can neither hijack nor block it; then the
-   cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the request);
+   id): an entry whose id another entry owns is a duplicate, dead-lettered as `duplicate_id` and
+   answered on llmq:r:{<its entry id>}, never on the first run's stream. A tenant's id
+   (`<tenant>:<id>`) is never claimed here: it runs only if its marker already names this entry
+   (the tenant's own submit function queued it), so a foreign XADD can neither hijack nor block
+   it; then the cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the
+   request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 

@@ -1,11 +1,10 @@
 """Who may write a request id's result stream: the one entry that owns the id.
 
-A worker owns an id for an entry with `SET llmq:id:{<queue>}:<id> <entry id> NX GET` when it admits it (the
-producer's submit script has set that marker already when it queued the entry). Another entry
-with the same id, raw-XADDed while the first runs or after it finished, is a duplicate: it is
-dead-lettered as `duplicate_id` and answered on llmq:r:{<its entry id>}, and the first run's
-stream keeps exactly one start and one terminal event.
-"""
+A worker owns an id for an entry with `SET llmq:id:{<queue>}:<id> <entry id> NX GET` when it
+admits it (the producer's submit function has set that marker already when it queued the entry).
+Another entry with the same id, raw-XADDed while the first runs or after it finished, is a
+duplicate: it is dead-lettered as `duplicate_id` and answered on llmq:r:{<its entry id>}, and
+the first run's stream keeps exactly one start and one terminal event. """
 
 from __future__ import annotations
 

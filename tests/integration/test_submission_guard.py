@@ -43,7 +43,7 @@ def test_requests_trimmed_away_unread_are_answered_lost_payload(redis_server, re
     assert redis_client.xlen(QUEUE_KEY) == 0
     with InProcessWorker(redis_server.url, tiny_model) as worker:
         # And a worker's once-a-minute check runs
-        worker.worker.keeper.answer_vanished()
+        worker.worker.reclaimer.answer_vanished_unread()
         # Then both requests are answered with lost_payload where their producers wait
         for rid in (named, anonymous):
             error = wait_terminal(redis_client, rid, timeout=30)
@@ -58,7 +58,7 @@ def test_requests_trimmed_away_unread_are_answered_lost_payload(redis_server, re
         # And the records are gone, so the next check answers nothing twice
         wait_for(lambda: not redis_client.exists(KEYS.submissions("default")), 10,
                  "the records to be cleared")
-        assert worker.worker.keeper.answer_vanished() == 0
+        assert worker.worker.reclaimer.answer_vanished_unread() == 0
 
 
 def test_a_stream_at_the_last_id_is_refused_naming_the_fix(redis_server, redis_client) -> None:
