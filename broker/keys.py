@@ -29,6 +29,8 @@ Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
     llmq:batches:<tenant>   zset      a tenant's gateway batch ids by creation time (unix s)
     llmq:sse:<request_id>   hash      how the gateway streams a request (endpoint, usage chunk,
                                       keep on disconnect), so any replica can resume it; TTL
+    llmq:dash:series        stream    the dashboard's chart samples (one per interval, entry id =
+                                      the interval's start in ms), capped to the last hour
 
 Gateway request ids are `<tenant>:<id>`: a tenant's keys all start `<prefix>:r:<tenant>:` and so
 on, which is what its API key, and an ACL rule per tenant, can reach.
@@ -180,6 +182,10 @@ class Keys:
     def stream_options(self, request_id: str) -> str:
         """How the gateway streams one request, for a resume on any replica."""
         return f"{self.prefix}:sse:{validate_name('request_id', request_id)}"
+
+    def dashboard_series(self) -> str:
+        """The dashboard's rolling samples of the pool (every gateway replica reads the same)."""
+        return f"{self.prefix}:dash:series"
 
 
 def _tenant(tenant: str) -> str:

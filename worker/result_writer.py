@@ -271,6 +271,10 @@ class ResultWriter:
     def _after_write(self, batch: _Batch) -> None:
         for entry_id in batch.pop_ids:
             self.table.pop(entry_id)
+        if batch.finished or batch.errors:
+            self.ctx.counters.add_finished(
+                [o.timings.ttft if o.timings else None for o in batch.finished]
+                + [None] * len(batch.errors))
         if self.metrics is None:
             return
         for output in batch.finished:

@@ -10,6 +10,7 @@ without pulling in redis. By concept:
     events.py     start / delta / done / error on llmq:r:<request_id>, and the terminal-event
                   builder the worker and `llmq generate -f` share
     records.py    operational records: cancellations, dead letters, worker heartbeats
+    latency_histogram.py  TTFT counts in fixed buckets, carried by heartbeats
 
 Everything public is re-exported here: `from llmq.broker.protocol import Request, Done`.
 
@@ -33,6 +34,7 @@ from llmq.broker.protocol.events import (
     is_terminal,
     terminal_event,
 )
+from llmq.broker.protocol.latency_histogram import TTFT_BUCKETS_MS, LatencyHistogram
 from llmq.broker.protocol.records import (
     DEAD_LETTER_FIELD,
     CancelNotice,
@@ -88,6 +90,7 @@ __all__ = [
     "MAX_STOP_STRING_LEN",
     "MAX_TOKEN_ID",
     "MAX_TOKENS_LIMIT",
+    "TTFT_BUCKETS_MS",
     "CancelNotice",
     "DeadLetter",
     "DecodedRequest",
@@ -98,6 +101,7 @@ __all__ = [
     "ErrorCode",
     "Event",
     "FinishedOutput",
+    "LatencyHistogram",
     "Message",
     "RejectedEntry",
     "Request",
