@@ -145,6 +145,7 @@ class PoolSeries:
 
     async def run_forever(self) -> None:
         """Watch heartbeats every second; once per interval, offer a sample."""
+        failing = False
         while True:
             try:
                 self.observe(await self.pool.workers())
@@ -155,8 +156,14 @@ class PoolSeries:
                         self.interval_ms:
                     self._last_slot = slot
                     await self.offer(self.sample(now_ms, await self._total_lag()))
+                if failing:
+                    logger.info("sampling the pool for the dashboard works again")
+                failing = False
             except LLMQError as exc:
-                logger.debug("sampling the pool failed: %s", exc)
+                # NOTE: said once per outage, not every second: the charts just have a gap.
+                if not failing:
+                    logger.warning("sampling the pool for the dashboard failed: %s", exc)
+                failing = True
             await asyncio.sleep(_TICK_S)
 
     async def _total_lag(self) -> int:
