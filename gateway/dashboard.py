@@ -3,7 +3,8 @@
     GET  /dashboard                               the page (the login form without a session)
     POST /dashboard/login | /dashboard/logout     an API key -> the session cookie, and back
     GET  /dashboard/static/{name}                 the page's CSS and JavaScript (package data)
-    GET  /dashboard/api/pool                      queues, workers, dead letters (every 2 s)
+    GET  /dashboard/api/pool                      queues and workers (every 2 s)
+    GET  /dashboard/api/dead-letters              the newest dead letters in reach
     GET  /dashboard/api/series?since=<ms>         chart samples of the last hour (PoolSeries)
     POST /dashboard/api/dead-letters/{queue}/{dlq_entry_id}/retry
     POST /dashboard/api/dead-letters/{queue}/purge
@@ -152,11 +153,18 @@ async def pool(request: Request) -> Response:
             row.pop(name, None)
         row["heartbeat_age_s"] = round(max(0.0, now - w.heartbeat_ms / 1000), 1)
         workers.append(row)
-    dead_letters = await DeadLetterView(state.client).list(viewer, names)
     return json_response({
         "viewer": {"tenant": viewer.tenant, "admin": viewer.admin}, "now_ms": int(now * 1000),
-        "stale_after_s": STALE_AFTER_S, "queues": queues, "workers": workers,
-        "dead_letters": dead_letters}, headers={"Cache-Control": "no-store"})
+        "stale_after_s": STALE_AFTER_S, "queues": queues, "workers": workers},
+        headers={"Cache-Control": "no-store"})
+
+
+async def dead_letters(request: Request) -> Response:
+    """Asked for when a queue's dead-letter count changes (and now and then), not every poll:
+    a dead letter keeps its payload, up to 1 MiB."""
+    state, viewer = _viewer(request)
+    rows = await DeadLetterView(state.client).list(viewer, await state.client.queues())
+    return json_response({"dead_letters": rows}, headers={"Cache-Control": "no-store"})
 
 
 async def series(request: Request) -> Response:
@@ -261,6 +269,7 @@ ROUTES = [
     Route("/dashboard/static/{name}", static, methods=["GET"]),
     Route("/dashboard/api/pool", pool, methods=["GET"]),
     Route("/dashboard/api/series", series, methods=["GET"]),
+    Route("/dashboard/api/dead-letters", dead_letters, methods=["GET"]),
     Route("/dashboard/api/dead-letters/{queue}/{dlq_entry_id}/retry", retry_dead_letter,
           methods=["POST"]),
     Route("/dashboard/api/dead-letters/{queue}/purge", purge_dead_letters, methods=["POST"]),

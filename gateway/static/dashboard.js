@@ -113,7 +113,22 @@
     } catch (error) {
       alert(error.message);
     }
+    deadLettersSeen = null;
     refresh();
+  }
+
+  // NOTE: dead letters keep their payloads (up to 1 MiB each): fetched when a queue's count
+  // changes, after a button, and every 30 s, not on every poll.
+  let deadLettersSeen = null;
+  let deadLettersAt = 0;
+
+  async function refreshDeadLetters(queues, viewer) {
+    const counts = JSON.stringify(queues.map((q) => [q.queue, q.dead_letters]));
+    if (counts === deadLettersSeen && Date.now() - deadLettersAt < 30000) return;
+    const body = await api("/dashboard/api/dead-letters");
+    deadLettersSeen = counts;
+    deadLettersAt = Date.now();
+    renderDeadLetters(body.dead_letters, viewer);
   }
 
   // -- charts: hand-drawn SVG over the last hour ------------------------------------------------
@@ -200,7 +215,7 @@
       $("#viewer").textContent = viewer.admin ? `admin (${viewer.tenant})` : `tenant ${viewer.tenant}`;
       renderQueues(pool.queues);
       renderWorkers(pool.workers, pool.stale_after_s);
-      renderDeadLetters(pool.dead_letters, viewer);
+      await refreshDeadLetters(pool.queues, viewer);
       await refreshSeries();
       $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     } catch (error) {

@@ -75,7 +75,7 @@ def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_p
                                     code="poison", message="test")
                 admin.xadd(Keys().dlq("default"), encode_dead_letter(letter, {
                     "json": json.dumps({"id": request_id, "prompt": "Hi", "max_tokens": 2})}))
-            letters = httpx.get(f"{dash}/pool", headers=auth).json()["dead_letters"]
+            letters = httpx.get(f"{dash}/dead-letters", headers=auth).json()["dead_letters"]
             assert len(letters) == 2
             assert httpx.post(f"{dash}/dead-letters/default/{letters[0]['dlq_entry_id']}/retry",
                               headers=auth).status_code == 200
