@@ -140,7 +140,7 @@
     { title: "TTFT", lines: [["ttft_p50_ms", "p50"], ["ttft_p95_ms", "p95"]], format: fmt.ms },
   ];
   const SVG = "http://www.w3.org/2000/svg";
-  const W = 400, H = 110, LEFT = 4, TOP = 14, BOTTOM = 14;
+  const W = 300, H = 100, LEFT = 4, TOP = 14, BOTTOM = 14;
   let samples = [];
   let intervalMs = 10000;
 
