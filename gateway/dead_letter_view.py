@@ -16,10 +16,10 @@ import msgspec
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import DeadLetterEntry, parse_dead_letters
-from llmq.broker.errors import LLMQError
+from llmq.broker.errors import BrokerError, BrokerUnavailable, LLMQError
 from llmq.broker.keys import is_valid_name
 from llmq.gateway.dashboard_session import Viewer
-from llmq.gateway.errors import not_found
+from llmq.gateway.errors import APIError, not_found
 
 __all__ = ["DeadLetterView"]
 
@@ -45,11 +45,17 @@ class DeadLetterView:
         return sorted(rows, key=lambda row: row["at_ms"], reverse=True)
 
     async def retry(self, viewer: Viewer, queue: str, dlq_entry_id: str) -> str:
-        """Queue the dead letter's request again (the new entry id); 404 when out of reach."""
-        await self._reachable(viewer, queue, dlq_entry_id)
+        """Queue the dead letter's request again (the new entry id); 404 when out of reach,
+        409 when it kept no payload to queue."""
+        entry = await self._reachable(viewer, queue, dlq_entry_id)
+        if not entry.payload:
+            raise APIError(409, f"dead letter {dlq_entry_id} kept no payload to retry",
+                           "invalid_request_error", code="no_payload")
         try:
             return await self.client.retry_dead_letter(dlq_entry_id, queue=queue)
-        except LLMQError as exc:
+        except (BrokerUnavailable, BrokerError):
+            raise
+        except LLMQError as exc:  # retried or purged by someone else meanwhile
             raise not_found(str(exc)) from None
 
     async def purge(self, viewer: Viewer, queue: str) -> int:
@@ -72,13 +78,14 @@ class DeadLetterView:
                 return removed
             start = "(" + entries[-1][0].decode()
 
-    async def _reachable(self, viewer: Viewer, queue: str, dlq_entry_id: str) -> None:
+    async def _reachable(self, viewer: Viewer, queue: str, dlq_entry_id: str
+                         ) -> DeadLetterEntry:
         if is_valid_name(queue) and _is_entry_id(dlq_entry_id):
             key = self.client.keys.dlq(queue)
-            entries = await self.client.call(lambda: self.client.redis.xrange(
-                key, dlq_entry_id, dlq_entry_id))
-            if entries and viewer.owns(_parse(entries)[0].dead_letter.request_id):
-                return
+            entries = _parse(await self.client.call(lambda: self.client.redis.xrange(
+                key, dlq_entry_id, dlq_entry_id)))
+            if entries and viewer.owns(entries[0].dead_letter.request_id):
+                return entries[0]
         raise not_found(f"no dead letter {dlq_entry_id!r:.40} in queue {queue!r:.60}")
 
 
