@@ -235,6 +235,25 @@ def test_the_inspector_streams_a_request_and_its_cancel_button_stops_it(
     assert console_errors(browser) == []
 
 
+def test_a_draining_worker_shows_as_draining_until_it_is_gone(
+        browser, gateway, url, client, tiny_model) -> None:
+    # Given a worker in the middle of a long request (120 tokens at 40 ms a step)
+    with InProcessWorker(url, tiny_model, worker_id="drainer", queue="slow",
+                         fault=f"slow_step:{STEP_MS}") as worker:
+        client.submit("A long one", request_id="ops-long-1", queue="slow", max_tokens=120,
+                      ignore_eos=True)
+        sign_in(browser, gateway, KEYS["ops"])
+        row = '#workers tr[data-worker="drainer"]'
+        wait_for(lambda: text_of(browser, f"{row} .running") == "1", 20, "it to run")
+        # When it is told to stop (SIGTERM), it drains: no new reads, the request finishes
+        worker.worker.request_stop()
+        # Then the dashboard says so, and the worker leaves the table once done
+        wait_for(lambda: text_of(browser, f"{row} .state") == "draining", 10, "draining")
+        wait_for(lambda: text_of(browser, row) is None, 30, "the worker to leave")
+    assert client.result("ops-long-1", timeout=5).finish_reason == "length"
+    assert console_errors(browser) == []
+
+
 def _dead_letter(r: redis.Redis, request_id: str | None) -> str:
     letter = DeadLetter(queue="shared", entry_id="1-0", request_id=request_id, code="poison",
                         message="killed its workers", deliveries=4, at_ms=int(time.time() * 1000))
