@@ -9,6 +9,10 @@ Key schema, shown with the default prefix `llmq` (`LLMQ_PREFIX` changes it):
     llmq:dlq:<queue>        stream    dead letters: the original payload plus a `dead_letter` field
     llmq:cancel:<queue>     stream    cancellations every worker of the queue follows (XREAD `$`)
     llmq:x:<request_id>     string    cancel flag with TTL, checked when a worker admits a request
+    llmq:ctl:<queue>        stream    utility calls (reset_prefix_cache, sleep, wake_up, profile,
+                                      stats) every worker of the queue follows (XREAD `$`);
+                                      admin-only (deploy/acl.conf)
+    llmq:ctlr:<call_id>     stream    the workers' answers to one utility call, with TTL
     llmq:id:<request_id>    string    idempotency marker set by the producer's submit script: the
                                       entry id of the first submission, with TTL
     llmq:hb:<queue>         hash      entry id -> times a draining worker handed it back; those
@@ -122,6 +126,14 @@ class Keys:
     def cancel(self, queue: str) -> str:
         """Cancellation stream every worker of `queue` follows."""
         return f"{self.prefix}:cancel:{validate_name('queue', queue)}"
+
+    def control(self, queue: str) -> str:
+        """Utility-call stream every worker of `queue` follows (admin-only)."""
+        return f"{self.prefix}:ctl:{validate_name('queue', queue)}"
+
+    def control_reply(self, call_id: str) -> str:
+        """Answers to one utility call, one entry per worker."""
+        return f"{self.prefix}:ctlr:{validate_name('call_id', call_id)}"
 
     def result(self, request_id: str) -> str:
         """Event stream of one request."""

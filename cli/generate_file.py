@@ -27,7 +27,8 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
     """
     processor = InputProcessor.for_engine(engine)
     results: list[protocol.Event | None] = []
-    entries: dict[str, tuple[str, Any]] = {}  # engine id -> (request id, metadata)
+    # engine id -> (request id, metadata, n, the finished completions by index)
+    entries: dict[str, tuple[str, Any, int, dict[int, Any]]] = {}
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -40,15 +41,18 @@ def run_file(engine: EngineCore, lines: TextIO, output: TextIO) -> None:
             processed = processor.process(request)
             engine.add_request(str(index), processed.prompt_token_ids,
                                processed.sampling_params, priority=processed.priority)
-            entries[str(index)] = (request_id, request.metadata)
+            entries[str(index)] = (request_id, request.metadata, request.n, {})
         except RequestRejected as e:  # the wire's InvalidRequest included
             results[index] = _error(request_id, e.code, f"line {line_no}: {e.message}")
 
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                request_id, metadata = entries[out.request_id]
-                results[int(out.request_id)] = protocol.terminal_event(request_id, 1, out,
+            if not out.finished:
+                continue
+            request_id, metadata, n, finished = entries[out.request_id]
+            outputs = protocol.gather_choices(finished, out, n)
+            if outputs is not None:
+                results[int(out.request_id)] = protocol.terminal_event(request_id, 1, outputs,
                                                                        metadata)
     for event in results:
         output.write(_encoder.encode(event).decode() + "\n")

@@ -13,6 +13,7 @@ import click
 import redis
 
 from llmq.broker.errors import LLMQError
+from llmq.cli.admin import admin
 from llmq.cli.batch import batch, batch_worker
 from llmq.cli.bench import bench
 from llmq.cli.dlq import dlq
@@ -46,7 +47,7 @@ def cli(log_level: str) -> None:
 
 
 for command in (up, down, submit, result, cancel, status, dlq, batch, batch_worker, bench,
-                worker, generate, serve):
+                worker, generate, serve, admin):
     cli.add_command(command)
 
 

@@ -44,7 +44,10 @@ def status(as_json: bool, **kwargs) -> None:
         click.echo("no live workers (start some with `llmq up` or `llmq worker`)")
         return
     click.echo(table(
-        ["WORKER", "QUEUE", "MODEL", "RUNNING", "WAITING", "KV USE", "TOKENS/S", "HEARTBEAT"],
-        [[w.worker_id, w.queue, w.model, w.running, w.waiting, f"{w.kv_usage:.0%}",
-          f"{w.tokens_per_s:.1f}", ago(w.heartbeat_ms, now)] for w in workers]))
+        ["WORKER", "QUEUE", "MODEL", "STATE", "RUNNING", "WAITING", "KV USE", "TOKENS/S",
+         "HEARTBEAT"],
+        [[w.worker_id, w.queue, w.model,
+          f"sleeping (level {w.sleeping})" if w.sleeping else "serving", w.running, w.waiting,
+          f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}", ago(w.heartbeat_ms, now)]
+         for w in workers]))
 

@@ -99,7 +99,7 @@ async def _create(request: Request, endpoint: str) -> Response:
     request_id = f"{tenant}:{public_id}"
     keep = _truthy(request.headers.get(KEEP_HEADER))
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
-               "keep": int(keep), "model": parsed.model or ""}
+               "keep": int(keep), "model": parsed.model or "", "n": parsed.n}
     # NOTE: deltas are only needed to stream, or to collect logprobs; otherwise the worker
     # writes just `start` and `done`. The stream options and the request go in parallel: a
     # resume can only come once the client has the id, after this returns.
@@ -111,7 +111,7 @@ async def _create(request: Request, endpoint: str) -> Response:
     headers = {"X-Request-Id": public_id}
     if parsed.stream:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,
-                                  parsed.logprobs is not None)
+                                  parsed.logprobs is not None, parsed.n)
         cancel_queue = None if keep else queue
         return StreamingResponse(_sse(state, request_id, stream, cancel_queue), headers={
             **_SSE_HEADERS, **headers}, media_type="text/event-stream")
@@ -136,7 +136,7 @@ async def _create(request: Request, endpoint: str) -> Response:
 async def _collect(state: GatewayState, endpoint: str, public_id: str, request_id: str,
                    model: str | None) -> tuple[int, Any]:
     """(status, body) of a request followed to its end."""
-    logprobs: LogprobsBuilder | None = None
+    logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
     try:
         async with contextlib.aclosing(state.client.follow(
@@ -145,19 +145,20 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                 event = followed.event
                 created = created or parse_entry_id(followed.entry_id)[0] // 1000
                 if followed.fold is Fold.RESTARTED:
-                    logprobs = None
+                    logprobs = {}
                 if isinstance(event, Start):
                     served = event.model or served
                 elif isinstance(event, Delta) and event.logprobs is not None:
-                    logprobs = logprobs or LogprobsBuilder(endpoint)
-                    logprobs.add(event.text, event.logprobs)
+                    if (builder := logprobs.get(event.index)) is None:
+                        builder = logprobs[event.index] = LogprobsBuilder(endpoint)
+                    builder.add(event.text, event.logprobs)
                 elif isinstance(event, Done):
                     if event.finish_reason == "cancelled":
                         return 409, error_body("the request was cancelled", "server_error",
                                                "cancelled")
                     return 200, completion_object(
                         endpoint, completion_id(endpoint, public_id), served, created, event,
-                        None if logprobs is None else logprobs.result())
+                        {index: b.result() for index, b in logprobs.items()})
                 elif isinstance(event, Error):
                     status, kind = error_status(event.code)
                     return status, error_body(event.message, kind, _openai_code(event.code))
@@ -232,7 +233,8 @@ async def _resume(request: Request, endpoint: str) -> Response:
             raise bad_request(f"Last-Event-ID {after!r:.60} is not an event id of this "
                               "stream", "Last-Event-ID") from None
     stream = CompletionStream(endpoint, public_id, options.get("model", ""),
-                              options.get("include_usage") == "1", True)
+                              options.get("include_usage") == "1", True,
+                              int(options.get("n") or 1))
     # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer.
     return StreamingResponse(_sse(state, request_id, stream, None, after), headers={
         **_SSE_HEADERS, "X-Request-Id": public_id}, media_type="text/event-stream")

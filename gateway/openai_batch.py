@@ -7,8 +7,9 @@ Input line (https://platform.openai.com/docs/guides/batch):
 
 `url` is /v1/completions (`prompt`: a string, or token ids) or /v1/chat/completions
 (`messages`). Body fields map onto the llmq request (vLLM's extras `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` too); a field llmq cannot honour
-(`n` > 1, `logprobs`, `tools`, `response_format`...) fails the line rather than being ignored.
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` too; `response_format` and
+`n` pass through, so each output body lists `n` choices that follow the format); a field llmq
+cannot honour (`logprobs`, `tools`...) fails the line rather than being ignored.
 
 Output line: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error":
 null}, the body a `text_completion` or `chat.completion` object with usage. Error line: a request

@@ -4,9 +4,10 @@
 `prompt` (one string, or one list of token ids). Sampling fields map onto the llmq request by name
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority` too); `user` and `metadata` ride in the
-request's `metadata`. A field llmq cannot honour (`n` > 1, `tools`, `logit_bias`, a
-`response_format` other than text...) is refused, never silently ignored. The whole request is
-then checked by the worker's own decoder, so what passes here runs there.
+request's `metadata`. `n` (completions sampled over one prefill) and `response_format` (`text`,
+`json_object`, `json_schema`: decoding follows it) pass through as they are. A field llmq cannot
+honour (`tools`, `logit_bias`, `best_of`...) is refused, never silently ignored. The whole request
+is then checked by the worker's own decoder, so what passes here runs there.
 
 References: https://platform.openai.com/docs/api-reference/chat/create and /completions/create.
 """
@@ -38,6 +39,8 @@ _SAMPLING = {
 _IGNORED = {"store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier"}
 _EMPTY_OK = {"tools", "functions", "logit_bias"}  # accepted when empty or null
+# Passed through as they are, unless they ask for the default.
+_PASSED = {"n": 1, "response_format": {"type": "text"}}
 
 
 class BodyError(Exception):
@@ -56,6 +59,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     logprobs: int | None = None  # None: no log-probabilities; n: the sampled token's + top n
+    n: int = 1  # completions: the response has choices 0..n-1
 
 
 def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIRequest:
@@ -75,6 +79,9 @@ def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIReques
     for name, value in body.items():
         if name in _SAMPLING:
             request[_SAMPLING[name]] = value
+        elif name in _PASSED:
+            if value is not None and value != _PASSED[name]:
+                request[name] = value
         elif name == "max_completion_tokens" and chat:
             if value is not None:
                 request["max_tokens"] = value
@@ -102,7 +109,7 @@ def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIReques
         raise BodyError(str(exc), _param(str(exc), body)) from None
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return OpenAIRequest(endpoint, request, model, options["stream"], options["include_usage"],
-                         options["logprobs"])
+                         options["logprobs"], request.get("n", 1))
 
 
 def _options(endpoint: str, extras: dict[str, Any], batch: bool) -> dict[str, Any]:
@@ -111,10 +118,7 @@ def _options(endpoint: str, extras: dict[str, Any], batch: bool) -> dict[str, An
     out: dict[str, Any] = {"stream": False, "include_usage": False, "logprobs": None,
                            "_logprobs": None, "metadata": {}}
     for name, value in extras.items():
-        if name == "n":
-            if value not in (None, 1):
-                raise BodyError("`n` other than 1 is not supported", "n")
-        elif name == "stream":
+        if name == "stream":
             if value and batch:
                 raise BodyError("`stream` must be false in a batch", "stream")
             out["stream"] = bool(value)
@@ -137,11 +141,6 @@ def _options(endpoint: str, extras: dict[str, Any], batch: bool) -> dict[str, An
                 if name == "metadata" and not isinstance(value, dict):
                     raise BodyError("`metadata` must be an object", "metadata")
                 out["metadata"][name] = value
-        elif name == "response_format" and not batch:
-            kind = value.get("type") if isinstance(value, dict) else value
-            if value is not None and kind != "text":
-                raise BodyError(f"`response_format` {kind!r} is not supported yet (only text)",
-                                "response_format")
         elif name == "tool_choice" and not batch:
             if value not in (None, "none", "auto"):
                 raise BodyError("`tool_choice` is not supported", "tool_choice")

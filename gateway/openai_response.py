@@ -3,7 +3,9 @@
 `completion_object()` is a whole `chat.completion` / `text_completion` (HTTP answers and batch
 output lines); `CompletionStream` turns a request's followed events into server-sent events, each
 carrying `id: <result stream entry id>` so a client can resume after any of them
-(`Last-Event-ID`). Usage, finish reasons and logprobs have OpenAI's shapes.
+(`Last-Event-ID`). Usage, finish reasons and logprobs have OpenAI's shapes. A request with n > 1
+has choices 0..n-1: its deltas carry their `index`, its `done` lists every choice, and each
+stream chunk carries the choices it concerns, by index.
 
 Two things llmq knows that OpenAI's format has no word for:
 - a request that ran again on another worker (attempt 2 after a crash): its new text is checked
@@ -15,6 +17,7 @@ Two things llmq knows that OpenAI's format has no word for:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,18 +50,24 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 
 
 def completion_object(endpoint: str, object_id: str, model: str, created: int, done: Done,
-                      logprobs: Any = None) -> dict[str, Any]:
-    """A whole `chat.completion` or `text_completion` object for a finished request."""
-    if endpoint == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                  "finish_reason": done.finish_reason, "logprobs": logprobs}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-                  "logprobs": logprobs}
-        kind = "text_completion"
-    return {"id": object_id, "object": kind, "created": created, "model": model,
-            "choices": [choice], "usage": usage_object(done.usage)}
+                      logprobs: Mapping[int, Any] | None = None) -> dict[str, Any]:
+    """A whole `chat.completion` or `text_completion` object for a finished request: one choice,
+    or with n > 1 every one by index. `logprobs`: each choice's, by index."""
+    completions = ([(c.index, c.text, c.finish_reason) for c in done.choices] if done.choices
+                   else [(0, done.text, done.finish_reason)])
+    chat = endpoint == CHAT
+    choices = []
+    for index, text, finish_reason in completions:
+        choice: dict[str, Any] = {"index": index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(finish_reason=finish_reason, logprobs=(logprobs or {}).get(index))
+        choices.append(choice)
+    return {"id": object_id, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": usage_object(done.usage)}
 
 
 def error_status(code: str) -> tuple[int, str]:
@@ -137,6 +146,16 @@ def _finite(value: float | None) -> float:
 
 
 @dataclass
+class _ChoiceStream:
+    """What one of the n choices has sent, and where its current attempt stands."""
+
+    sent: str = ""  # the text the client has
+    attempt_text: str = ""
+    rerun: bool = False  # a newer attempt that has not yet passed the text already sent
+    builder: LogprobsBuilder | None = None
+
+
+@dataclass
 class CompletionStream:
     """One request's events as OpenAI stream chunks (SSE frames), resumable by entry id.
 
@@ -149,17 +168,16 @@ class CompletionStream:
     model: str = ""  # the requested model, until the worker's `start` names the one it serves
     include_usage: bool = False
     logprobs: bool = False
-    sent: str = ""  # the text the client has
+    n: int = 1  # choices 0..n-1
     created: int = 0
     finished: bool = False
-    _attempt_text: str = ""
     _role_sent: bool = False
-    _rerun: bool = False  # a newer attempt that has not yet passed the text already sent
-    _builder: LogprobsBuilder | None = field(default=None, repr=False)
+    _choices: list[_ChoiceStream] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.object_id = completion_id(self.endpoint, self.public_id)
         self.chat = self.endpoint == CHAT
+        self._choices = [_ChoiceStream() for _ in range(self.n)]
 
     def feed(self, followed: Followed) -> list[bytes]:
         frames = self._frames(followed)
@@ -174,18 +192,23 @@ class CompletionStream:
         if not self.created:
             self.created = int(entry_id.partition("-")[0]) // 1000
         if followed.fold is Fold.RESTARTED:
-            self._attempt_text, self._rerun = "", True
+            for choice in self._choices:
+                choice.attempt_text, choice.rerun = "", True
         if isinstance(event, Start):
             self.model = event.model or self.model
             if self._role_sent or not self.chat:
                 return []
             self._role_sent = True
-            return [sse(self._chunk({"role": "assistant", "content": ""}), entry_id)]
+            return [sse(self._chunk([(i, {"role": "assistant", "content": ""}, None, None)
+                                     for i in range(self.n)]), entry_id)]
         if self.finished:
             return []
         if isinstance(event, Delta):
-            self._attempt_text += event.text
-            return self._extend(self._attempt_text, entry_id, event)
+            if not 0 <= event.index < self.n:
+                return []  # not a choice this stream was asked for
+            choice = self._choices[event.index]
+            choice.attempt_text += event.text
+            return self._extend(event.index, choice.attempt_text, entry_id, event)
         if isinstance(event, Error):
             self.finished = True
             _, kind = error_status(event.code)
@@ -195,11 +218,17 @@ class CompletionStream:
             self.finished = True
             return [sse(error_body("the request was cancelled", "server_error", "cancelled"),
                         entry_id), DONE_FRAME]
-        frames = self._extend(event.text, entry_id, None)
-        if self.finished:  # the rerun diverged
-            return frames
+        ends = ([(c.index, c.text, c.finish_reason) for c in event.choices if c.index < self.n]
+                if event.choices else [(0, event.text, event.finish_reason)])
+        frames: list[bytes] = []
+        for index, text, _ in ends:
+            # NOTE: only the first frame of the end carries the entry id (see `feed`).
+            frames += self._extend(index, text, None if frames else entry_id, None)
+            if self.finished:  # the rerun diverged
+                return frames
         self.finished = True
-        final = self._chunk({} if self.chat else "", event.finish_reason, self._take_logprobs())
+        final = self._chunk([(index, {} if self.chat else "", reason, self._take_logprobs(index))
+                             for index, _, reason in ends])
         frames.append(sse(final, None if frames else entry_id))
         if self.include_usage:
             usage = {"id": self.object_id, "object": self._object(), "created": self.created,
@@ -208,42 +237,45 @@ class CompletionStream:
         frames.append(DONE_FRAME)
         return frames
 
-    def _extend(self, text: str, entry_id: str, delta: Delta | None) -> list[bytes]:
-        """Send what `text` (the attempt's text so far) adds to what the client has."""
-        catching_up = len(text) <= len(self.sent) and self.sent.startswith(text)
+    def _extend(self, index: int, text: str, entry_id: str | None,
+                delta: Delta | None) -> list[bytes]:
+        """Send what `text` (the attempt's text so far) adds to what the client has of choice
+        `index`."""
+        choice = self._choices[index]
+        catching_up = len(text) <= len(choice.sent) and choice.sent.startswith(text)
         # NOTE: a rerun's tokens that re-cover sent text were already reported with the text.
         if self.logprobs and delta is not None and delta.logprobs and not (
-                self._rerun and catching_up):
-            self._builder = self._builder or LogprobsBuilder(self.endpoint)
-            self._builder.add(delta.text, delta.logprobs)
+                choice.rerun and catching_up):
+            choice.builder = choice.builder or LogprobsBuilder(self.endpoint)
+            choice.builder.add(delta.text, delta.logprobs)
         if catching_up:
             return []  # no new text: an empty delta, or a rerun catching up with the sent text
-        if not text.startswith(self.sent):
+        if not text.startswith(choice.sent):
             self.finished = True
             message = ("the request ran again on another worker and its new output differs "
                        "from the text already streamed; send it again")
             return [sse(error_body(message, "server_error", "restart_diverged"), entry_id),
                     DONE_FRAME]
-        new, self.sent, self._rerun = text[len(self.sent):], text, False
+        new, choice.sent, choice.rerun = text[len(choice.sent):], text, False
         content = {"content": new} if self.chat else new
-        return [sse(self._chunk(content, None, self._take_logprobs()), entry_id)]
+        return [sse(self._chunk([(index, content, None, self._take_logprobs(index))]),
+                    entry_id)]
 
-    def _take_logprobs(self) -> Any:
-        return None if self._builder is None else self._builder.take()
+    def _take_logprobs(self, index: int) -> Any:
+        builder = self._choices[index].builder
+        return None if builder is None else builder.take()
 
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, content: Any, finish_reason: str | None = None,
-               logprobs: Any = None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": content, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+    def _chunk(self, choices: list[tuple[int, Any, str | None, Any]]) -> dict[str, Any]:
+        """A chunk carrying (index, content, finish_reason, logprobs) for each choice given."""
+        key = "delta" if self.chat else "text"
         chunk = {"id": self.object_id, "object": self._object(), "created": self.created,
-                 "model": self.model, "choices": [choice]}
+                 "model": self.model,
+                 "choices": [{"index": index, key: content, "logprobs": logprobs,
+                              "finish_reason": finish_reason}
+                             for index, content, finish_reason, logprobs in choices]}
         if self.include_usage:
             chunk["usage"] = None
         return chunk

@@ -224,7 +224,7 @@ def _entry_for(decoded: Any, attempt: int) -> InFlight:
     if isinstance(decoded, protocol.DecodedRequest):
         request = decoded.request
         return InFlight(decoded.entry_id, decoded.request_id, attempt, decoded.encoding,
-                        metadata=request.metadata, stream=request.stream)
+                        metadata=request.metadata, stream=request.stream, n=request.n)
     # A rejected entry still sits in the table until its error or dead letter is acked.
     return InFlight(decoded.entry_id, decoded.request_id or decoded.entry_id, attempt,
                     decoded.encoding or "json")

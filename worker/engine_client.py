@@ -2,7 +2,9 @@
 
 `EngineCore` (worker/engine/engine_core.py) is the one implementation; tests wrap it (fault
 injection) and the worker cannot tell. Only the busy loop calls the methods; the IO threads read
-the attributes (the clock, and the limits the input processor checks requests against).
+the attributes (the clock, the limits the input processor checks requests against, and the
+grammar cache it compiles structured-output specs into). The utility calls of the control stream
+(worker/utility_calls.py) are vLLM v1 EngineCore's: reset_prefix_cache, sleep / wake_up, profile.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineStats
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.structured_output import StructuredOutputManager
 
 __all__ = ["EngineClient"]
 
@@ -22,6 +25,7 @@ class EngineClient(Protocol):
     config: EngineConfig
     tokenizer: Any  # encode / encode_chat / decode (worker/engine/model/tokenizer.py)
     clock: Callable[[], float]  # the engine's monotonic clock; arrival times are on it
+    structured_output: StructuredOutputManager  # compiled grammars, shared with the runner
 
     @property
     def max_model_len(self) -> int: ...
@@ -47,3 +51,16 @@ class EngineClient(Protocol):
     def generate(self, prompts: list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams]
                  ) -> list[EngineCoreOutput]: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    @property
+    def sleep_level(self) -> int: ...
+
+    def sleep(self, level: int = 1) -> int: ...
+
+    def wake_up(self) -> None: ...
+
+    def start_profile(self) -> None: ...
+
+    def stop_profile(self, trace_path: str) -> str: ...

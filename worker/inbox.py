@@ -5,7 +5,8 @@ that read Redis hand it work through this queue and never call the engine themse
 
 - `list[AddRequest]`  one read's admitted requests, added together before the next step (so
                       their prefills share it, as if added in-process);
-- `AbortRequests`     stop these engine requests (a cancel, or a lease lost to a peer).
+- `AbortRequests`     stop these engine requests (a cancel, or a lease lost to a peer);
+- `UtilityCall`       a control-stream call to run between two steps (worker/utility_calls.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass
 
+from llmq.broker.protocol import ControlCall
 from llmq.worker.engine.sampling_params import SamplingParams
 
-__all__ = ["AbortRequests", "AddRequest", "Inbox", "InboxItem"]
+__all__ = ["AbortRequests", "AddRequest", "Inbox", "InboxItem", "UtilityCall"]
 
 
 @dataclass
@@ -36,5 +38,12 @@ class AbortRequests:
     entry_ids: list[str]
 
 
-InboxItem = list[AddRequest] | AbortRequests
+@dataclass
+class UtilityCall:
+    """Run this control call on the busy loop, which owns the engine."""
+
+    call: ControlCall
+
+
+InboxItem = list[AddRequest] | AbortRequests | UtilityCall
 Inbox = queue.SimpleQueue[InboxItem]

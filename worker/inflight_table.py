@@ -12,7 +12,7 @@ entries carry the same wire `id` (a resubmission), so their attempts never mix.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -37,6 +37,8 @@ class InFlight:
     cancel_requested: bool = False
     # Set once the terminal event is queued for writing: the entry is done in the engine.
     terminal: bool = False
+    n: int = 1  # completions asked for; the terminal event waits for all of them
+    finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
 
 
 class InFlightTable:

@@ -208,6 +208,19 @@ class LeaseKeeper:
             pipe.execute()
         return len(owned)
 
+    def hand_back_retrying(self, entry_ids: list[str], *, forgive: bool) -> int | None:
+        """`hand_back` tried three times through Redis trouble; None (logged) when every try
+        failed, and peers reclaim the entries once their lease lapses."""
+        for attempt in range(3):
+            try:
+                return self.hand_back(entry_ids, forgive=forgive)
+            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
+                logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
+                time.sleep(0.2 * (attempt + 1))
+        logger.error("could not hand back %d entries: peers reclaim them after the %.1f s lease",
+                     len(entry_ids), self.ctx.config.lease_timeout)
+        return None
+
     def _claim_owned(self, entry_ids: list[str], idle_ms: int) -> tuple[list[str], list[str]]:
         lost: list[str] = []
         orphaned: list[str] = []

@@ -80,7 +80,9 @@ class _Batch:
     dead_letters: list[dict[str, bytes]] = field(default_factory=list)
     ack_ids: list[str] = field(default_factory=list)
     pop_ids: list[str] = field(default_factory=list)  # forgotten after the write
-    finished: list[EngineCoreOutput] = field(default_factory=list)  # for metrics
+    # For metrics: each finished request's terminal event, with the output that ended it.
+    finished: list[tuple[protocol.Done | protocol.Error, EngineCoreOutput]] = field(
+        default_factory=list)
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
 
     @property
@@ -174,25 +176,30 @@ class ResultWriter:
         if entry.fenced:
             # A peer owns the entry now (lease lost): write nothing more, and forget it once the
             # engine has let go of it. Never ack: the peer's attempt will.
-            if output.finished:
+            if output.finished and protocol.gather_choices(entry.finished_choices, output,
+                                                           entry.n) is not None:
                 self.table.pop(entry.entry_id)
             return
         if entry.stream and (output.new_token_ids or output.new_text):
             delta = protocol.Delta(
                 request_id=entry.request_id, attempt=entry.attempt, seq=entry.seq,
                 text=output.new_text, token_ids=list(output.new_token_ids),
-                logprobs=output.new_logprobs or None)
+                logprobs=output.new_logprobs or None, index=output.index)
             entry.seq += 1
             batch.events.append((delta, entry.encoding))
         if not output.finished:
             return
+        # NOTE: one terminal event per attempt, once every one of the n completions finished.
+        outputs = protocol.gather_choices(entry.finished_choices, output, entry.n)
+        if outputs is None:
+            return
         entry.terminal = True
-        terminal = protocol.terminal_event(entry.request_id, entry.attempt, output,
+        terminal = protocol.terminal_event(entry.request_id, entry.attempt, outputs,
                                            entry.metadata)
         batch.events.append((terminal, entry.encoding))
         batch.ack_ids.append(entry.entry_id)
         batch.pop_ids.append(entry.entry_id)
-        batch.finished.append(output)
+        batch.finished.append((terminal, output))
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -277,13 +284,18 @@ class ResultWriter:
                 + [None] * len(batch.errors))
         if self.metrics is None:
             return
-        for output in batch.finished:
-            usage = output.usage or protocol.Usage(0, 0, 0)
-            t = output.timings or protocol.Timings(0.0, None, 0.0, None)
+        for terminal, output in batch.finished:
+            # NOTE: a `done` counts the n completions of a request once (its prompt once).
+            if isinstance(terminal, protocol.Done):
+                reason, code, usage, t = (terminal.finish_reason, None, terminal.usage,
+                                          terminal.timings)
+            else:
+                reason, code = "error", terminal.code
+                usage = output.usage or protocol.Usage(0, 0, 0)
+                t = output.timings or protocol.Timings(0.0, None, 0.0, None)
             self.metrics.observe_finished(
-                output.finish_reason or "error", output.error_code, usage.prompt_tokens,
-                usage.completion_tokens, usage.cached_prompt_tokens, t.queue, t.ttft, t.e2e,
-                t.per_token)
+                reason, code, usage.prompt_tokens, usage.completion_tokens,
+                usage.cached_prompt_tokens, t.queue, t.ttft, t.e2e, t.per_token)
         for code in batch.errors:
             self.metrics.observe_finished("error", code, 0, 0, 0, None, None, 0.0, None)
         if batch.dead_letters:

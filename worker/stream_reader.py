@@ -50,6 +50,8 @@ class StreamReader:
         self.ensure_group = ensure_group
         self.hand_back = hand_back
         self.stop_event = threading.Event()
+        self.awake = threading.Event()  # cleared while the worker sleeps: no reads
+        self.awake.set()
         self.backoff = Backoff("stream reader", ctx.state, stop=self.stop_event)
         self.num_read = 0
         self._client_id: int | None = None
@@ -63,6 +65,18 @@ class StreamReader:
         that is blocking right now is woken with CLIENT UNBLOCK, so it cannot take entries a
         peer should get; entries a racing read still returns are handed back."""
         self.stop_event.set()
+        self.unblock(admin)
+
+    def pause(self) -> None:
+        """Read nothing until `resume()` (a sleeping worker); a read racing this is handed back.
+        Follow with `unblock` on another thread to wake a read blocking now."""
+        self.awake.clear()
+
+    def resume(self) -> None:
+        self.awake.set()
+
+    def unblock(self, admin: redis.Redis | None) -> None:
+        """Wake a read blocking right now with CLIENT UNBLOCK on `admin` (another connection)."""
         client_id = self._client_id
         if admin is not None and client_id:
             try:
@@ -78,6 +92,9 @@ class StreamReader:
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
+            if not self.awake.is_set():
+                self.awake.wait(0.5)
+                continue
             room = self.max_num_seqs - len(self.table)
             if room <= 0:
                 self.table.wait_for_room(self.max_num_seqs, timeout=0.5)
@@ -111,6 +128,9 @@ class StreamReader:
             if self.stop_event.is_set():
                 self._hand_back_late(entries)
                 return
+            if not self.awake.is_set():
+                self._hand_back_late(entries)
+                continue
             self.num_read += len(entries)
             self.admission.admit(self.client, entries, self.backoff)
 
@@ -151,7 +171,7 @@ class StreamReader:
         for _ in range(3):
             try:
                 self.hand_back(ids, forgive=True)  # never started: no failure
-                logger.info("handed back %d entries read after the stop signal", len(ids))
+                logger.info("handed back %d entries read after a stop or sleep", len(ids))
                 return
             except TRANSIENT_ERRORS as e:
                 self.backoff.failed(e)

@@ -7,6 +7,7 @@ round trips never stall a forward pass. Threads:
     StreamReader   XREADGROUP what fits -> Admission -> inbox          (worker/stream_reader.py)
     LeaseKeeper    renew + fence, XAUTOCLAIM dead peers' work, beat    (worker/lease_keeper.py)
     CancelListener cancel stream -> abort                              (worker/cancel_listener.py)
+    ControlListener control stream -> utility calls -> answers         (worker/control_listener.py)
     busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
     ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
 
@@ -43,13 +44,15 @@ from llmq.broker.keys import GROUP
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener
+from llmq.worker.control_listener import ControlListener
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine_client import EngineClient
-from llmq.worker.inbox import AbortRequests, AddRequest
+from llmq.worker.inbox import AbortRequests, AddRequest, UtilityCall
 from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.stream_reader import StreamReader
+from llmq.worker.utility_calls import UtilityCalls
 from llmq.worker.worker_config import WorkerConfig
 from llmq.worker.worker_context import WorkerContext
 
@@ -82,12 +85,14 @@ class Worker:
         self.writer = ResultWriter(ctx)
         self.processor = InputProcessor.for_engine(engine)
         self.admission = Admission(ctx, self.processor, self.writer, clock=engine.clock)
-        self._admin = ctx.connect()
+        self.admin = ctx.connect()
         self.keeper = LeaseKeeper(ctx, self.admission, self.writer,
                                   heartbeat=self._heartbeat_fields, ensure_group=self.ensure_group)
         self.reader = StreamReader(ctx, self.admission, ensure_group=self.ensure_group,
                                    hand_back=self.keeper.hand_back)
         self.cancels = CancelListener(ctx)
+        self.controls = ControlListener(ctx)
+        self.utility = UtilityCalls(self)
         self.started_ms = int(time.time() * 1000)
         self.draining = False
         self._drain_deadline = 0.0
@@ -113,6 +118,7 @@ class Worker:
         self.writer.start()
         self.keeper.start()
         self.cancels.start()
+        self.controls.start()
         self.reader.start()
         exit_code = self._busy_loop()
         self._shutdown(exit_code)
@@ -150,7 +156,7 @@ class Worker:
         self._drain_deadline = time.monotonic() + self.config.drain_timeout
         self.reader.stop_event.set()
         # NOTE: CLIENT UNBLOCK on a thread: the busy loop must not wait on Redis.
-        threading.Thread(target=self.reader.stop, args=(self._admin,), daemon=True,
+        threading.Thread(target=self.reader.stop, args=(self.admin,), daemon=True,
                          name="llmq-stop-reader").start()
         self.keeper.reclaiming = False
         if self.health is not None:
@@ -170,7 +176,7 @@ class Worker:
         # NOTE: the group is gone with every entry we held (a Redis restart without
         # persistence): those entries have no lease to renew any more, but still run.
         self.table.orphan_all()
-        pipe = self._admin.pipeline(transaction=False)
+        pipe = self.admin.pipeline(transaction=False)
         queue_group_creation(pipe, self.keys, self.config.queue)
         if group_created(pipe.execute(raise_on_error=False)):
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
@@ -210,7 +216,7 @@ class Worker:
     def _dead_threads(self) -> list[str]:
         """IO threads that ended on an unexpected exception (they only end when told to)."""
         threads = {"result writer": self.writer, "lease keeper": self.keeper,
-                   "cancel listener": self.cancels}
+                   "cancel listener": self.cancels, "control listener": self.controls}
         if not self.draining:
             threads["stream reader"] = self.reader
         return [name for name, t in threads.items() if not t.is_alive()]
@@ -251,6 +257,10 @@ class Worker:
             elif isinstance(item, AbortRequests):
                 self.engine.abort(item.entry_ids)
                 aborted = True
+            elif isinstance(item, UtilityCall):
+                reply = self.utility.run(item.call)
+                self._publish_stats()  # readiness shows the call's effect before its answer
+                self.controls.answer(reply)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -261,6 +271,9 @@ class Worker:
         entry = self.table.get(item.entry_id)
         if entry is None or entry.fenced:
             self.table.pop(item.entry_id)
+            return False
+        if self.utility.sleep_level:
+            self.utility.hand_back_admitted(item.entry_id)  # read just before the sleep
             return False
         try:
             self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
@@ -284,6 +297,7 @@ class Worker:
         self.reader.stop()
         self.keeper.reclaiming = False
         self.cancels.stop()
+        self.controls.stop()
         self.reader.join(self.config.read_block_ms / 1000.0 + 1.0)
         flushed = self.writer.stop(self.config.flush_timeout)
         # NOTE: renewals stop before the hand-back, or one could reset the huge IDLE to 0.
@@ -292,31 +306,22 @@ class Worker:
         if left:
             # NOTE: a drain's hand-back is no failure of the request; an engine-fatal exit may
             # be caused by one of them, so those deliveries still count towards poison.
-            self._hand_back(left, forgive=exit_code == EXIT_OK)
+            n = self.keeper.hand_back_retrying(left, forgive=exit_code == EXIT_OK)
+            if n is not None:
+                logger.warning("handed back %d in-flight entr%s for peers to take now", n,
+                               "y" if n == 1 else "ies")
         self._unregister()
         self.cancels.join(self.config.read_block_ms / 1000.0 + 1.0)
+        self.controls.join(self.config.read_block_ms / 1000.0 + 1.0)
         if self.health is not None:
             self.health.stop()
         logger.warning("worker %s stopped (exit %d, %d entr%s handed back, events %s)",
                        self.config.worker_id, exit_code, len(left),
                        "y" if len(left) == 1 else "ies", "flushed" if flushed else "NOT flushed")
 
-    def _hand_back(self, entry_ids: list[str], *, forgive: bool) -> None:
-        for attempt in range(3):
-            try:
-                n = self.keeper.hand_back(entry_ids, forgive=forgive)
-                logger.warning("handed back %d in-flight entr%s for peers to take now", n,
-                               "y" if n == 1 else "ies")
-                return
-            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
-                logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
-                time.sleep(0.2 * (attempt + 1))
-        logger.error("could not hand back %d entries: peers reclaim them after the %.1f s lease",
-                     len(entry_ids), self.config.lease_timeout)
-
     def _unregister(self) -> None:
         try:
-            pipe = self._admin.pipeline(transaction=False)
+            pipe = self.admin.pipeline(transaction=False)
             pipe.delete(self.keys.worker(self.config.worker_id))
             pipe.zrem(self.keys.workers(), self.config.worker_id)
             pipe.execute()
@@ -335,6 +340,9 @@ class Worker:
         self.metrics.set_engine_state(s.num_running, s.num_waiting, s.kv_cache_usage,
                                       s.prefix_cache_hit_rate, s.num_preemptions)
         down = self.state.down()
+        if self.utility.sleep_level:
+            self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
+            return
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")
 
@@ -356,7 +364,7 @@ class Worker:
             draining=int(self.draining),
             prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4) if s else 0.0,
             requests_total=requests_total, generated_tokens_total=generated,
-            ttft_hist=ttft_hist)
+            ttft_hist=ttft_hist, sleeping=self.utility.sleep_level)
         return protocol.encode_heartbeat(heartbeat)
 
 

@@ -7,10 +7,12 @@ without pulling in redis. By concept:
 
     encoding.py   the two encodings of an entry (`json` / `msgpack` field), reading reply fields
     requests.py   the request object on llmq:q:<queue> and decoding an entry into one
+    response_format.py  what a request may constrain its output to (`response_format`, `guided`)
     events.py     start / delta / done / error on llmq:r:<request_id>, and the terminal-event
                   builder the worker and `llmq generate -f` share
     records.py    operational records: cancellations, dead letters, worker heartbeats
     latency_histogram.py  TTFT counts in fixed buckets, carried by heartbeats
+    control.py    utility calls on llmq:ctl:<queue> and the workers' answers
 
 Everything public is re-exported here: `from llmq.broker.protocol import Request, Done`.
 
@@ -18,8 +20,18 @@ References: vLLM v1 `engine/__init__.py` for msgspec wire structs.
 """
 
 from llmq.broker.errors import ErrorCode
+from llmq.broker.protocol.control import (
+    METHODS,
+    ControlCall,
+    ControlReply,
+    decode_call,
+    decode_reply,
+    encode_call,
+    encode_reply,
+)
 from llmq.broker.protocol.encoding import ENCODINGS, Encoding, as_str
 from llmq.broker.protocol.events import (
+    Choice,
     Delta,
     Done,
     Error,
@@ -31,6 +43,7 @@ from llmq.broker.protocol.events import (
     Usage,
     decode_event,
     encode_event,
+    gather_choices,
     is_terminal,
     terminal_event,
 )
@@ -54,6 +67,7 @@ from llmq.broker.protocol.requests import (
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
     MAX_MODEL_NAME_LEN,
+    MAX_N,
     MAX_PAYLOAD_BYTES,
     MAX_PRIORITY,
     MAX_PROMPT_CHARS,
@@ -72,6 +86,15 @@ from llmq.broker.protocol.requests import (
     parse_entry_id,
     parse_request,
 )
+from llmq.broker.protocol.response_format import (
+    Guided,
+    JsonSchema,
+    ResponseFormat,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    ResponseFormatText,
+    output_constraint,
+)
 
 __all__ = [
     "DEAD_LETTER_FIELD",
@@ -82,6 +105,7 @@ __all__ = [
     "MAX_MESSAGES",
     "MAX_METADATA_BYTES",
     "MAX_MODEL_NAME_LEN",
+    "MAX_N",
     "MAX_PAYLOAD_BYTES",
     "MAX_PRIORITY",
     "MAX_PROMPT_CHARS",
@@ -90,8 +114,12 @@ __all__ = [
     "MAX_STOP_STRING_LEN",
     "MAX_TOKEN_ID",
     "MAX_TOKENS_LIMIT",
+    "METHODS",
     "TTFT_BUCKETS_MS",
     "CancelNotice",
+    "Choice",
+    "ControlCall",
+    "ControlReply",
     "DeadLetter",
     "DecodedRequest",
     "Delta",
@@ -101,28 +129,40 @@ __all__ = [
     "ErrorCode",
     "Event",
     "FinishedOutput",
+    "Guided",
+    "JsonSchema",
     "LatencyHistogram",
     "Message",
     "RejectedEntry",
     "Request",
+    "ResponseFormat",
+    "ResponseFormatJsonObject",
+    "ResponseFormatJsonSchema",
+    "ResponseFormatText",
     "Start",
     "Timings",
     "TokenLogprob",
     "Usage",
     "WorkerHeartbeat",
     "as_str",
+    "decode_call",
     "decode_cancel",
     "decode_dead_letter",
     "decode_event",
     "decode_heartbeat",
+    "decode_reply",
     "decode_request_entry",
+    "encode_call",
     "encode_cancel",
     "encode_dead_letter",
     "encode_event",
     "encode_heartbeat",
+    "encode_reply",
     "encode_request",
     "entry_time_ms",
+    "gather_choices",
     "is_terminal",
+    "output_constraint",
     "parse_entry_id",
     "parse_request",
     "terminal_event",

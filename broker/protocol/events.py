@@ -7,8 +7,8 @@ from the engine's finished output, for the worker's result writer and `llmq gene
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -63,6 +63,17 @@ class Delta(_EventBase, tag="delta"):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's `n` completions the text belongs to
+
+
+class Choice(Struct):
+    """One of the `n` completions, on a `done` event of a request with n > 1."""
+
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    completion_tokens: int
+    stop_reason: int | str | None = None
 
 
 class Done(_EventBase, tag="done"):
@@ -74,6 +85,9 @@ class Done(_EventBase, tag="done"):
     timings: Timings
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     metadata: dict[str, Any] | None = None
+    # n > 1: every completion, by index; `text`, `finish_reason`, `stop_reason` are choice 0's
+    # and `usage` counts the prompt once and the completions' tokens together.
+    choices: list[Choice] | None = None
 
 
 class Error(_EventBase, tag="error"):
@@ -95,6 +109,7 @@ def is_terminal(event: Event) -> bool:
 class FinishedOutput(Protocol):
     """What `terminal_event` reads of a finished request (the engine's `EngineCoreOutput`)."""
 
+    index: int  # which of the request's n completions
     finish_reason: str | None  # stop | length | cancelled | error
     text: str | None
     usage: Usage | None
@@ -104,22 +119,64 @@ class FinishedOutput(Protocol):
     error_message: str | None
 
 
-def terminal_event(request_id: str, attempt: int, output: FinishedOutput,
+Output = TypeVar("Output", bound=FinishedOutput)
+
+
+def gather_choices(finished: dict[int, Output], output: Output, n: int) -> list[Output] | None:
+    """Keep one finished completion of a request asking for `n`; all of them in index order
+    once the last one finished (one terminal event per attempt), else None."""
+    finished[output.index] = output
+    if len(finished) < n:
+        return None
+    return [finished[i] for i in range(n)]
+
+
+def terminal_event(request_id: str, attempt: int,
+                   output: FinishedOutput | Sequence[FinishedOutput],
                    metadata: dict[str, Any] | None = None) -> Done | Error:
-    """The `done` or `error` event closing an attempt, from the engine's finished output.
+    """The `done` or `error` event closing an attempt, from the engine's finished output (with
+    n > 1: its n finished completions in index order, see `gather_choices`).
 
     The one builder: the worker writes it to the result stream, `llmq generate -f` prints it.
+    With several completions the event is choice 0's, or the first failure if any failed;
+    `usage` counts the prompt once and every completion's tokens, `timings` span them all.
     """
-    if output.finish_reason == "error":
+    outputs = list(output) if isinstance(output, Sequence) else [output]
+    first = next((o for o in outputs if o.finish_reason == "error"), outputs[0])
+    if first.finish_reason == "error":
         return Error(request_id=request_id, attempt=attempt,
-                     code=output.error_code or ErrorCode.ENGINE_ERROR,
-                     message=output.error_message or "the engine failed this request",
+                     code=first.error_code or ErrorCode.ENGINE_ERROR,
+                     message=first.error_message or "the engine failed this request",
                      metadata=metadata)
+    choices = None
+    if len(outputs) > 1:
+        choices = [Choice(index=o.index, text=o.text or "",
+                          finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                          completion_tokens=o.usage.completion_tokens if o.usage else 0,
+                          stop_reason=o.stop_reason) for o in outputs]
     return Done(request_id=request_id, attempt=attempt,
-                finish_reason=output.finish_reason,  # type: ignore[arg-type]
-                text=output.text or "", usage=output.usage or Usage(0, 0, 0),
-                timings=output.timings or Timings(0.0, None, 0.0, None),
-                stop_reason=output.stop_reason, metadata=metadata)
+                finish_reason=first.finish_reason,  # type: ignore[arg-type]
+                text=first.text or "", usage=_usage(outputs), timings=_timings(outputs),
+                stop_reason=first.stop_reason, metadata=metadata, choices=choices)
+
+
+def _usage(outputs: list[FinishedOutput]) -> Usage:
+    usages = [o.usage for o in outputs if o.usage is not None]
+    if not usages:
+        return Usage(0, 0, 0)
+    # NOTE: the completions share one prefill: the prompt counts once.
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                 usages[0].cached_prompt_tokens)
+
+
+def _timings(outputs: list[FinishedOutput]) -> Timings:
+    spans = [o.timings for o in outputs if o.timings is not None]
+    if len(spans) <= 1:
+        return spans[0] if spans else Timings(0.0, None, 0.0, None)
+    ttfts = [t.ttft for t in spans if t.ttft is not None]
+    gaps = [t.per_token for t in spans if t.per_token is not None]
+    return Timings(queue=min(t.queue for t in spans), ttft=min(ttfts) if ttfts else None,
+                   e2e=max(t.e2e for t in spans), per_token=sum(gaps) / len(gaps) if gaps else None)
 
 
 _event_decoders: dict[str, msgspec.json.Decoder[Event] | msgspec.msgpack.Decoder[Event]] = {

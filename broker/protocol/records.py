@@ -114,6 +114,7 @@ class WorkerHeartbeat(Struct, kw_only=True):
     kv_usage: float = 0.0  # fraction of KV-cache blocks in use, 0..1
     tokens_per_s: float = 0.0  # output tokens per second, recent average
     version: str = ""
+    sleeping: int = 0  # 0 awake; 1 KV cache freed; 2 weights freed too (`llmq admin sleep`)
     draining: int = 0  # 1 once it stopped reading to shut down (SIGTERM)
     prefix_cache_hit_rate: float = 0.0  # fraction of prompt tokens served from the cache
     # Cumulative since the worker started, for rates over any window (the gateway's charts):

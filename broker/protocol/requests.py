@@ -28,6 +28,12 @@ from llmq.broker.protocol.encoding import (
     json_encoder,
     msgpack_encoder,
 )
+from llmq.broker.protocol.response_format import (
+    Guided,
+    ResponseFormat,
+    constrains,
+    output_constraint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +44,12 @@ MAX_MESSAGES = 256
 MAX_PROMPT_TOKEN_IDS = 65_536
 MAX_TOKENS_LIMIT = 32_768  # max_tokens and min_tokens; the worker also checks the context length
 DEFAULT_MAX_TOKENS = 256
-# NOTE: the next three equal worker/engine/sampling_params.py's limits (a unit test keeps them
+# NOTE: the next four equal worker/engine/sampling_params.py's limits (a unit test keeps them
 # equal): anything the wire accepts must also build a SamplingParams, or the engine would see it.
 MAX_STOP_STRINGS = 64  # stop strings, and separately stop_token_ids
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_N = 64  # completions of one prompt (`n`)
 MAX_METADATA_BYTES = 16_384  # metadata is echoed on the terminal event, so it is kept small
 MAX_MODEL_NAME_LEN = 256
 MAX_PRIORITY = 1_000_000
@@ -90,6 +97,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     stream: bool = True  # False: no delta events, only start and the terminal event
     metadata: dict[str, Any] | None = None  # echoed back on the terminal event
     model: Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME_LEN)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions, sampled over one prefill
+    response_format: ResponseFormat | None = None  # OpenAI's shapes
+    guided: Guided | None = None  # regex, choice or grammar
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
@@ -103,6 +113,8 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` "
                              f"({self.max_tokens})")
+        if self.guided is not None and constrains(self.response_format):
+            raise ValueError("`response_format` and `guided` both constrain the output: give one")
         if self.metadata is not None:
             size = _metadata_size(self.metadata)
             if size > MAX_METADATA_BYTES:
@@ -132,7 +144,12 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.logprobs,
+            "n": self.n,
         }
+
+    def structured_output(self) -> tuple[str, str] | None:
+        """(kind, spec) of the output constraint for the engine; None when the output is free."""
+        return output_constraint(self.response_format, self.guided)
 
 
 def _metadata_size(metadata: dict[str, Any]) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pydantic
 import pytest
 import redis
 
@@ -165,6 +166,89 @@ def test_a_retried_post_with_the_same_request_id_runs_once(
     assert answers[0] == answers[1] and len(starts) == 1
 
 
+# -- several completions, structured output ----------------------------------------------------
+
+
+def test_n_completions_are_choices_each_sampled_with_its_own_seed(
+        client: openai.OpenAI, model: str) -> None:
+    # Given one chat request for three sampled completions, seed 40
+    answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8,
+                                            temperature=1.0, seed=40, n=3,
+                                            extra_body={"ignore_eos": True})
+    # Then it has choices 0..2, choice i being what seed 40 + i samples alone
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    for choice in answer.choices:
+        alone = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8,
+                                               temperature=1.0, seed=40 + choice.index,
+                                               extra_body={"ignore_eos": True})
+        assert choice.message.content == alone.choices[0].message.content
+        assert choice.finish_reason == "length"
+    assert len({c.message.content for c in answer.choices}) > 1
+    # And the usage counts the prompt once and every completion's tokens
+    assert answer.usage.completion_tokens == 3 * 8
+    assert answer.usage.prompt_tokens == alone.usage.prompt_tokens
+
+
+def test_a_stream_of_n_completions_carries_each_choice_by_index(
+        client: openai.OpenAI, model: str) -> None:
+    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
+                                      temperature=1.0, seed=9, n=2,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=9, n=2,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 2 * 6
+
+
+class City(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=12)
+    population: int = pydantic.Field(ge=0, le=99_999)
+    coastal: bool
+
+
+def test_a_json_schema_response_format_is_followed_and_parses(client: openai.OpenAI,
+                                                              model: str) -> None:
+    # Given the SDK's structured-output helper with a pydantic model (a strict json_schema)
+    answers = [client.chat.completions.parse(
+        model=model, messages=MESSAGES, response_format=City, max_tokens=80, temperature=1.0,
+        seed=seed, n=2) for seed in (1, 2)]
+    # Then every choice parsed into the model: its JSON validated against the schema
+    parsed = [c.message.parsed for a in answers for c in a.choices]
+    assert len(parsed) == 4 and all(isinstance(p, City) for p in parsed)
+    assert all(c.finish_reason == "stop" for a in answers for c in a.choices)
+
+
+def test_a_json_object_response_format_answers_json_objects(client: openai.OpenAI,
+                                                            model: str) -> None:
+    # Given four sampled completions constrained to a JSON object (the random tiny model writes
+    # long keys, so some run into max_tokens: those are cut prefixes, reported as `length`)
+    answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=160,
+                                            temperature=1.0, seed=1, n=4,
+                                            response_format={"type": "json_object"})
+    # Then every completion that ended by itself is a JSON object
+    stopped = [c for c in answer.choices if c.finish_reason == "stop"]
+    assert stopped and all(c.finish_reason in ("stop", "length") for c in answer.choices)
+    assert all(isinstance(json.loads(c.message.content), dict) for c in stopped)
+
+
+def test_a_schema_that_cannot_compile_is_a_400_saying_why(client: openai.OpenAI,
+                                                          model: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    with pytest.raises(openai.BadRequestError, match="minimum") as info:
+        client.chat.completions.create(model=model, messages=MESSAGES, response_format=fmt)
+    assert info.value.body["code"] == "invalid_request"
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
@@ -174,8 +258,9 @@ def test_an_invalid_body_is_a_400_naming_the_field(client: openai.OpenAI, model:
     error = info.value.body
     assert info.value.status_code == 400 and error["param"] == "temperature"
     assert error["type"] == "invalid_request_error" and "2.0" in error["message"]
-    with pytest.raises(openai.BadRequestError, match="`n` other than 1"):
-        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match=">= 1") as bad_n:
+        client.chat.completions.create(model=model, messages=MESSAGES, n=0)
+    assert bad_n.value.body["param"] == "n"
 
 
 def test_a_body_that_is_not_json_is_a_400(pool: GatewayProcess) -> None:

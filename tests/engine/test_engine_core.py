@@ -165,3 +165,32 @@ def test_finished_output_carries_usage_and_timings(tiny_model, tiny_model_path):
     t = out.timings
     assert 0 <= t.queue <= t.ttft <= t.e2e and t.per_token >= 0
     assert engine.scheduler.num_running == 0 and RequestStatus.FINISHED_LENGTH.is_finished
+
+
+def test_n_completions_each_equal_their_seed_run_alone(tiny_model, tiny_model_path):
+    # Given a 40-token prompt (two full 16-token blocks before its last token), n=4, seed 10
+    engine = make_engine(tiny_model, tiny_model_path, block_size=16, enable_prefix_caching=False)
+    prompt = [100 + (i * 13) % 300 for i in range(40)]
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=10, ignore_eos=True, n=4)
+    # When it runs, step by step, until every completion has started
+    engine.add_request("r", prompt, sampled)
+    while not all(f"r#{i}" in engine.scheduler.requests
+                  and engine.scheduler.requests[f"r#{i}"].num_output_tokens for i in range(4)):
+        engine.step()
+    # Then the prompt's two shared blocks were allocated once: 2 + one block per completion
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_usable_blocks - kv.num_free_blocks == 2 + 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    # And completion i is exactly what seed 10 + i draws alone; greedy n=4 are four greedy runs
+    outs = engine.generate([prompt], sampled)
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    for i, out in enumerate(outs):
+        alone = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0,
+                                                         seed=10 + i, ignore_eos=True))
+        assert out.new_token_ids == alone[0].new_token_ids
+    assert len({tuple(o.new_token_ids) for o in outs}) > 1
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0,
+                                                      ignore_eos=True, n=4))
+    assert [o.new_token_ids for o in greedy] == [engine.generate([prompt], GREEDY)[0]
+                                                 .new_token_ids[:10]] * 4

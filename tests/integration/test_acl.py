@@ -60,6 +60,7 @@ def connect(acl_server):
 # the worker process (worker/), KEDA's redis-streams scaler (keda). Names from broker/keys.py.
 Q, R, DLQ, CANCEL = "llmq:q:default", "llmq:r:req-1", "llmq:dlq:default", "llmq:cancel:default"
 HB = "llmq:hb:default"
+CTL, CTLR = "llmq:ctl:default", "llmq:ctlr:call-1"  # utility calls and their answers
 FLAG, IDEM, HEARTBEAT = "llmq:x:req-1", "llmq:id:req-1", "llmq:w:worker-1"
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
@@ -106,6 +107,13 @@ ALLOWED = {
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("EXPIRE", HEARTBEAT, "30"), ("DEL", HEARTBEAT),
         ("ZADD", "llmq:workers", "1", "worker-1"), ("ZREM", "llmq:workers", "worker-1"),
+        ("XREVRANGE", CTL, "+", "-", "COUNT", "1"),                # utility calls
+        ("XREAD", "BLOCK", "200", "STREAMS", CTL, "0-0"),
+        ("XADD", CTLR, "*", "json", "{}"), ("EXPIRE", CTLR, "3600"),  # ... their answers
+    ],
+    "admin": [                                # `llmq admin`: the only one who sends calls
+        ("XADD", CTL, "MAXLEN", "~", "1000", "*", "json", "{}"),
+        ("XREAD", "BLOCK", "1000", "STREAMS", CTLR, "0-0"),
     ],
     "gateway": [
         ("PING",), ("CLIENT", "ID"), ("CLIENT", "UNBLOCK", "5"),   # waking its result reader
@@ -160,6 +168,8 @@ DENIED = {
         ("HSET", HEARTBEAT, "model", "m"), ("SREM", "llmq:queues", "default"),
         ("EVALSHA", SHA, "1", "session:42"), ("SCRIPT", "FLUSH"),
         ("SUBSCRIBE", "llmq"),
+        ("XADD", CTL, "*", "json", "{}"),         # putting workers to sleep, profiling them
+        ("XREAD", "STREAMS", CTLR, "0"), ("XADD", CTLR, "*", "json", "{}"),
     ],
     "worker": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -173,6 +183,8 @@ DENIED = {
         ("DEL", R), ("DEL", DLQ), ("XRANGE", DLQ, "-", "+"),
         ("XREADGROUP", "GROUP", "workers", "w", "STREAMS", "other:q:default", ">"),
         ("GET", "session:42"),
+        ("XADD", CTL, "*", "json", "{}"),         # calling its peers
+        ("XREAD", "STREAMS", CTLR, "0"), ("DEL", CTL),
     ],
     "gateway": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -190,7 +202,7 @@ DENIED = {
         ("XINFO", "STREAM", Q, "FULL"),           # ... FULL would list entries
         ("XREADGROUP", "GROUP", "workers", "k", "STREAMS", Q, ">"),
         ("XADD", Q, "*", "json", "{}"), ("XACK", Q, "workers", "1-0"),
-        ("XINFO", "GROUPS", "other:q:default"), ("XLEN", R),
+        ("XINFO", "GROUPS", "other:q:default"), ("XLEN", R), ("XADD", CTL, "*", "json", "{}"),
         ("CONFIG", "GET", "*"), ("FLUSHALL",), ("KEYS", "*"),
     ],
     "healthcheck": [("INFO",), ("GET", Q), ("CONFIG", "GET", "*"), ("FLUSHALL",)],

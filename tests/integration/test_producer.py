@@ -118,8 +118,8 @@ def test_an_invalid_request_raises_and_sends_nothing(client: Client,
         client.submit("Hello", top_p=1.5)
     with pytest.raises(InvalidRequest, match="exactly one of"):
         client.submit("Hello", messages=[{"role": "user", "content": "Hi"}])
-    with pytest.raises(InvalidRequest, match="unknown field `n`"):
-        client.submit("Hello", n=4)
+    with pytest.raises(InvalidRequest, match="unknown field `best_of`"):
+        client.submit("Hello", best_of=4)
     assert redis_client.exists(KEYS.queue("default")) == 0
 
 

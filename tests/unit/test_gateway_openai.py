@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from llmq.broker.commands import Followed
-from llmq.broker.protocol import Delta, Done, Error, Start, Timings, TokenLogprob, Usage
+from llmq.broker.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
 from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
-from llmq.gateway.openai_response import CompletionStream, sse
+from llmq.gateway.openai_response import CompletionStream, completion_object, sse
 
 # -- bodies ---------------------------------------------------------------------------------------
 
@@ -34,19 +34,30 @@ def test_a_chat_body_becomes_an_llmq_request_with_user_and_metadata() -> None:
     assert (parsed.stream, parsed.include_usage, parsed.logprobs) == (True, True, 3)
 
 
+def test_n_and_a_response_format_pass_through_to_the_request() -> None:
+    # Given a body asking for three completions in a JSON schema
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "city", "schema": {"type": "object"}, "strict": True}}
+    parsed = parse_body(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                               "n": 3, "response_format": fmt})
+    # Then the llmq request carries both as they are, and the response will have 3 choices
+    assert parsed.request["n"] == 3 and parsed.request["response_format"] == fmt
+    assert parsed.n == 3
+
+
 def test_completions_logprobs_are_a_count() -> None:
     parsed = parse_body(COMPLETIONS, {"model": "m", "prompt": "Once", "logprobs": 2})
     assert parsed.request["logprobs"] == 2 and parsed.request["prompt"] == "Once"
 
 
 @pytest.mark.parametrize("endpoint, body, param, words", [
-    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "`n`"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n", ">= 1"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9},
      "temperature", "temperature"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "tools": [{"type": "function"}]}, "tools", "not supported"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+            "response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", "logprobs: true"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1},
@@ -194,3 +205,66 @@ def test_line_separators_in_text_cannot_cut_an_event() -> None:
     # Then the event is still one line for readers that split like str.splitlines()
     assert len(frame.decode().strip("\n").splitlines()) == 2
     assert json.loads(frame.decode().split("data: ", 1)[1])["text"] == "a\u2028b\u2029c\x85d"
+
+
+# -- several completions (n > 1) ------------------------------------------------------------------
+
+
+def choice_events(texts: dict[int, tuple[str, ...]], first: int = 10) -> list[tuple[str, object]]:
+    """A request with n = len(texts): its choices' deltas interleaved, then one `done`."""
+    out: list[tuple[str, object]] = [(f"{first}-0", Start(request_id="t:r", attempt=1,
+                                                          worker="w", prompt_tokens=3))]
+    entry = first + 1
+    for seq in range(max(len(t) for t in texts.values())):
+        for index, parts in texts.items():
+            if seq < len(parts):
+                out.append((f"{entry}-0", Delta(request_id="t:r", attempt=1, seq=entry - first - 1,
+                                                text=parts[seq], token_ids=[seq], index=index)))
+                entry += 1
+    choices = [Choice(index, "".join(parts), "stop", len(parts)) for index, parts in texts.items()]
+    out.append((f"{entry}-0", Done(request_id="t:r", attempt=1, finish_reason="stop",
+                                   text=choices[0].text, usage=USAGE, timings=TIMINGS,
+                                   choices=choices)))
+    return out
+
+
+def texts_by_index(chunks) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for _, chunk in chunks:
+        for choice in chunk["choices"] if isinstance(chunk, dict) else []:
+            texts[choice["index"]] = (texts.get(choice["index"], "")
+                                      + (choice["delta"].get("content") or ""))
+    return texts
+
+
+def test_a_stream_of_several_completions_sends_each_choice_by_its_index() -> None:
+    # Given a chat stream asked for n=2 whose completions interleave
+    stream = CompletionStream(CHAT, "r", n=2)
+    chunks = parsed(feed(stream, choice_events({0: ("Hel", "lo"), 1: ("Bon", "jo", "ur")})))
+    # Then the role chunk opens both choices, each text arrives under its index
+    assert [c["index"] for c in chunks[0][1]["choices"]] == [0, 1]
+    assert texts_by_index(chunks) == {0: "Hello", 1: "Bonjour"}
+    # And one last chunk finishes both, before [DONE]
+    assert [(c["index"], c["finish_reason"]) for c in chunks[-2][1]["choices"]] == [
+        (0, "stop"), (1, "stop")]
+    assert chunks[-1][1] == "[DONE]"
+
+
+def test_a_resumed_stream_of_several_completions_misses_nothing_and_repeats_nothing() -> None:
+    evs = choice_events({0: ("a", "b", "c"), 1: ("x", "y")})
+    whole = parsed(feed(CompletionStream(CHAT, "r", n=2), evs))
+    for cut in range(len(whole) - 1):
+        after = whole[cut][0] or whole[cut - 1][0]
+        resumed = parsed(feed(CompletionStream(CHAT, "r", n=2), evs, after=after))
+        head = texts_by_index(whole[:cut + 1])
+        tail = texts_by_index(resumed)
+        assert {i: head.get(i, "") + tail.get(i, "") for i in (0, 1)} == {0: "abc", 1: "xy"}
+        assert resumed[-1][1] == "[DONE]"
+
+
+def test_a_whole_answer_lists_every_choice_with_its_own_logprobs() -> None:
+    done = choice_events({0: ("A",), 1: ("B",)})[-1][1]
+    body = completion_object(CHAT, "chatcmpl-r", "m", 0, done, {1: {"content": []}})
+    assert [(c["index"], c["message"]["content"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "A", None), (1, "B", {"content": []})]
+

@@ -39,6 +39,8 @@ def test_default_schema_matches_the_design() -> None:
     assert keys.idempotency("req-1") == "llmq:id:req-1"
     assert keys.workers() == "llmq:workers"
     assert keys.queues() == "llmq:queues"
+    assert keys.control("default") == "llmq:ctl:default"
+    assert keys.control_reply("call-1") == "llmq:ctlr:call-1"
     assert GROUP == "workers"
 
 
@@ -61,7 +63,7 @@ def test_valid_names_pass_unchanged(name: str) -> None:
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=lambda n: repr(n)[:20])
 @pytest.mark.parametrize("build", ["queue", "dlq", "cancel", "result", "cancel_flag",
-                                   "idempotency", "worker"])
+                                   "idempotency", "worker", "control", "control_reply"])
 def test_bad_names_never_become_keys(build: str, name: str) -> None:
     # Given a name with a hash tag, a glob, a newline, or 10k characters
     # When any key is built from it

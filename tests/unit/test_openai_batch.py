@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmq.broker.protocol import Done, Error, Timings, Usage
+from llmq.broker.protocol import Choice, Done, Error, Timings, Usage
 from llmq.gateway.openai_batch import (
     BatchLineError,
     error_record,
@@ -34,6 +34,22 @@ def test_a_chat_line_becomes_a_messages_request() -> None:
                                 {"role": "user", "content": "Hi there"}]}
 
 
+def test_n_and_response_format_pass_through_and_every_choice_is_returned() -> None:
+    # Given a chat line asking for two JSON completions
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    line = parse_line(batch_line(messages=[{"role": "user", "content": "x"}], n=2,
+                                 response_format=fmt), 1)
+    assert line.request["n"] == 2 and line.request["response_format"] == fmt
+    # When the worker's done event lists both choices
+    done = Done(request_id="q", attempt=1, finish_reason="stop", text='{"a": 1}',
+                usage=Usage(3, 9), timings=Timings(0.0, 0.1, 0.2, 0.05), choices=[
+                    Choice(0, '{"a": 1}', "stop", 4), Choice(1, '{"b": 22}', "length", 5)])
+    body = output_record(line, "q", done, "m")["response"]["body"]
+    # Then the output body has both, by index
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] \
+        == [(0, '{"a": 1}', "stop"), (1, '{"b": 22}', "length")]
+
+
 @pytest.mark.parametrize("prompt, expected", [
     ("Once", {"prompt": "Once"}),
     (["Once"], {"prompt": "Once"}),
@@ -55,7 +71,9 @@ def test_a_completion_prompt_may_be_text_or_token_ids(prompt, expected) -> None:
     (batch_line("/v1/embeddings", input="x"), "/v1/embeddings"),
     (batch_line("/v1/completions", messages=[]), "`messages` is not supported"),
     (batch_line("/v1/completions", max_tokens=3), "needs `prompt`"),
-    (batch_line(messages=[{"role": "user", "content": "x"}], n=2), "`n`"),
+    (batch_line(messages=[{"role": "user", "content": "x"}], n=0), "$.n"),
+    (batch_line(messages=[{"role": "user", "content": "x"}],
+                response_format={"type": "yaml"}), "response_format"),
     (batch_line(messages=[{"role": "user", "content": "x"}], logprobs=True), "`logprobs`"),
     (batch_line(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      "only text content"),

@@ -224,6 +224,7 @@ def test_wire_limits_match_the_engines_sampling_params() -> None:
     assert protocol.MAX_STOP_STRINGS == sampling_params.MAX_STOP_STRINGS
     assert protocol.MAX_STOP_STRING_LEN == sampling_params.MAX_STOP_STRING_LEN
     assert protocol.MAX_LOGPROBS == sampling_params.MAX_LOGPROBS
+    assert protocol.MAX_N == sampling_params.MAX_N
 
 
 _near_bounds = st.one_of(st.integers(-3, 3), st.floats(-3, 3),
@@ -234,7 +235,7 @@ _near_bounds = st.one_of(st.integers(-3, 3), st.floats(-3, 3),
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(
     ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "logprobs",
-     "presence_penalty", "frequency_penalty", "repetition_penalty"]), _near_bounds))
+     "presence_penalty", "frequency_penalty", "repetition_penalty", "n"]), _near_bounds))
 def test_every_request_the_wire_accepts_builds_sampling_params(params: dict[str, Any]) -> None:
     # Given any parameters near the bounds, sent as msgpack (which can carry NaN)
     from llmq.worker.engine.sampling_params import SamplingParams
@@ -312,7 +313,7 @@ def test_events_are_plain_json_objects_tagged_by_type() -> None:
     event = Delta("r1", 2, 0, "Hel", [9906])
     assert json.loads(protocol.encode_event(event)["json"]) == {
         "type": "delta", "request_id": "r1", "attempt": 2, "seq": 0, "text": "Hel",
-        "token_ids": [9906], "logprobs": None}
+        "token_ids": [9906], "logprobs": None, "index": 0}
 
 
 def test_minus_infinity_logprobs_travel_as_null_in_json() -> None:
@@ -378,3 +379,19 @@ def test_heartbeats_are_flat_string_hashes_that_read_back_typed() -> None:
 
 def test_entry_time_is_the_servers_millisecond_clock() -> None:
     assert protocol.entry_time_ms(b"1796013460689-3") == 1796013460689
+
+
+def test_control_calls_round_trip_and_anything_else_is_not_a_call() -> None:
+    # Given a utility call as `llmq admin` writes it
+    call = protocol.ControlCall(call_id="call-1", method="sleep", args={"level": 1})
+    fields = {k.encode(): v for k, v in protocol.encode_call(call).items()}
+    # Then a worker reads it back as it was
+    assert protocol.decode_call(fields) == call
+    # And entries that are not calls are None: another field, bad JSON, an id that could not
+    # name a key, a missing method
+    for junk in ({b"msgpack": b"\x80"}, {b"json": b"{"},
+                 {b"json": b'{"call_id": "{x}", "method": "stats"}'},
+                 {b"json": b'{"call_id": "call-2"}'}):
+        assert protocol.decode_call(junk) is None
+    reply = protocol.ControlReply(call_id="call-1", worker="w1", ok=True, result={"level": 1})
+    assert protocol.decode_reply(protocol.encode_reply(reply)) == reply

@@ -141,7 +141,8 @@ class Engine:
                                    max_model_len=self.scheduler.max_model_len
                                    if self.config.max_model_len is None
                                    else self.config.max_model_len,
-                                   kv_cache_tokens=self.scheduler.kv_capacity_tokens)
+                                   kv_cache_tokens=self.scheduler.kv_capacity_tokens,
+                                   max_num_seqs=self.config.max_num_seqs)
         self.runner = FakeModelRunner(num_kv_blocks, self.config.block_size, self.clock,
                                       next_token)
         self.outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
@@ -153,7 +154,9 @@ class Engine:
             detokenizer=None, **params) -> Request:
         self.num_added += 1
         self.gate.check_prompt(prompt)
-        request = Request(request_id or f"r{self.num_added}", prompt, SamplingParams(**params),
+        sampling_params = SamplingParams(**params)
+        self.gate.check_sampling_params(sampling_params)
+        request = Request(request_id or f"r{self.num_added}", prompt, sampling_params,
                           eos_token_ids=frozenset({EOS}), arrival_time=self.clock(),
                           priority=priority, detokenizer=detokenizer)
         self.scheduler.add_request(request)

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
@@ -23,6 +24,7 @@ from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
+from llmq.worker.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +65,12 @@ class EngineCore:
             2, config.kv_cache_memory_bytes // loaded.model.kv_cache_bytes_per_block(
                 config.block_size))
         self.clock = clock
+        self.structured_output = StructuredOutputManager(self.tokenizer, loaded.arch.vocab_size)
         self.runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, config.threads,
-                                  eos_token_ids=self.tokenizer.eos_token_ids)
+                                  eos_token_ids=self.tokenizer.eos_token_ids,
+                                  structured_output=self.structured_output)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
+        self._profiler: Any = None  # torch.profiler.profile while `start_profile` records
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
 
@@ -109,6 +114,58 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    # -- utility calls (vLLM v1 EngineCore's reset_prefix_cache, sleep, wake_up, profile) ------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake; 1 when the KV cache is freed; 2 when the weights are too."""
+        return self.runner.sleep_level
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level 2: the weights as well); bytes freed. Every request must be
+        finished or aborted first: nothing can run until `wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("requests are still in the engine: abort them first")
+        # NOTE: the cached prefixes point into the KV cache that is about to go.
+        self.reset_prefix_cache()
+        return self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Reallocate what `sleep` freed (reloading the weights after level 2)."""
+        if self.runner.sleep_level == 2:
+            from llmq.worker.engine.model.default_model import ensure_default_model
+            from llmq.worker.engine.model.loader import load_model
+
+            loaded = load_model(self.config.model or ensure_default_model(), self.config.dtype)
+            self.runner.wake_up(loaded.model)
+        else:
+            self.runner.wake_up()
+
+    def start_profile(self) -> None:
+        """Record torch operator timings of every step until `stop_profile`."""
+        import torch.profiler
+
+        if self._profiler is not None:
+            raise RuntimeError("the profiler is already running")
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self, trace_path: str) -> str:
+        """Stop the profiler and write its Chrome trace (chrome://tracing, Perfetto) there."""
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        profiler.export_chrome_trace(trace_path)
+        return trace_path
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
@@ -119,22 +176,21 @@ class EngineCore:
         """Run prompts to completion (offline, like vLLM's LLM.generate); outputs in input order.
 
         Each returned output is the finished one: `text`, `usage` and `timings` are set and
-        `new_token_ids` holds every output token.
+        `new_token_ids` holds every output token. A prompt with n > 1 gives n outputs in a row,
+        by `index`.
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
-        ids = [f"generate-{i}" for i in range(len(prompts))]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-            self.add_request(request_id, prompt, params)
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        finished: dict[str, EngineCoreOutput] = {}
-        while len(finished) < len(ids):
+        keys = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            self.add_request(f"generate-{i}", prompt, params)
+            keys += [(f"generate-{i}", index) for index in range(params.n)]
+        tokens: dict[tuple[str, int], list[int]] = {key: [] for key in keys}
+        finished: dict[tuple[str, int], EngineCoreOutput] = {}
+        while len(finished) < len(keys):
             for out in self.step():
-                tokens[out.request_id].extend(out.new_token_ids)
+                key = (out.request_id, out.index)
+                tokens[key].extend(out.new_token_ids)
                 if out.finished:
-                    finished[out.request_id] = out
-        results = []
-        for request_id in ids:
-            out = finished[request_id]
-            results.append(dataclasses.replace(out, new_token_ids=tokens[request_id]))
-        return results
+                    finished[key] = out
+        return [dataclasses.replace(finished[key], new_token_ids=tokens[key]) for key in keys]

@@ -7,7 +7,10 @@ and its scheduler trust what passes: they check nothing again.
 
 - invalid_request    no prompt tokens, a chat template that fails on the messages, a sampling
                      field out of bounds (the protocol decoder checks them first; this re-check
-                     covers values only the engine knows, such as min_tokens vs max_tokens)
+                     covers values only the engine knows, such as min_tokens vs max_tokens), `n`
+                     above the engine's `max_num_seqs` (the completions of one prompt run side by
+                     side), a `response_format` schema, regex, choice or grammar that cannot
+                     compile (compiled here, off the busy loop; the runner finds it in the cache)
 - prompt_too_long    prompt + one output token exceed the context (`max_model_len`) or the KV
                      cache (a request running alone must always fit, so preemption makes progress)
 - invalid_token_id   a prompt or stop token id outside the vocabulary
@@ -26,7 +29,8 @@ import msgspec
 
 from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.broker.protocol import Request
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
+from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 
 if TYPE_CHECKING:
     from llmq.worker.engine.engine_core import EngineCore
@@ -52,14 +56,19 @@ class ProcessedInput:
 class InputProcessor:
     """`max_model_len` is the context the engine was configured with; `kv_cache_tokens` the
     tokens its KV cache holds (None: unbounded). A prompt must leave room for one output token
-    in both."""
+    in both. `max_num_seqs` bounds `n` (None: unbounded); `structured_output` is the engine's
+    grammar cache, so what compiles here is what its runner uses."""
 
     def __init__(self, tokenizer: PromptTokenizer | None, *, vocab_size: int, max_model_len: int,
-                 kv_cache_tokens: int | None = None) -> None:
+                 kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
+        self.max_num_seqs = max_num_seqs
+        self.structured_output = structured_output or StructuredOutputManager(tokenizer,
+                                                                              vocab_size)
 
     @classmethod
     def for_engine(cls, engine: EngineCore) -> InputProcessor:
@@ -67,7 +76,9 @@ class InputProcessor:
         # (`engine.max_model_len`), so a refusal names the limit that bit.
         return cls(engine.tokenizer, vocab_size=engine.vocab_size,
                    max_model_len=engine.config.max_model_len or engine.max_model_len,
-                   kv_cache_tokens=engine.kv_cache_tokens)
+                   kv_cache_tokens=engine.kv_cache_tokens,
+                   max_num_seqs=engine.config.max_num_seqs,
+                   structured_output=engine.structured_output)
 
     def process(self, request: Request) -> ProcessedInput:
         """Raises RequestRejected(code, message) for a request the engine must never see."""
@@ -75,6 +86,7 @@ class InputProcessor:
         self.check_prompt(prompt_token_ids)
         params = self._sampling_params(request)
         self.check_token_ids(prompt_token_ids, params.stop_token_ids)
+        self.check_sampling_params(params)
         return ProcessedInput(prompt_token_ids, params, request.priority)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -109,6 +121,21 @@ class InputProcessor:
                                       f"{field}: token id {bad} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
 
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """RequestRejected(invalid_request) when `n` exceeds max_num_seqs, or naming the problem
+        when the schema, regex, choices or grammar cannot compile (compiled ones stay cached
+        for the model runner)."""
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
+                                  f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}: "
+                                  "the completions of one prompt run side by side")
+        if params.structured_output is None:
+            return
+        try:
+            self.structured_output.compile(params.structured_output)
+        except GrammarError as e:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from None
+
     def _prompt(self, request: Request) -> list[int]:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
@@ -129,7 +156,9 @@ class InputProcessor:
 
     @staticmethod
     def _sampling_params(request: Request) -> SamplingParams:
+        constraint = request.structured_output()
+        structured = StructuredOutputParams(*constraint) if constraint else None
         try:
-            return SamplingParams(**request.sampling_kwargs())
+            return SamplingParams(**request.sampling_kwargs(), structured_output=structured)
         except (ValueError, TypeError) as e:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from None

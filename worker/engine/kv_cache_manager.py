@@ -139,6 +139,21 @@ class KVCacheManager:
             self.block_pool.free_blocks(blocks[::-1])
         request.block_ids.clear()
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's blocks (one more reference each) and its computed tokens.
+
+        The parent must hold only full blocks, all computed: the child writes its own tokens
+        into blocks of its own, so nothing the siblings share is ever written again.
+        """
+        blocks = self.req_to_blocks[parent.request_id]
+        assert parent.num_computed_tokens == len(blocks) * self.block_size, parent
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks[parent.request_id]
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 

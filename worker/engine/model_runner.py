@@ -17,6 +17,13 @@ from llmq.worker.engine.model.attention import AttentionMetadata
 from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from llmq.worker.engine.sampler import Sampler, SamplingMetadata
 from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.structured_output import (
+    GrammarError,
+    GrammarMatcher,
+    StructuredOutputManager,
+    apply_token_bitmask,
+    bitmask_words,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +39,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    grammar: GrammarMatcher | None = None  # with structured output: where the output stands
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -39,7 +47,8 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model, num_kv_blocks: int, block_size: int, threads: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 structured_output: StructuredOutputManager | None = None) -> None:
         # NOTE: set explicitly: torch's default (one thread per core) collapses 5-30x on this
         # kind of machine whenever a neighbour is busy; one worker process per core is the plan.
         torch.set_num_threads(threads)
@@ -51,14 +60,19 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids = sorted(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
+        self.structured_output = structured_output
+        self.sleep_level = 0
+        self._grammar_errors: dict[str, str] = {}  # request_id -> why its matcher failed
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in so.scheduled_new_reqs:
-            self.requests[new.request_id] = CachedRequestState(
+            state = self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids), list(new.output_token_ids),
                 new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+            if new.sampling_params.structured_output is not None:
+                self._start_grammar(state)
         cached = so.scheduled_cached_reqs
         for request_id, new_block_ids, num_computed in zip(
                 cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
@@ -100,6 +114,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_indices])  # [num_samples, vocab]
             sampling_states = [states[i] for i in sample_rows]
             self._suppress_stop_tokens_before_min_tokens(logits, sampling_states)
+            self._apply_grammars(logits, sampling_states)
             sampling_metadata = SamplingMetadata.build(
                 [s.sampling_params for s in sampling_states],
                 [s.prompt_token_ids for s in sampling_states],
@@ -116,7 +131,53 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 sampled[i] = [token_id]
                 logprobs[i] = out.logprobs[row]
-        return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors)
+                if state.grammar is not None and not state.grammar.accept(token_id):
+                    self._grammar_errors[state.request_id] = state.grammar.error
+        grammar_errors, self._grammar_errors = self._grammar_errors, {}
+        return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors,
+                                 grammar_errors)
+
+    def sleep(self, level: int) -> int:
+        """Drop the KV cache (level 2: the model too); returns the bytes let go."""
+        freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        self.kv_caches = []
+        if level == 2:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            freed += sum(t.numel() * t.element_size() for t in tensors)
+            self.model = None
+        self.requests.clear()
+        self.sleep_level = level
+        return freed
+
+    def wake_up(self, model=None) -> None:
+        if model is not None:
+            self.model = model
+        self.kv_caches = self.model.make_kv_caches(self.num_kv_blocks, self.block_size)
+        self.sleep_level = 0
+
+    def _start_grammar(self, state: CachedRequestState) -> None:
+        params = state.sampling_params.structured_output
+        assert params is not None
+        try:
+            if self.structured_output is None:
+                raise GrammarError("this engine has no structured output support")
+            state.grammar = self.structured_output.matcher(params, state.output_token_ids)
+        except GrammarError as e:
+            # NOTE: the gate compiles every spec first, so this is a request resumed with
+            # tokens its grammar refuses; it fails alone, on this step's output.
+            self._grammar_errors[state.request_id] = str(e)
+
+    def _apply_grammars(self, logits: torch.Tensor, states: list[CachedRequestState]) -> None:
+        """Ban, in each constrained row only, every token its grammar does not allow next."""
+        rows = [row for row, state in enumerate(states) if state.grammar is not None]
+        if not rows:
+            return
+        bitmask = torch.empty(len(rows), bitmask_words(logits.shape[1]), dtype=torch.int32)
+        for i, row in enumerate(rows):
+            grammar = states[row].grammar
+            assert grammar is not None
+            grammar.fill_bitmask(bitmask, i)  # [num_words] int32 row
+        apply_token_bitmask(logits, bitmask, rows)
 
     def _suppress_stop_tokens_before_min_tokens(
             self, logits: torch.Tensor, states: list[CachedRequestState]) -> None:
@@ -126,6 +187,8 @@ class ModelRunner:
             params = state.sampling_params
             if len(state.output_token_ids) >= params.min_tokens:
                 continue
+            if state.grammar is not None and state.grammar.is_stopped:
+                continue  # the grammar is complete: EOS is all it allows
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += self.eos_token_ids

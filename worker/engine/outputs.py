@@ -73,6 +73,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprob | None]  # per request; None when not asked for or not sampled
     errors: dict[str, str] = field(default_factory=dict)  # request_id -> why (NaN/inf logits)
+    # request_id -> why its grammar failed (tokens it refused; never expected after the gate)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
@@ -87,6 +89,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0  # which of the request's n completions this is
     finish_reason: str | None = None  # stop | length | cancelled | error; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     error_code: ErrorCode | None = None  # with finish_reason "error": preempted, numerical...

@@ -85,6 +85,14 @@ class Request:
         self.error_code: ErrorCode | None = None
         self.error_message: str | None = None
 
+        # Parallel sampling (n > 1): the request as added is a parent that only prefills the
+        # prompt's full blocks (`fork_at` tokens), then forks into n children that share those
+        # blocks. A child's outputs carry its parent's id and its own `index`.
+        self.fork_at: int | None = None
+        self.parent_id: str | None = None
+        self.index = 0
+        self.new_to_runner = False  # a forked child the model runner has not seen yet
+
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -104,6 +112,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def output_id(self) -> str:
+        """The id outputs carry: the parent's for a child of an n > 1 request."""
+        return self.parent_id or self.request_id
+
+    @property
+    def num_seqs(self) -> int:
+        """Running sequences this request stands for: a parent counts as its n children."""
+        return self.sampling_params.n if self.fork_at is not None else 1
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV must exist before the next sample (a parent: up to its fork)."""
+        return self.num_tokens if self.fork_at is None else self.fork_at
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -7,12 +7,36 @@ field by field before it becomes one of these; `__post_init__` re-checks so in-p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_N = 64  # completions of one prompt; the scheduler also caps it at max_num_seqs
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """A constraint on the output text, compiled by worker/engine/structured_output.py.
+
+    `spec` is text for every kind, so the params stay hashable and the compile cache can key on
+    it: the JSON schema as JSON, the regex, the choices as a JSON list of strings, or the Lark /
+    GBNF grammar. `json_object` needs no spec (any JSON object).
+    """
+
+    kind: str
+    spec: str = ""
+
+    def problem(self) -> str | None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            return f"structured output kind must be one of {STRUCTURED_OUTPUT_KINDS}, " \
+                   f"got {self.kind!r}"
+        if self.kind != "json_object" and not self.spec:
+            return f"structured output of kind {self.kind} needs a non-empty spec"
+        return None
 
 
 @dataclass(frozen=True)
@@ -33,6 +57,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 disables
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
     skip_special_tokens: bool = True
+    n: int = 1  # completions of the prompt, sampled in parallel over its shared KV blocks
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         # NOTE: tuples keep the struct hashable and frozen even when callers pass lists.
@@ -84,4 +110,21 @@ class SamplingParams:
             return f"stop_token_ids has {len(self.stop_token_ids)} ids, at most {MAX_STOP_STRINGS}"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63), got {self.seed}"
+        if not 1 <= self.n <= MAX_N:
+            return f"n must be in [1, {MAX_N}], got {self.n}"
+        if self.structured_output is not None:
+            if problem := self.structured_output.problem():
+                return problem
+            if self.ignore_eos:
+                # NOTE: a finished grammar allows only EOS; ignoring it would pad the output with
+                # EOS tokens up to max_tokens.
+                return "ignore_eos cannot be combined with structured output: the grammar ends " \
+                       "the output with EOS"
         return None
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of completion `index` of an n > 1 request: one completion each, and a seed
+        stream of its own (seed + index, as vLLM derives it), so a child draws exactly what a
+        request with that seed would draw alone."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)

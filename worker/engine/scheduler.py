@@ -17,6 +17,8 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
 - `SchedulerOutput.finished_request_ids`: requests finished, aborted or preempted since the
   previous `schedule()`. The runner must drop those before adding new requests, and ignore ids
   it does not hold.
+- Parallel sampling (n > 1): a parent prefills the prompt's full blocks once, then forks into
+  n children holding them by reference (worker/engine/parallel_sampling.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from llmq.worker.engine.outputs import (
     Timings,
     Usage,
 )
+from llmq.worker.engine.parallel_sampling import ParallelSampling
 from llmq.worker.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -70,16 +73,17 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_request_ids: set[str] = set()
         self._finished_outputs: list[EngineCoreOutput] = []
+        self.parallel = ParallelSampling(config.block_size)  # the families of n > 1 requests
         self.num_preemptions = 0  # total, for metrics
 
     # -- requests in and out ------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request. It passed the gate (`InputProcessor`): a prompt that fits the
-        context and the KV cache, with every token id in the vocabulary."""
+        context and the KV cache, every token id in the vocabulary, `n` within max_num_seqs."""
         # NOTE: ids are the engine's own bookkeeping (the worker uses stream entry ids, unique by
         # construction); a repeated one would corrupt the request table, so it is refused.
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.parallel:
             raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                   f"request {request.request_id!r} is already in the engine")
         request.status = RequestStatus.WAITING
@@ -87,6 +91,12 @@ class Scheduler:
         self._order_keys[request.request_id] = (
             request.priority if self.by_priority else 0, request.arrival_time,
             next(self._arrivals))
+        if request.sampling_params.n > 1:
+            self.parallel.add_parent(request)
+            if request.fork_at == 0:  # nothing to share: n plain requests
+                for child in self._fork(request):
+                    self._enqueue_waiting(child, front=False)
+                return
         self._enqueue_waiting(request, front=False)
 
     def finish_requests(self, request_ids: str | Iterable[str],
@@ -100,10 +110,11 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._finish(request, status)
-                self._finished_outputs.append(self._make_output(request, [], []))
+            for member_id in self.parallel.member_ids(request_id):
+                request = self.requests.get(member_id)
+                if request is not None:
+                    self._finish(request, status)
+                    self._finished_outputs.extend(self._terminal_outputs(request))
 
     def take_finished_outputs(self) -> list[EngineCoreOutput]:
         """Terminal outputs of requests finished outside a step (aborts, preemption cap); the
@@ -124,7 +135,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -136,9 +147,13 @@ class Scheduler:
                     break
             if block_ids is None:
                 break  # it preempted itself, being the last running request
-            cached_reqs.request_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append(block_ids)
-            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            if request.new_to_runner:  # a child just forked: the runner gets it whole
+                request.new_to_runner = False
+                new_reqs.append(self._new_request_data(request, request.num_computed_tokens))
+            else:
+                cached_reqs.request_ids.append(request.request_id)
+                cached_reqs.new_block_ids.append(block_ids)
+                cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             i += 1
@@ -146,11 +161,14 @@ class Scheduler:
         # Waiting requests, in queue order, while they fit.
         # NOTE: not after a preemption: the cache was just found full, and admitting now would
         # only preempt again next step.
+        num_seqs = sum(r.num_seqs for r in self.running)
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+            # NOTE: a parent whose prefix is all cached has nothing to compute: it forks now.
+            num_hit = min(num_hit, request.num_tokens_to_compute)
+            num_new = min(request.num_tokens_to_compute - num_hit, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
                 break
@@ -161,11 +179,13 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
             request.status = RequestStatus.RUNNING
+            request.new_to_runner = False
             bisect.insort(self.running, request, key=self._order_key)
-            new_reqs.append(NewRequestData(
-                request.request_id, list(request.prompt_token_ids),
-                list(request.output_token_ids), request.sampling_params,
-                list(request.block_ids), num_hit))
+            num_seqs += request.num_seqs
+            if num_new == 0:
+                self._fork(request)  # its children run from the next step
+                continue
+            new_reqs.append(self._new_request_data(request, num_hit))
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
@@ -186,10 +206,18 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
+            if request.fork_at is not None and request.num_computed_tokens >= request.fork_at:
+                self._fork(request)
+                continue
             if request_id in runner.errors:
                 self._finish(request, RequestStatus.FINISHED_ERROR, ErrorCode.NUMERICAL,
                              f"the model produced invalid logits: {runner.errors[request_id]}")
-                outputs.append(self._make_output(request, [], []))
+                outputs.extend(self._terminal_outputs(request))
+                continue
+            if request_id in runner.grammar_errors:
+                self._finish(request, RequestStatus.FINISHED_ERROR, ErrorCode.ENGINE_ERROR,
+                             f"structured output: {runner.grammar_errors[request_id]}")
+                outputs.extend(self._terminal_outputs(request))
                 continue
             # NOTE: a token is only sampled once every token so far is computed; anything the
             # runner returns in the middle of a prompt is not a real sample.
@@ -262,10 +290,39 @@ class Scheduler:
                          f"preempted {request.num_preemptions} times for lack of KV cache "
                          f"(max_num_preemptions={self.config.max_num_preemptions}); retry "
                          f"when the worker is less busy, or with fewer tokens")
-            self._finished_outputs.append(self._make_output(request, [], []))
+            self._finished_outputs.extend(self._terminal_outputs(request))
             return
         logger.debug("preempted %s (%d times)", request.request_id, request.num_preemptions)
         self._enqueue_waiting(request, front=True)
+
+    def _new_request_data(self, request: Request, num_computed_tokens: int) -> NewRequestData:
+        return NewRequestData(request.request_id, list(request.prompt_token_ids),
+                              list(request.output_token_ids), request.sampling_params,
+                              list(request.block_ids), num_computed_tokens)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Replace a parent that computed its shared blocks by its n children; a running
+        parent's children take its place in `running`, each with a reference to its blocks."""
+        if parent.status == RequestStatus.RUNNING:
+            self.running.remove(parent)
+        key = self._order_keys.pop(parent.request_id)
+        children = self.parallel.fork(parent)
+        for child in children:
+            self.requests[child.request_id] = child
+            self._order_keys[child.request_id] = key
+        if parent.status == RequestStatus.RUNNING:
+            for child in children:
+                self.kv_cache_manager.fork(parent, child)
+                child.status = RequestStatus.RUNNING
+                child.new_to_runner = True
+                bisect.insort(self.running, child, key=self._order_key)
+            self.kv_cache_manager.free(parent)
+            self._finished_request_ids.add(parent.request_id)
+        del self.requests[parent.request_id]
+        return children
+
+    def _terminal_outputs(self, request: Request) -> list[EngineCoreOutput]:
+        return self.parallel.terminal_outputs(request, self._make_output(request, [], []))
 
     def _append_token(self, request: Request, token_id: int) -> RequestStatus | None:
         """Append one sampled token and apply the stop conditions in order."""
@@ -306,6 +363,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._order_keys[request.request_id]
         self._finished_request_ids.add(request.request_id)
+        self.parallel.leave(request)
         # NOTE: after a stop string the held-back text lies past the cut; otherwise flush it.
         if request.detokenizer is not None and not isinstance(request.stop_reason, str):
             request.output_text += request.detokenizer.finish()
@@ -319,8 +377,9 @@ class Scheduler:
         else:
             held_back = stop_checker.num_held_back_chars(request.sampling_params)
             end = max(len(text) - held_back, request.num_text_sent)
-        output = EngineCoreOutput(request.request_id, new_token_ids,
-                                  text[request.num_text_sent:end], new_logprobs)
+        output = EngineCoreOutput(request.output_id, new_token_ids,
+                                  text[request.num_text_sent:end], new_logprobs,
+                                  index=request.index)
         request.num_text_sent = end
         if not request.is_finished:
             return output
