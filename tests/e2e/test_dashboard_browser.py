@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from llmq.broker import Client
+from llmq.broker.control import call_workers
 from llmq.broker.keys import Keys
 from llmq.broker.protocol import DeadLetter, encode_dead_letter
 from tests.e2e.cli_harness import llmq_process, subprocess_env
@@ -235,21 +236,29 @@ def test_the_inspector_streams_a_request_and_its_cancel_button_stops_it(
     assert console_errors(browser) == []
 
 
-def test_a_draining_worker_shows_as_draining_until_it_is_gone(
+def test_a_worker_s_state_shows_sleeping_serving_draining_then_gone(
         browser, gateway, url, client, tiny_model) -> None:
-    # Given a worker in the middle of a long request (120 tokens at 40 ms a step)
     with InProcessWorker(url, tiny_model, worker_id="drainer", queue="slow",
                          fault=f"slow_step:{STEP_MS}") as worker:
+        sign_in(browser, gateway, KEYS["ops"])
+        state = '#workers tr[data-worker="drainer"] .state'
+        wait_for(lambda: text_of(browser, state) == "serving", 20, "it to serve")
+        # When an admin puts it to sleep (`llmq admin sleep`), and wakes it again
+        (reply,) = call_workers(client, "sleep", {"level": 1}, queue="slow")
+        assert reply.ok, reply
+        wait_for(lambda: text_of(browser, state) == "sleeping (level 1)", 10, "sleeping")
+        assert call_workers(client, "wake_up", queue="slow")[0].ok
+        wait_for(lambda: text_of(browser, state) == "serving", 10, "serving again")
+        # And when it is told to stop (SIGTERM) in the middle of a long request (120 tokens at
+        # 40 ms a step), it drains: no new reads, the request finishes
         client.submit("A long one", request_id="ops-long-1", queue="slow", max_tokens=120,
                       ignore_eos=True)
-        sign_in(browser, gateway, KEYS["ops"])
-        row = '#workers tr[data-worker="drainer"]'
-        wait_for(lambda: text_of(browser, f"{row} .running") == "1", 20, "it to run")
-        # When it is told to stop (SIGTERM), it drains: no new reads, the request finishes
+        running = '#workers tr[data-worker="drainer"] .running'
+        wait_for(lambda: text_of(browser, running) == "1", 20, "it to run")
         worker.worker.request_stop()
         # Then the dashboard says so, and the worker leaves the table once done
-        wait_for(lambda: text_of(browser, f"{row} .state") == "draining", 10, "draining")
-        wait_for(lambda: text_of(browser, row) is None, 30, "the worker to leave")
+        wait_for(lambda: text_of(browser, state) == "draining", 10, "draining")
+        wait_for(lambda: text_of(browser, state) is None, 30, "the worker to leave")
     assert client.result("ops-long-1", timeout=5).finish_reason == "length"
     assert console_errors(browser) == []
 
