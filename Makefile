@@ -1,12 +1,13 @@
 # Two commands on a fresh machine:  `make run`  and  `make test`.
-# Everything they need (venv, the package, the default model, a Redis for the tests) is installed here.
+# Everything they need (venv, the package, the default model, a Redis and a headless Chromium for
+# the tests) is installed here.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: run test install model redis-server lint bench clean
+.PHONY: run test install model redis-server browser lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,13 +27,21 @@ redis-server:
 	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
 	  || echo "redis-server not installed: its test variants will skip"; }
 
+# Debian's chromium and chromium-driver, the real browser the dashboard's tests drive (Selenium
+# through /usr/bin/chromedriver; nothing downloads a browser). Installed only where we may.
+browser:
+	@{ [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq chromium chromium-driver >/dev/null) \
+	  || echo "chromium not installed: the dashboard's browser tests will skip"; }
+
 # The whole pool for one answer: the embedded server and a worker in the background, one streamed
 # answer through the queue, then everything stopped again (also on failure or Ctrl-C).
 run: install model
 	@$(BIN)/llmq up --detach --workers 1 && trap '$(BIN)/llmq down' EXIT && trap 'exit 130' INT TERM && \
 	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
-test: install model redis-server
+test: install model redis-server browser
 	$(BIN)/ruff check broker worker cli gateway tests bench
 	$(BIN)/python -m pytest -q
 

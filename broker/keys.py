@@ -37,6 +37,8 @@ both, no mode flag.
                                       removed by whoever notices
     llmq:queues             set       queue names that have a consumer group (for `llmq status`)
     llmq:ctlr:<call_id>     stream    the workers' answers to one utility call, with TTL
+    llmq:dash:series        stream    the dashboard's chart samples (one per interval, entry id =
+                                      the interval's start in ms), capped to the last hour
 
   batch slot, tag = the batch id (the batch job rewrites its output and errors together):
     llmq:batch:{<batch_id>}:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
@@ -249,6 +251,10 @@ class Keys:
 def _tag(kind: str, value: object) -> str:
     """`{value}`: a validated name as the key's Cluster hash tag."""
     return "{" + validate_name(kind, value) + "}"
+
+    def dashboard_series(self) -> str:
+        """The dashboard's rolling samples of the pool (every gateway replica reads the same)."""
+        return f"{self.prefix}:dash:series"
 
 
 def _tenant(tenant: str) -> str:

@@ -2,6 +2,7 @@
 
     llmq serve --api-key alice=sk-alice --api-key bob=sk-bob      # 127.0.0.1:8000
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=sk-alice python my_app.py
+    open http://127.0.0.1:8000/dashboard                          # sign in with a key
 
 Flags map onto `GatewaySettings`, each with its `LLMQ_*` variable. The gateway is stateless:
 run as many as you like behind a load balancer, all pointed at the same Redis.
@@ -28,6 +29,10 @@ from llmq.cli.options import connection_options
               help="A file of `TENANT=KEY` lines (# comments).")
 @click.option("--no-auth", is_flag=True, envvar="LLMQ_NO_AUTH",
               help="Serve without keys, everyone as tenant `default` (trusted networks only).")
+@click.option("--admin-tenant", "admin_tenants", envvar="LLMQ_ADMIN_TENANTS", multiple=True,
+              metavar="TENANT",
+              help="A tenant whose keys see and act on the whole pool in the dashboard: every "
+                   "dead letter and request (repeatable; LLMQ_ADMIN_TENANTS holds several).")
 @click.option("--max-queue", envvar="LLMQ_MAX_QUEUE", type=click.IntRange(min=1),
               default=10_000, show_default=True,
               help="Unread requests in a queue above which new ones get 429.")
@@ -39,11 +44,15 @@ from llmq.cli.options import connection_options
 @click.option("--file-ttl", envvar="LLMQ_FILE_TTL", type=click.IntRange(min=60),
               default=7 * 24 * 3600, show_default=True,
               help="Seconds files, batches and batch results are kept.")
+@click.option("--dashboard-interval", envvar="LLMQ_DASHBOARD_INTERVAL",
+              type=click.FloatRange(1.0, 300.0), default=10.0, show_default=True,
+              help="Seconds between the dashboard's chart samples (the same on every replica).")
 @click.option("--log-requests", is_flag=True, envvar="LLMQ_LOG_REQUESTS",
               help="One access-log line per request.")
 def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
           api_keys: tuple[str, ...], api_keys_file: tuple[str, ...], no_auth: bool,
-          max_queue: int, request_timeout: float, max_file_bytes: int, file_ttl: int,
+          admin_tenants: tuple[str, ...], max_queue: int, request_timeout: float,
+          max_file_bytes: int, file_ttl: int, dashboard_interval: float,
           log_requests: bool) -> None:
     """Serve the OpenAI API (chat, completions, files, batches) in front of the pool."""
     import uvicorn
@@ -54,11 +63,13 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
     from llmq.gateway.settings import GatewaySettings
 
     try:
-        keys = ApiKeys.parse(api_keys, files=api_keys_file, anonymous=no_auth)
+        keys = ApiKeys.parse(api_keys, files=api_keys_file, anonymous=no_auth,
+                             admin_tenants=admin_tenants)
         settings = GatewaySettings(
             keys, BrokerSettings.from_env(redis_url=redis_url, prefix=prefix, queue=queue),
             max_queue=max_queue, request_timeout=request_timeout,
-            max_file_bytes=max_file_bytes, file_ttl=file_ttl)
+            max_file_bytes=max_file_bytes, file_ttl=file_ttl,
+            dashboard_interval=dashboard_interval)
     except (ValueError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
     server: uvicorn.Server | None = None
@@ -68,5 +79,6 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
         app, host=host, port=port, log_level="warning", access_log=log_requests, loop="auto",
         http="auto", timeout_graceful_shutdown=30, proxy_headers=True, server_header=False))
     tenants = ", ".join(sorted(keys.tenants))
-    click.echo(f"llmq serve: http://{host}:{port}/v1 (tenants: {tenants})", err=True)
+    click.echo(f"llmq serve: http://{host}:{port}/v1 (tenants: {tenants}); dashboard: "
+               f"http://{host}:{port}/dashboard", err=True)
     server.run()

@@ -7,6 +7,10 @@ Keys come as `TENANT=KEY` (or a bare `KEY`, tenant `default`) from `--api-key` (
 A tenant's request ids are `<tenant>:<id>`, its files and batches are filed under its name, so a
 key reaches its own tenant's requests, files and batches and nothing else: not by guessing ids,
 not by resuming or cancelling, not by reusing an id another tenant chose.
+
+Admin tenants (`--admin-tenant`, every key of theirs) see and act on the whole pool in the
+dashboard: every dead letter, every request id. A gateway without keys (`--no-auth`) is on a
+trusted network by definition, so its one tenant is an admin.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ def _digest(key: str) -> bytes:
 
 
 class ApiKeys:
-    def __init__(self, keys: dict[str, str] | None = None, *, anonymous: bool = False) -> None:
-        """`keys`: key -> tenant. `anonymous`: no key needed, everyone is tenant `default`."""
+    def __init__(self, keys: dict[str, str] | None = None, *, anonymous: bool = False,
+                 admin_tenants: Iterable[str] = ()) -> None:
+        """`keys`: key -> tenant. `anonymous`: no key needed, everyone is tenant `default`.
+        `admin_tenants`: tenants whose keys may see and act on the whole pool."""
         self._tenants: dict[bytes, str] = {}
         for key, tenant in (keys or {}).items():
             if not key:
@@ -42,11 +48,15 @@ class ApiKeys:
         if not self._tenants and not anonymous:
             raise ValueError("no API keys: give --api-key TENANT=KEY (or LLMQ_API_KEYS, or "
                              "--api-keys-file), or --no-auth for a gateway on a trusted network")
+        self.admin_tenants = frozenset(admin_tenants)
+        if unknown := self.admin_tenants - self.tenants:
+            raise ValueError(f"admin tenant(s) {', '.join(sorted(unknown))} have no API key")
 
     @classmethod
     def parse(cls, entries: Iterable[str], *, files: Iterable[str | Path] = (),
-              anonymous: bool = False) -> ApiKeys:
-        """Keys from `TENANT=KEY` entries (each may hold several) and key files."""
+              anonymous: bool = False, admin_tenants: Iterable[str] = ()) -> ApiKeys:
+        """Keys from `TENANT=KEY` entries (each may hold several) and key files; admin tenants
+        from entries that may each hold several, separated by commas or whitespace."""
         keys: dict[str, str] = {}
         for entry in entries:
             for item in _SPLIT.split(entry.strip()):
@@ -61,7 +71,8 @@ class ApiKeys:
                 if not sep or not key.strip():
                     raise ValueError(f"{path}:{number}: expected TENANT=KEY or TENANT KEY")
                 cls._add(keys, tenant.strip(), key.strip())
-        return cls(keys, anonymous=anonymous)
+        admins = [name for entry in admin_tenants for name in _SPLIT.split(entry.strip()) if name]
+        return cls(keys, anonymous=anonymous, admin_tenants=admins)
 
     @staticmethod
     def _pair(item: str) -> tuple[str, str]:
@@ -77,6 +88,19 @@ class ApiKeys:
     @property
     def tenants(self) -> set[str]:
         return set(self._tenants.values()) | ({DEFAULT_TENANT} if self.anonymous else set())
+
+    def is_admin(self, tenant: str) -> bool:
+        return self.anonymous or tenant in self.admin_tenants
+
+    def tenant_of_digest(self, digest: bytes) -> str | None:
+        """The tenant of the key whose SHA-256 is `digest` (the dashboard's session cookie)."""
+        if self.anonymous:
+            return DEFAULT_TENANT
+        return self._tenants.get(digest)
+
+    @staticmethod
+    def digest(key: str) -> bytes:
+        return _digest(key.strip())
 
     def tenant(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer <key>` header; None when it names none."""

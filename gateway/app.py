@@ -3,6 +3,7 @@
     GET  /health                  the gateway answers and Redis is reachable (no key needed)
     GET  /metrics                 Prometheus (with a key, like every route but /health)
     GET  /v1/models               the models live workers serve (from their heartbeats)
+    GET  /dashboard               the pool's web dashboard and its API (gateway/dashboard.py)
     the completion routes         gateway/completions.py
     the Files and Batch APIs      gateway/files.py, gateway/batches.py
 
@@ -31,8 +32,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
 from llmq.broker.errors import LLMQError, RequestIdConflict
-from llmq.gateway import batches, completions, files
+from llmq.gateway import batches, completions, dashboard, files
 from llmq.gateway.errors import APIError
+from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView
 from llmq.gateway.settings import GatewaySettings
 from llmq.gateway.state import GatewayState, json_response
@@ -89,6 +91,7 @@ ROUTES = [
     Route("/v1/batches", batches.list_batches, methods=["GET"]),
     Route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"]),
     Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
+    *dashboard.ROUTES,
 ]
 
 
@@ -173,15 +176,19 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
                              max_connections=settings.max_connections, client_name=CLIENT_NAME)
         sync_redis: redis.Redis = connect(client.url, max_connections=8, client_name=CLIENT_NAME)
         pool = PoolView(client, settings.broker.queue, settings.max_queue)
-        app.state.gateway = GatewayState(settings, client, pool, sync_redis,
+        series = PoolSeries(client, pool, settings.dashboard_interval)
+        app.state.gateway = GatewayState(settings, client, pool, sync_redis, series,
                                          shutting_down=shutting_down or (lambda: False))
-        refresher = asyncio.get_running_loop().create_task(pool.refresh_forever())
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(pool.refresh_forever()), loop.create_task(series.run_forever())]
         try:
             yield {}
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await client.close()
             sync_redis.close()
 

@@ -124,12 +124,12 @@ async def _create(request: Request, endpoint: str) -> Response:
         if not answer.done():
             answer.cancel()
             if not keep and not state.shutting_down():
-                await _cancel_request(state, request_id, queue)
+                await state.cancel(request_id, queue)
     if not answer.done() or answer.cancelled():
         return Response(status_code=499, headers=headers)  # nobody is there to read it
     status, payload = answer.result()
     if status == 504 and not keep:
-        await _cancel_request(state, request_id, queue)
+        await state.cancel(request_id, queue)
     return json_response(payload, status, headers)
 
 
@@ -214,7 +214,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
             # NOTE: shielded: the disconnect cancelled this task, and the cancel must still go.
             with anyio.CancelScope(shield=True):
                 state.metrics.cancelled.inc()
-                await _cancel_request(state, request_id, cancel_queue)
+                await state.cancel(request_id, cancel_queue)
 
 
 async def _resume(request: Request, endpoint: str) -> Response:
@@ -250,17 +250,9 @@ async def _cancel(request: Request, endpoint: str) -> Response:
     request_id = f"{tenant}:{public_id}"
     if await state.stream_options(request_id) is None:
         raise not_found(f"no request {public_id!r} (unknown, another key's, or expired)")
-    for queue in await state.client.queues() or [state.settings.broker.queue]:
-        await _cancel_request(state, request_id, queue)
+    await state.cancel_everywhere(request_id)
     return json_response({"id": completion_id(endpoint, public_id), "object": "cancellation",
                           "cancelled": True}, 200, {"X-Request-Id": public_id})
-
-
-async def _cancel_request(state: GatewayState, request_id: str, queue: str) -> None:
-    try:
-        await state.client.cancel(request_id, queue=queue)
-    except LLMQError as exc:
-        logger.warning("could not cancel request %s: %s", request_id, exc)
 
 
 # -- ids ------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class GatewaySettings:
     file_ttl: int = 7 * _DAY  # seconds uploaded files, batches and their results are kept
     batch_max_in_flight: int = 1024  # unfinished requests one batch keeps queued at a time
     max_connections: int = 64  # Redis connections for calls (the result reader adds its own)
+    dashboard_interval: float = 10.0  # seconds between the dashboard's chart samples
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_file_bytes", "file_ttl", "batch_max_in_flight",
@@ -33,3 +34,6 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if not 1.0 <= self.dashboard_interval <= 300.0:
+            raise ValueError(f"dashboard_interval must be within 1-300 s, got "
+                             f"{self.dashboard_interval}")

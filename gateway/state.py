@@ -1,4 +1,5 @@
-"""GatewayState: what every route of one gateway process shares (settings, clients, pool view).
+"""GatewayState: what every route of one gateway process shares (settings, clients, pool view,
+the dashboard's series).
 
 Nothing here outlives a restart: the only state that matters is in Redis (requests, their
 results, the stream options of each request, files, batches), so replicas are interchangeable.
@@ -6,6 +7,7 @@ results, the stream options of each request, files, batches), so replicas are in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,13 +19,17 @@ from starlette.responses import Response
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import as_str
+from llmq.broker.errors import LLMQError
 from llmq.gateway.batch_store import rq_connection
 from llmq.gateway.errors import APIError
 from llmq.gateway.metrics import GatewayMetrics
+from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView
 from llmq.gateway.settings import GatewaySettings
 
 __all__ = ["GatewayState", "json_response"]
+
+logger = logging.getLogger(__name__)
 
 _json = msgspec.json.Encoder()
 
@@ -39,6 +45,7 @@ class GatewayState:
     client: AsyncClient
     pool: PoolView
     sync_redis: redis.Redis  # llmq's, for batches (files, results), used from worker threads
+    series: PoolSeries  # the dashboard's charts
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _rq_redis: redis.Redis | None = None
     # True once the server is stopping: streams it ends then were not left by their clients,
@@ -67,6 +74,18 @@ class GatewayState:
             raise APIError(401, "missing or unknown API key: send `Authorization: Bearer <key>`",
                            "invalid_request_error", code="invalid_api_key")
         return tenant
+
+    async def cancel(self, request_id: str, queue: str) -> None:
+        """Cancel a request on one queue; a failure is logged, not raised."""
+        try:
+            await self.client.cancel(request_id, queue=queue)
+        except LLMQError as exc:
+            logger.warning("could not cancel request %s: %s", request_id, exc)
+
+    async def cancel_everywhere(self, request_id: str) -> None:
+        """Cancel a request on every queue (a request id alone does not say which it is on)."""
+        for queue in await self.client.queues() or [self.settings.broker.queue]:
+            await self.cancel(request_id, queue)
 
     async def remember_stream(self, request_id: str, options: dict[str, Any]) -> None:
         """How to stream the request, for a resume on any replica (kept as long as results)."""

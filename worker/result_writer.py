@@ -436,17 +436,13 @@ class ResultWriter:
     def _after_write(self, batch: _Batch) -> None:
         for entry_id in batch.pop_ids:
             self.table.pop(entry_id)
+        finished = [_figures(terminal, output) for terminal, output in batch.finished]
+        if finished or batch.errors:
+            self.ctx.counters.add_finished([t.ttft for _, _, _, t in finished]
+                                           + [None] * len(batch.errors))
         if self.metrics is None:
             return
-        for terminal, output in batch.finished:
-            # NOTE: a `done` counts the n completions of a request once (its prompt once).
-            if isinstance(terminal, protocol.Done):
-                reason, code, usage, t = (terminal.finish_reason, None, terminal.usage,
-                                          terminal.timings)
-            else:
-                reason, code = "error", terminal.code
-                usage = output.usage or protocol.Usage(0, 0, 0)
-                t = output.timings or protocol.Timings(0.0, None, 0.0, None)
+        for reason, code, usage, t in finished:
             self.metrics.observe_finished(
                 reason, code, usage.prompt_tokens, usage.completion_tokens,
                 usage.cached_prompt_tokens, t.queue, t.ttft, t.e2e, t.per_token)
@@ -458,3 +454,13 @@ class ResultWriter:
 
 def _identity(event: Event) -> tuple[str, int, int]:
     return (type(event).__name__, event.attempt, getattr(event, "seq", -1))
+
+
+def _figures(terminal: protocol.Done | protocol.Error, output: EngineCoreOutput
+             ) -> tuple[str, str | None, protocol.Usage, protocol.Timings]:
+    """(finish reason, error code, usage, timings) of a finished request, for the counters."""
+    # NOTE: a `done` counts the n completions of a request once (its prompt once).
+    if isinstance(terminal, protocol.Done):
+        return terminal.finish_reason, None, terminal.usage, terminal.timings
+    return ("error", terminal.code, output.usage or protocol.Usage(0, 0, 0),
+            output.timings or protocol.Timings(0.0, None, 0.0, None))

@@ -440,13 +440,17 @@ class Worker:
         rate = (generated - last_n) / (now - last_t) if now > last_t else 0.0
         self._rate = (now, generated)
         s = self._stats
+        requests_total, ttft_hist = self.ctx.counters.snapshot()
         heartbeat = protocol.WorkerHeartbeat(
             worker_id=self.config.worker_id, queue=self.config.queue, model=self.model_name,
             pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
             heartbeat_ms=int(time.time() * 1000),
             running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2),
-            sleeping=self.utility.sleep_level)
+            draining=int(self.draining),
+            prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4) if s else 0.0,
+            requests_total=requests_total, generated_tokens_total=generated,
+            ttft_hist=ttft_hist, sleeping=self.utility.sleep_level)
         return protocol.encode_heartbeat(heartbeat)
 
 

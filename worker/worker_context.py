@@ -4,7 +4,8 @@ The stream reader, admission, lease keeper, cancel listener and result writer ea
 context (and the one or two collaborators they call) instead of a dozen loose arguments. It
 holds the configuration and the key names built from it, the connection factory (each thread
 opens its own client, so a blocking read never holds another thread's connection), the
-metrics, the busy loop's inbox, the in-flight table and the connection state readiness reads.
+metrics, the busy loop's inbox, the in-flight table, the heartbeat's counters and the connection
+state readiness reads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import redis
 from llmq.broker.connection import connect_at_most_once
 from llmq.broker.keys import Keys
 from llmq.worker.connection_state import ConnectionState
+from llmq.worker.heartbeat_counters import HeartbeatCounters
 from llmq.worker.inbox import Inbox
 from llmq.worker.inflight_table import InFlightTable
 from llmq.worker.worker_config import WorkerConfig
@@ -37,6 +39,7 @@ class WorkerContext:
     keys: Keys = field(init=False)
     table: InFlightTable = field(default_factory=InFlightTable)
     inbox: Inbox = field(default_factory=Inbox)
+    counters: HeartbeatCounters = field(default_factory=HeartbeatCounters)
     # NOTE: the stream reader counts as down until its first read, so a worker is not ready
     # before it has reached Redis once.
     state: ConnectionState = field(

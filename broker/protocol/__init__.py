@@ -11,6 +11,7 @@ without pulling in redis. By concept:
     events.py     start / delta / done / error on llmq:r:{<request_id>}, and the terminal-event
                   builder the worker and `llmq generate -f` share
     records.py    operational records: cancellations, dead letters, worker heartbeats
+    latency_histogram.py  TTFT counts in fixed buckets, carried by heartbeats
     control.py    utility calls on llmq:ctl:{<queue>} and the workers' answers
 
 Everything public is re-exported here: `from llmq.broker.protocol import Request, Done`.
@@ -46,6 +47,7 @@ from llmq.broker.protocol.events import (
     is_terminal,
     terminal_event,
 )
+from llmq.broker.protocol.latency_histogram import TTFT_BUCKETS_MS, LatencyHistogram
 from llmq.broker.protocol.records import (
     DEAD_LETTER_FIELD,
     CancelNotice,
@@ -113,6 +115,7 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MAX_TOKENS_LIMIT",
     "METHODS",
+    "TTFT_BUCKETS_MS",
     "CancelNotice",
     "Choice",
     "ControlCall",
@@ -128,6 +131,7 @@ __all__ = [
     "FinishedOutput",
     "Guided",
     "JsonSchema",
+    "LatencyHistogram",
     "Message",
     "RejectedEntry",
     "Request",

@@ -115,6 +115,12 @@ class WorkerHeartbeat(Struct, kw_only=True):
     tokens_per_s: float = 0.0  # output tokens per second, recent average
     version: str = ""
     sleeping: int = 0  # 0 awake; 1 KV cache freed; 2 weights freed too (`llmq admin sleep`)
+    draining: int = 0  # 1 once it stopped reading to shut down (SIGTERM)
+    prefix_cache_hit_rate: float = 0.0  # fraction of prompt tokens served from the cache
+    # Cumulative since the worker started, for rates over any window (the gateway's charts):
+    requests_total: int = 0  # terminal events written
+    generated_tokens_total: int = 0
+    ttft_hist: str = ""  # TTFT counts per bucket (LatencyHistogram.encode())
 
 
 def encode_heartbeat(heartbeat: WorkerHeartbeat) -> dict[str, str]:

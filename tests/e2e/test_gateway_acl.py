@@ -14,6 +14,8 @@ import httpx
 import pytest
 import redis
 
+from llmq.broker.keys import Keys
+from llmq.broker.protocol import DeadLetter, encode_dead_letter
 from tests.e2e.cli_harness import llmq, ok
 from tests.e2e.gateway_harness import KEYS, GatewayProcess
 from tests.fixtures.acl_server import PASSWORDS, acl_url
@@ -26,7 +28,8 @@ def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_p
     port, _ = acl_server
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
     admin.flushall()
-    gateway = GatewayProcess(acl_url(port, "gateway"), tmp_path)
+    gateway = GatewayProcess(acl_url(port, "gateway"), tmp_path,
+                             extra=["--admin-tenant", "alice", "--dashboard-interval", "1"])
     try:
         with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="acl-gw-worker"):
             gateway.start()
@@ -64,6 +67,26 @@ def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_p
             assert client.batches.cancel(queued.id).status == "cancelled"
             assert len(client.batches.list().data) == 2
             assert httpx.get(f"{gateway.base_url}/metrics", headers=auth).status_code == 200
+            # the dashboard: the pool, its charts, a dead letter retried, the rest purged
+            dash = f"{gateway.base_url}/dashboard/api"
+            assert httpx.get(f"{dash}/pool", headers=auth).json()["workers"]
+            for request_id in ("alice:dl-1", "alice:dl-2"):
+                letter = DeadLetter(queue="default", entry_id="1-0", request_id=request_id,
+                                    code="poison", message="test")
+                admin.xadd(Keys().dlq("default"), encode_dead_letter(letter, {
+                    "json": json.dumps({"id": request_id, "prompt": "Hi", "max_tokens": 2})}))
+            letters = httpx.get(f"{dash}/dead-letters", headers=auth).json()["dead_letters"]
+            assert len(letters) == 2
+            assert httpx.post(f"{dash}/dead-letters/default/{letters[0]['dlq_entry_id']}/retry",
+                              headers=auth).status_code == 200
+            assert httpx.post(f"{dash}/dead-letters/default/purge",
+                              headers=auth).json()["purged"] == 1
+            time.sleep(2.5)  # a sample or two of the charts
+            assert httpx.get(f"{dash}/series", headers=auth).json()["samples"]
+            with httpx.stream("GET", f"{dash}/requests/alice:acl-1/events", headers=auth) as s:
+                assert any('"type":"done"' in line for line in s.iter_lines())
+            assert httpx.post(f"{dash}/requests/alice:acl-1/cancel",
+                              headers=auth).status_code == 200
         # nothing the gateway did was refused
         time.sleep(0.2)
         assert "NOPERM" not in gateway.log_tail(400) and "no permissions" not in \

@@ -152,6 +152,13 @@ ALLOWED = {
         ("SUBSCRIBE", "rq:pubsub:w1"),
         ("HSET", "rq:job:b1", "status", "queued"), ("RPUSH", "rq:queue:llmq-batch", "b1"),
         ("MULTI",), ("EXEC",),
+        # the dashboard: dead letters listed, retried (the retry script), purged; its charts
+        ("XREVRANGE", DLQ, "+", "-", "COUNT", "50"), ("XRANGE", DLQ, "1-0", "1-0"),
+        ("XDEL", DLQ, "1-0"), ("DEL", DLQ),
+        ("EVALSHA", SHA, "4", Q, DLQ, R, IDEM, "1-0", "86400", "json", "{}"),
+        ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
+        ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
+        ("XRANGE", "llmq:dash:series", "1000-0", "+"),
     ],
     "keda": [
         ("PING",), ("INFO",),                 # the lag mode checks the server version
@@ -204,9 +211,10 @@ DENIED = {
         ("CLIENT", "KILL", "TYPE", "normal"), ("CLIENT", "LIST"), ("SCRIPT", "FLUSH"),
         ("XREADGROUP", "GROUP", "workers", "g", "STREAMS", Q, ">"),   # stealing work
         ("XACK", Q, "workers", "1-0"), ("XRANGE", Q, "-", "+"), ("XTRIM", Q, "MAXLEN", "0"),
-        ("XADD", R, "*", "json", "{}"), ("DEL", R),                   # forging results
+        ("XADD", R, "*", "json", "{}"), ("XTRIM", R, "MAXLEN", "0"),  # forging results
         ("HSET", HEARTBEAT, "model", "m"), ("ZADD", "llmq:workers", "1", "fake"),  # or workers
-        ("XRANGE", DLQ, "-", "+"), ("DEL", DLQ),
+        ("XADD", DLQ, "*", "json", "{}"),                             # or dead letters
+        ("XADD", "llmq:dash:other", "*", "json", "{}"), ("DEL", "llmq:dash:series"),
         ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
         ("FUNCTION", "LOAD", "#!lua name=x\n"),  # (EVAL stays: rq's scripts need it)
     ],

@@ -297,6 +297,14 @@ def test_heartbeat_names_the_worker_with_a_ttl(redis_server, redis_client, tiny_
         assert (beat.worker_id, beat.queue, beat.model) == ("beating", "default", "tiny")
         assert 0 < redis_client.ttl(key) <= 60
         assert redis_client.zscore(KEYS.workers(), "beating") is not None
+        # After two requests (one refused at the gate) its counters say so, for the dashboard
+        wait_terminal(redis_client, xadd_json(redis_client, {"prompt": "Hi", "max_tokens": 5,
+                                                             "ignore_eos": True}))
+        wait_terminal(redis_client, xadd_json(redis_client, {"prompt": "Hi", "top_p": 2}))
+        beat = wait_for(lambda: (b := protocol.decode_heartbeat(redis_client.hgetall(key)))
+                        .requests_total == 2 and b, 10, "a heartbeat counting both")
+        assert beat.generated_tokens_total == 5 and beat.draining == 0
+        assert protocol.LatencyHistogram.decode(beat.ttft_hist).total == 1  # one had a token
     # A worker that stops cleanly removes its heartbeat at once
     assert not redis_client.exists(key)
 

@@ -179,7 +179,8 @@ class InProcessWorker:
 
     def __init__(self, url: str, loaded: Any, *, worker_id: str = "inproc", fault: str = "",
                  max_num_seqs: int = 64, num_kv_blocks: int = 64, lease: float = LEASE,
-                 renew: float = RENEW, heartbeat: float = HEARTBEAT, **config: Any) -> None:
+                 renew: float = RENEW, heartbeat: float = HEARTBEAT,
+                 max_deliveries: int = MAX_DELIVERIES, **config: Any) -> None:
         from llmq.worker.engine.config import EngineConfig
         from llmq.worker.engine.engine_core import EngineCore
         from llmq.worker.worker import Worker
@@ -192,7 +193,7 @@ class InProcessWorker:
         self.worker = Worker(
             WorkerConfig(redis_url=url, worker_id=worker_id, lease_timeout=lease,
                          renew_interval=renew, heartbeat_timeout=heartbeat,
-                         max_deliveries=MAX_DELIVERIES, **config),
+                         max_deliveries=max_deliveries, **config),
             wrap_engine(self.engine, Faults.from_env(fault)), model_name="tiny")
         self.exit_code: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{worker_id}",

@@ -37,6 +37,7 @@ RULES = {
     "llmq.worker.engine.structured_output": ("torch", "redis", "llmq.broker"),
     "llmq.worker.engine.input_processor": ("torch", "redis"),
     "llmq.worker.metrics": ("torch", "redis"),
+    "llmq.worker.heartbeat_counters": ("torch", "redis"),
     "llmq.worker.health_server": ("torch", "redis"),
     "llmq.worker.engine.model_runner": ("redis",),
     "llmq.worker.engine.sampler": ("redis",),
@@ -48,7 +49,8 @@ RULES = {
     **{f"llmq.gateway.{name}": ("torch", "llmq.worker", "llmq.cli")
        for name in ("app", "completions", "files", "batches", "batch_job", "batch_store",
                     "openai_batch", "openai_request", "openai_response", "api_keys",
-                    "pool_view", "state", "settings", "metrics", "errors")},
+                    "pool_view", "state", "settings", "metrics", "errors", "dashboard",
+                    "dashboard_session", "dead_letter_view", "pool_series")},
 }
 
 PROBE = """

@@ -1,0 +1,278 @@
+"""The dashboard's routes: a page for people, and the small JSON/SSE API it polls.
+
+    GET  /dashboard                               the page (the login form without a session)
+    POST /dashboard/login | /dashboard/logout     an API key -> the session cookie, and back
+    GET  /dashboard/static/{name}                 the page's CSS and JavaScript (package data)
+    GET  /dashboard/api/pool                      queues and workers (every 2 s)
+    GET  /dashboard/api/dead-letters              the newest dead letters in reach
+    GET  /dashboard/api/series?since=<ms>         chart samples of the last hour (PoolSeries)
+    POST /dashboard/api/dead-letters/{queue}/{dlq_entry_id}/retry
+    POST /dashboard/api/dead-letters/{queue}/purge
+    GET  /dashboard/api/requests/{request_id}/events   one request's events, live (SSE)
+    POST /dashboard/api/requests/{request_id}/cancel
+
+Plain HTML, CSS and JavaScript shipped in the package (gateway/static/): no build step, no CDN,
+nothing fetched from elsewhere, so it works offline and its Content-Security-Policy allows this
+origin only. Who sees what, and how the session and its POSTs are protected:
+gateway/dashboard_session.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llmq.broker.errors import LLMQError, ResultTimeout
+from llmq.broker.multiplex import parse_entry_id
+from llmq.broker.protocol import Delta
+from llmq.broker.transcript import Fold
+from llmq.gateway.dashboard_session import (
+    Viewer,
+    check_post,
+    clear_cookie,
+    same_origin,
+    set_cookie,
+    viewer_of,
+)
+from llmq.gateway.dead_letter_view import DeadLetterView
+from llmq.gateway.errors import APIError, bad_request, not_found
+from llmq.gateway.openai_response import sse
+from llmq.gateway.state import GatewayState, json_response
+
+__all__ = ["ROUTES"]
+
+_STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
+                               "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",  # "no-referrer" would make Origin `null`
+    "Cache-Control": "no-store",
+}
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STALE_AFTER_S = 25.0  # a heartbeat this old is shown as stale (renewals come every ~10 s)
+
+
+@cache
+def _asset(name: str) -> bytes:
+    return resources.files("llmq.gateway").joinpath("static", name).read_bytes()
+
+
+def _page(name: str, **values: str) -> Response:
+    text = _asset(name).decode()
+    for placeholder, value in values.items():
+        text = text.replace("{{" + placeholder + "}}", value)
+    return Response(text, headers=_SECURITY_HEADERS, media_type="text/html")
+
+
+def _viewer(request: Request) -> tuple[GatewayState, Viewer]:
+    state = GatewayState.of(request)
+    viewer = viewer_of(request, state.settings.api_keys)
+    if viewer is None:
+        raise APIError(401, "sign in to the dashboard (or send Authorization: Bearer <key>)",
+                       "invalid_request_error", code="invalid_api_key")
+    if request.method == "POST":
+        check_post(request, viewer)
+    return state, viewer
+
+
+# -- the page and its session ---------------------------------------------------------------------
+
+
+async def page(request: Request) -> Response:
+    state = GatewayState.of(request)
+    viewer = viewer_of(request, state.settings.api_keys)
+    if viewer is None:
+        error = "Unknown API key." if request.query_params.get("error") else ""
+        return _page("login.html", error=error)
+    return _page("dashboard.html", csrf=viewer.csrf_token)
+
+
+async def login(request: Request) -> Response:
+    state = GatewayState.of(request)
+    if not same_origin(request):
+        raise APIError(403, "cross-origin login refused", "invalid_request_error",
+                       code="forbidden")
+    key = str((await request.form()).get("key") or "").strip()
+    if not key or state.settings.api_keys.tenant(f"Bearer {key}") is None:
+        return RedirectResponse("/dashboard?error=1", 303)
+    response = RedirectResponse("/dashboard", 303)
+    set_cookie(response, request, key)
+    return response
+
+
+async def logout(request: Request) -> Response:
+    _viewer(request)
+    response = json_response({"signed_out": True})
+    clear_cookie(response, request)
+    return response
+
+
+async def static(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in _STATIC:
+        raise not_found(f"no file {name!r:.60}")
+    return Response(_asset(name), media_type=_STATIC[name],
+                    headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
+
+
+# -- what the page polls --------------------------------------------------------------------------
+
+
+async def pool(request: Request) -> Response:
+    state, viewer = _viewer(request)
+    names = await state.client.queues()
+    if state.settings.broker.queue not in names:
+        names.append(state.settings.broker.queue)  # the configured queue, even before it exists
+    names.sort()
+    stats = await asyncio.gather(*(state.client.stats(name) for name in names))
+    rates = state.series.rates()
+    queues = []
+    for s in stats:
+        rate = rates.get(s.queue)
+        queues.append({"queue": s.queue, "length": s.length, "lag": s.lag, "pending": s.pending,
+                       "dead_letters": s.dead_letters, "consumers": s.consumers,
+                       "tokens_per_s": round(rate.tokens_per_s, 2) if rate else 0.0,
+                       "requests_per_s": round(rate.requests_per_s, 3) if rate else 0.0})
+    now = time.time()
+    workers = []
+    for w in sorted(await state.pool.workers(), key=lambda w: (w.queue, w.worker_id)):
+        row = msgspec.structs.asdict(w)
+        # NOTE: hosts and pids are the operators' business, not a tenant's.
+        for name in ("ttft_hist",) if viewer.admin else ("ttft_hist", "host", "pid"):
+            row.pop(name, None)
+        row["heartbeat_age_s"] = round(max(0.0, now - w.heartbeat_ms / 1000), 1)
+        workers.append(row)
+    return json_response({
+        "viewer": {"tenant": viewer.tenant, "admin": viewer.admin}, "now_ms": int(now * 1000),
+        "stale_after_s": STALE_AFTER_S, "queues": queues, "workers": workers},
+        headers={"Cache-Control": "no-store"})
+
+
+async def dead_letters(request: Request) -> Response:
+    """Asked for when a queue's dead-letter count changes (and now and then), not every poll:
+    a dead letter keeps its payload, up to 1 MiB."""
+    state, viewer = _viewer(request)
+    rows = await DeadLetterView(state.client).list(viewer, await state.client.queues())
+    return json_response({"dead_letters": rows}, headers={"Cache-Control": "no-store"})
+
+
+async def series(request: Request) -> Response:
+    state, _ = _viewer(request)
+    try:
+        since = int(request.query_params.get("since", "0"))
+    except ValueError:
+        raise bad_request("since must be a unix time in ms", "since") from None
+    samples = await state.series.read(since)
+    return json_response({"interval_s": state.settings.dashboard_interval,
+                          "samples": [msgspec.structs.asdict(s) for s in samples]},
+                         headers={"Cache-Control": "no-store"})
+
+
+# -- dead letters ---------------------------------------------------------------------------------
+
+
+async def retry_dead_letter(request: Request) -> Response:
+    state, viewer = _viewer(request)
+    queue, entry_id = request.path_params["queue"], request.path_params["dlq_entry_id"]
+    new_entry_id = await DeadLetterView(state.client).retry(viewer, queue, entry_id)
+    return json_response({"queue": queue, "requeued": entry_id, "entry_id": new_entry_id})
+
+
+async def purge_dead_letters(request: Request) -> Response:
+    state, viewer = _viewer(request)
+    queue = request.path_params["queue"]
+    removed = await DeadLetterView(state.client).purge(viewer, queue)
+    return json_response({"queue": queue, "purged": removed})
+
+
+# -- the request inspector ------------------------------------------------------------------------
+
+
+async def request_events(request: Request) -> Response:
+    state, viewer = _viewer(request)
+    request_id = viewer.request_id(request.path_params["request_id"])
+    after = request.headers.get("last-event-id")
+    if after is not None:
+        try:
+            parse_entry_id(after)
+        except ValueError:
+            raise bad_request(f"Last-Event-ID {after!r:.60} is not an event id",
+                              "Last-Event-ID") from None
+    return StreamingResponse(_inspect(state, viewer, request_id, after), headers=_SSE_HEADERS,
+                             media_type="text/event-stream")
+
+
+async def _inspect(state: GatewayState, viewer: Viewer, request_id: str, after: str | None
+                   ) -> AsyncIterator[bytes]:
+    """The request's events as they come, each an SSE frame with its result stream entry id
+    (so the browser's reconnect resumes after it); a note first when nothing is known yet."""
+    yield b": llmq\n\n"  # headers out at once: the page shows it is connected
+    if after is None and not await _known(state, request_id):
+        yield sse({"type": "unknown"})
+    shown = viewer.shown_id(request_id)
+    try:
+        async with contextlib.aclosing(state.client.follow(
+                request_id, timeout=state.settings.request_timeout, after=after)) as events:
+            async for followed in events:
+                if followed.replayed:
+                    continue
+                event = msgspec.to_builtins(followed.event)
+                event["request_id"] = shown
+                if isinstance(followed.event, Delta):
+                    event.pop("token_ids", None)
+                    event.pop("logprobs", None)
+                event["restarted"] = followed.fold is Fold.RESTARTED
+                yield sse(event, followed.entry_id)
+    except ResultTimeout:
+        yield sse({"type": "gone", "message": "no more events within the gateway's request "
+                   f"timeout ({state.settings.request_timeout:g} s)"})
+    except LLMQError as exc:
+        yield sse({"type": "gone", "message": str(exc)})
+
+
+async def _known(state: GatewayState, request_id: str) -> bool:
+    """Whether the request has events or was submitted with this id (its idempotency marker)."""
+    keys = state.keys
+
+    async def read() -> list[Any]:
+        pipe = state.client.redis.pipeline(transaction=False)
+        pipe.xlen(keys.result(request_id))
+        pipe.get(keys.idempotency(request_id))
+        return await pipe.execute()
+
+    length, marker = await state.client.call(read)
+    return bool(length) or marker is not None
+
+
+async def cancel_request(request: Request) -> Response:
+    state, viewer = _viewer(request)
+    request_id = viewer.request_id(request.path_params["request_id"])
+    await state.cancel_everywhere(request_id)
+    return json_response({"request_id": viewer.shown_id(request_id), "cancelled": True})
+
+
+ROUTES = [
+    Route("/dashboard", page, methods=["GET"]),
+    Route("/dashboard/login", login, methods=["POST"]),
+    Route("/dashboard/logout", logout, methods=["POST"]),
+    Route("/dashboard/static/{name}", static, methods=["GET"]),
+    Route("/dashboard/api/pool", pool, methods=["GET"]),
+    Route("/dashboard/api/series", series, methods=["GET"]),
+    Route("/dashboard/api/dead-letters", dead_letters, methods=["GET"]),
+    Route("/dashboard/api/dead-letters/{queue}/{dlq_entry_id}/retry", retry_dead_letter,
+          methods=["POST"]),
+    Route("/dashboard/api/dead-letters/{queue}/purge", purge_dead_letters, methods=["POST"]),
+    Route("/dashboard/api/requests/{request_id}/events", request_events, methods=["GET"]),
+    Route("/dashboard/api/requests/{request_id}/cancel", cancel_request, methods=["POST"]),
+]

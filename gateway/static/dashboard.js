@@ -1,0 +1,309 @@
+// llmq dashboard: polls /dashboard/api/pool every 2 s, appends new chart samples, and follows one
+// request's events over server-sent events. No framework, no build step; every value from the
+// server is put into the page as text (never as HTML), since payloads are user content.
+"use strict";
+(() => {
+  const POLL_MS = 2000;
+  const HOUR_MS = 3600 * 1000;
+  const csrf = document.querySelector('meta[name="llmq-csrf"]').content;
+  const $ = (selector) => document.querySelector(selector);
+
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(props || {})) {
+      if (name === "dataset") Object.assign(node.dataset, value);
+      else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+      else node[name] = value;
+    }
+    for (const child of children) node.append(child === null || child === undefined ? "" : child);
+    return node;
+  }
+
+  async function api(path, options = {}) {
+    const response = await fetch(path, {
+      credentials: "same-origin", ...options,
+      headers: { "X-CSRF-Token": csrf, ...(options.headers || {}) },
+    });
+    if (response.status === 401) { location.reload(); throw new Error("signed out"); }
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+    return body;
+  }
+
+  const fmt = {
+    num: (x, digits = 1) => (x === null || x === undefined ? "–" : Number(x).toLocaleString(
+      undefined, { maximumFractionDigits: digits })),
+    pct: (x) => (x === null || x === undefined ? "–" : `${Math.round(x * 100)}%`),
+    ms: (x) => (x === null || x === undefined ? "–" : x >= 1000 ? `${(x / 1000).toFixed(2)} s`
+      : `${Math.round(x)} ms`),
+    age: (seconds) => (seconds < 60 ? `${seconds.toFixed(1)} s ago`
+      : `${Math.floor(seconds / 60)} min ago`),
+    when: (ms) => new Date(ms).toLocaleTimeString(),
+  };
+
+  function cell(value, className = "num") { return el("td", { className }, String(value)); }
+
+  function emptyRow(table, text) {
+    const columns = $(`${table} thead tr`).children.length;
+    return el("tr", {}, el("td", { className: "empty", colSpan: columns }, text));
+  }
+
+  // -- queues, workers, dead letters ------------------------------------------------------------
+
+  function renderQueues(queues) {
+    const rows = queues.map((q) => el("tr", { dataset: { queue: q.queue } },
+      cell(q.queue, "queue"), cell(q.lag ?? "?", "num lag"), cell(q.pending, "num pending"),
+      cell(q.length, "num length"), cell(q.dead_letters, "num dead"),
+      cell(q.consumers, "num consumers"), cell(fmt.num(q.tokens_per_s), "num tps"),
+      cell(fmt.num(q.requests_per_s, 2), "num rps")));
+    $("#queues tbody").replaceChildren(...(rows.length ? rows : [emptyRow("#queues", "no queues")]));
+  }
+
+  function workerState(w, staleAfter) {
+    if (w.heartbeat_age_s > staleAfter) return ["stale", "no heartbeat"];
+    if (w.draining) return ["draining", "draining"];
+    if (w.sleeping) return ["sleeping", `sleeping (level ${w.sleeping})`];
+    return ["serving", "serving"];
+  }
+
+  function renderWorkers(workers, staleAfter) {
+    const rows = workers.map((w) => {
+      const [kind, label] = workerState(w, staleAfter);
+      return el("tr", { dataset: { worker: w.worker_id } },
+        cell(w.worker_id, "worker"), cell(w.queue, "queue"), cell(w.model || "–", "model"),
+        el("td", { className: "state" }, el("span", { className: `badge ${kind}` }, label)),
+        cell(w.running, "num running"), cell(w.waiting, "num waiting"),
+        cell(fmt.pct(w.kv_usage), "num kv"), cell(fmt.pct(w.prefix_cache_hit_rate), "num prefix"),
+        cell(fmt.num(w.tokens_per_s), "num tps"), cell(fmt.age(w.heartbeat_age_s), "num age"));
+    });
+    $("#workers tbody").replaceChildren(
+      ...(rows.length ? rows : [emptyRow("#workers", "no live workers")]));
+  }
+
+  function renderDeadLetters(letters, viewer) {
+    const rows = letters.map((d) => el("tr", { dataset: { entry: d.dlq_entry_id, queue: d.queue } },
+      cell(d.queue, "queue"), cell(d.request_id || "–", "request"), cell(d.code, "code"),
+      cell(d.message, "message"), cell(d.deliveries, "num deliveries"),
+      cell(fmt.when(d.at_ms), "when"), cell(d.payload || "(not kept)", "payload"),
+      el("td", {}, el("button", {
+        className: "retry", type: "button", disabled: !d.payload,
+        onclick: (event) => act(event.target,
+          `/dashboard/api/dead-letters/${enc(d.queue)}/${enc(d.dlq_entry_id)}/retry`),
+      }, "Retry"))));
+    $("#dead-letters tbody").replaceChildren(
+      ...(rows.length ? rows : [emptyRow("#dead-letters", "no dead letters")]));
+    const queues = [...new Set(letters.map((d) => d.queue))].sort();
+    $("#purge-buttons").replaceChildren(...queues.map((queue) => el("button", {
+      className: "purge danger", type: "button", dataset: { queue },
+      onclick: (event) => {
+        const whose = viewer.admin ? "every dead letter" : "your dead letters";
+        if (confirm(`Delete ${whose} of queue ${queue}?`)) {
+          act(event.target, `/dashboard/api/dead-letters/${enc(queue)}/purge`);
+        }
+      },
+    }, viewer.admin ? `Purge ${queue}` : `Purge my ${queue} letters`)));
+  }
+
+  const enc = encodeURIComponent;
+
+  async function act(button, path) {
+    button.disabled = true;
+    try {
+      await api(path, { method: "POST" });
+    } catch (error) {
+      alert(error.message);
+    }
+    deadLettersSeen = null;
+    refresh();
+  }
+
+  // NOTE: dead letters keep their payloads (up to 1 MiB each): fetched when a queue's count
+  // changes, after a button, and every 30 s, not on every poll.
+  let deadLettersSeen = null;
+  let deadLettersAt = 0;
+
+  async function refreshDeadLetters(queues, viewer) {
+    const counts = JSON.stringify(queues.map((q) => [q.queue, q.dead_letters]));
+    if (counts === deadLettersSeen && Date.now() - deadLettersAt < 30000) return;
+    const body = await api("/dashboard/api/dead-letters");
+    deadLettersSeen = counts;
+    deadLettersAt = Date.now();
+    renderDeadLetters(body.dead_letters, viewer);
+  }
+
+  // -- charts: hand-drawn SVG over the last hour ------------------------------------------------
+
+  const CHARTS = [
+    { title: "Tokens/s", lines: [["tokens_per_s", ""]], format: (x) => fmt.num(x) },
+    { title: "Requests/s", lines: [["requests_per_s", ""]], format: (x) => fmt.num(x, 2) },
+    { title: "Queue lag", lines: [["lag", ""]], format: (x) => fmt.num(x, 0) },
+    { title: "TTFT", lines: [["ttft_p50_ms", "p50"], ["ttft_p95_ms", "p95"]], format: fmt.ms },
+  ];
+  const SVG = "http://www.w3.org/2000/svg";
+  const W = 300, H = 100, LEFT = 4, TOP = 14, BOTTOM = 14;
+  let samples = [];
+  let intervalMs = 10000;
+
+  function svg(tag, attrs) {
+    const node = document.createElementNS(SVG, tag);
+    for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+    return node;
+  }
+
+  function drawCharts() {
+    // NOTE: the hour, or less while the series is younger (at least a minute), so a pool
+    // started a moment ago fills the chart rather than its last pixel.
+    const now = Date.now();
+    const first = samples.length ? samples[0].t : now;
+    const start = Math.max(now - HOUR_MS, Math.min(first, now - 60 * 1000));
+    const span = now - start;
+    const x = (t) => LEFT + ((t - start) / span) * (W - LEFT * 2);
+    const since = span >= 60 * 1000 ? `${Math.round(span / 60000)} min ago`
+      : `${Math.round(span / 1000)} s ago`;
+    $("#charts").replaceChildren(...CHARTS.map((chart) => {
+      const values = samples.flatMap((s) => chart.lines.map(([key]) => s[key]))
+        .filter((v) => v !== null && v !== undefined);
+      const max = Math.max(1e-9, ...values) * 1.1;
+      const y = (v) => TOP + (H - TOP - BOTTOM) * (1 - v / max);
+      const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img",
+        "aria-label": `${chart.title} since ${since}` });
+      root.append(svg("line", { class: "axis", x1: LEFT, x2: W - LEFT, y1: H - BOTTOM,
+        y2: H - BOTTOM }));
+      const top = svg("text", { x: LEFT, y: 10 });
+      top.textContent = chart.format(values.length ? max / 1.1 : null);
+      const left = svg("text", { x: LEFT, y: H - 2 });
+      left.textContent = since;
+      const right = svg("text", { x: W - LEFT, y: H - 2, "text-anchor": "end" });
+      right.textContent = "now";
+      root.append(top, left, right);
+      chart.lines.forEach(([key], index) => {
+        let d = "";
+        let previous = null;
+        for (const s of samples) {
+          const v = s[key];
+          if (v === null || v === undefined) { previous = null; continue; }
+          const gap = previous === null || s.t - previous > intervalMs * 2.5;
+          d += `${gap ? "M" : "L"}${x(s.t).toFixed(1)},${y(v).toFixed(1)}`;
+          previous = s.t;
+        }
+        if (d) root.append(svg("path", { class: `line${index}`, d }));
+      });
+      const last = samples.length ? samples[samples.length - 1] : {};
+      const heading = el("h3", {}, chart.title, ...chart.lines.filter(([, label]) => label)
+        .map(([, label], index) => el("span", { className: `key${index}` }, label)),
+      el("span", { className: "now" }, chart.lines.map(([key]) => chart.format(last[key]))
+        .join(" / ")));
+      return el("div", { className: "chart", dataset: { chart: chart.lines[0][0] } }, heading, root);
+    }));
+  }
+
+  async function refreshSeries() {
+    const since = samples.length ? samples[samples.length - 1].t : 0;
+    const series = await api(`/dashboard/api/series?since=${since}`);
+    intervalMs = series.interval_s * 1000;
+    const cutoff = Date.now() - HOUR_MS;
+    samples = samples.concat(series.samples).filter((s) => s.t >= cutoff);
+    drawCharts();
+  }
+
+  // -- polling ----------------------------------------------------------------------------------
+
+  async function refresh() {
+    try {
+      const pool = await api("/dashboard/api/pool");
+      const viewer = pool.viewer;
+      $("#viewer").textContent = viewer.admin ? `admin (${viewer.tenant})` : `tenant ${viewer.tenant}`;
+      renderQueues(pool.queues);
+      renderWorkers(pool.workers, pool.stale_after_s);
+      await refreshDeadLetters(pool.queues, viewer);
+      await refreshSeries();
+      $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    } catch (error) {
+      $("#updated").textContent = `update failed: ${error.message}`;
+    }
+  }
+
+  // -- the request inspector --------------------------------------------------------------------
+
+  let source = null;
+  let watched = null;
+
+  function inspect(requestId) {
+    if (source) source.close();
+    watched = requestId;
+    let text = "";
+    let deltas = 0;
+    const status = $("#inspect-status");
+    const log = $("#inspect-events");
+    const cancel = $("#inspect-cancel");
+    $("#inspect-text").textContent = "";
+    log.replaceChildren();
+    status.textContent = "waiting for events…";
+    cancel.disabled = false;
+    source = new EventSource(`/dashboard/api/requests/${enc(requestId)}/events`);
+    const finish = (message) => {
+      status.textContent = message;
+      cancel.disabled = true;
+      source.close();
+    };
+    source.onmessage = (message) => {
+      const event = JSON.parse(message.data);
+      if (event.type === "delta") {
+        text += event.text;
+        deltas += 1;
+        $("#inspect-text").textContent = text;
+        status.textContent = `streaming: ${deltas} delta${deltas === 1 ? "" : "s"}`;
+        return;
+      }
+      log.append(el("li", {}, describe(event)));
+      if (event.type === "start") {
+        if (event.restarted) text = "";
+        status.textContent = `running on ${event.worker} (attempt ${event.attempt})`;
+      } else if (event.type === "done") {
+        $("#inspect-text").textContent = event.text;
+        finish(`done: ${event.finish_reason}`);
+      } else if (event.type === "error") {
+        finish(`error ${event.code}: ${event.message}`);
+      } else if (event.type === "unknown") {
+        status.textContent = "no events yet (unknown id, not started, or expired): waiting…";
+      } else if (event.type === "gone") {
+        finish(event.message);
+      }
+    };
+    source.onerror = () => {
+      if (source.readyState !== EventSource.CLOSED) status.textContent = "reconnecting…";
+    };
+  }
+
+  function describe(event) {
+    const parts = [event.type];
+    if (event.attempt) parts.push(`attempt ${event.attempt}`);
+    if (event.worker) parts.push(`worker ${event.worker}`);
+    if (event.finish_reason) parts.push(event.finish_reason);
+    if (event.code) parts.push(event.code);
+    if (event.message) parts.push(event.message);
+    return parts.join(" · ");
+  }
+
+  $("#inspect-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    inspect($("#inspect-id").value.trim());
+  });
+  $("#inspect-cancel").addEventListener("click", async () => {
+    if (!watched) return;
+    try {
+      await api(`/dashboard/api/requests/${enc(watched)}/cancel`, { method: "POST" });
+      $("#inspect-status").textContent = "cancel sent…";
+    } catch (error) {
+      $("#inspect-status").textContent = `cancel failed: ${error.message}`;
+    }
+  });
+  $("#logout-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    await fetch("/dashboard/logout", { method: "POST", headers: { "X-CSRF-Token": csrf } });
+    location.reload();
+  });
+
+  refresh();
+  setInterval(refresh, POLL_MS);
+})();
