@@ -247,14 +247,14 @@ class Keys:
         """A tenant's gateway batch ids, scored by creation time."""
         return f"{self.prefix}:batches:{{{_tenant(tenant)}}}"
 
+    def dashboard_series(self) -> str:
+        """The dashboard's rolling samples of the pool (every gateway replica reads the same)."""
+        return f"{self.prefix}:dash:series"
+
 
 def _tag(kind: str, value: object) -> str:
     """`{value}`: a validated name as the key's Cluster hash tag."""
     return "{" + validate_name(kind, value) + "}"
-
-    def dashboard_series(self) -> str:
-        """The dashboard's rolling samples of the pool (every gateway replica reads the same)."""
-        return f"{self.prefix}:dash:series"
 
 
 def _tenant(tenant: str) -> str:

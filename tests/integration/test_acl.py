@@ -155,7 +155,7 @@ ALLOWED = {
         # the dashboard: dead letters listed, retried (the retry script), purged; its charts
         ("XREVRANGE", DLQ, "+", "-", "COUNT", "50"), ("XRANGE", DLQ, "1-0", "1-0"),
         ("XDEL", DLQ, "1-0"), ("DEL", DLQ),
-        ("EVALSHA", SHA, "4", Q, DLQ, R, IDEM, "1-0", "86400", "json", "{}"),
+        ("EVALSHA", SHA, "3", Q, DLQ, IDEM, "1-0", "86400", "json", "{}"),
         ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
         ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
         ("XRANGE", "llmq:dash:series", "1000-0", "+"),
