@@ -223,7 +223,9 @@ class _ClientBase:
         if is_missing_function(exc) and not self._functions_tried:
             self._functions_tried = True
             return None
-        return submit_error(exc, self.keys.queue(queue), exhausted_message(self.keys, queue))
+        # NOTE: anything else (NOPERM: another tenant's id, a refused write) is the error.
+        return submit_error(exc, self.keys.queue(queue),
+                            exhausted_message(self.keys, queue)) or exc
 
 
 class Client(_ClientBase):

@@ -15,7 +15,6 @@ import redis
 from click.testing import CliRunner
 
 from llmq.broker import Client, protocol
-from llmq.broker.commands import SUBMIT_SCRIPT
 from llmq.broker.errors import BrokerError, RequestIdConflict
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.tenant_acl import TenantAcl
@@ -72,7 +71,7 @@ def dryrun(port: int, user: str, *command: str) -> str:
         admin.close()
 
 
-Q, CANCEL = KEYS.queue("default"), KEYS.cancel("default")
+Q, CANCEL, SUB = KEYS.queue("default"), KEYS.cancel("default"), KEYS.submissions("default")
 OWN = {"result": KEYS.result("acme:1"), "flag": KEYS.cancel_flag("acme:1"),
        "marker": KEYS.idempotency("default", "acme:1")}
 BOBS = {"result": KEYS.result("bob:1"), "flag": KEYS.cancel_flag("bob:1"),
@@ -82,8 +81,8 @@ ALLOWED = [
     ("PING",), ("TIME",),
     ("XADD", Q, "*", "json", "{}"),                                   # submit, any language
     ("XGROUP", "CREATE", Q, GROUP, "0", "MKSTREAM"), ("SADD", KEYS.queues(), "default"),
-    ("EVALSHA", SHA, "2", Q, OWN["marker"], "json", "{}", "86400"),   # the submit script
-    ("SCRIPT", "LOAD", SUBMIT_SCRIPT), ("SCRIPT", "EXISTS", SHA),
+    ("FCALL", "llmq_submit", "3", Q, SUB, OWN["marker"], "json", "{}", "86400", "acme:1"),
+    ("HSET", SUB, "1-0", "acme:1"),                                   # ... what it runs
     ("GET", OWN["marker"]), ("SET", OWN["marker"], "1-0", "EX", "86400"),
     ("SET", OWN["flag"], "1", "EX", "86400"),                         # cancel its own
     ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
@@ -97,7 +96,8 @@ DENIED = [
     ("XLEN", BOBS["result"]),                                         # another's results
     ("SET", BOBS["flag"], "1"),                                       # another's cancel flag
     ("SET", BOBS["marker"], "1-0"), ("GET", BOBS["marker"]),          # another's marker
-    ("EVALSHA", SHA, "2", Q, BOBS["marker"], "json", "{}", "86400"),
+    ("FCALL", "llmq_submit", "3", Q, SUB, BOBS["marker"], "json", "{}", "86400", "bob:1"),
+    ("EVALSHA", SHA, "0"), ("SCRIPT", "LOAD", "return 1"),            # no scripts of its own
     ("XRANGE", Q, "-", "+"), ("XINFO", "STREAM", Q),                  # request payloads
     ("XREADGROUP", "GROUP", GROUP, "a", "STREAMS", Q, ">"), ("XACK", Q, GROUP, "1-0"),
     ("XCLAIM", Q, GROUP, "a", "0", "1-0"), ("XGROUP", "DESTROY", Q, GROUP),
@@ -123,8 +123,8 @@ def test_a_tenant_may_not_touch_another_or_the_queue(tenants, command) -> None:
 def test_the_rule_follows_the_key_schema() -> None:
     # Given another prefix, the patterns are built from Keys, not written out
     patterns = TenantAcl(Keys("tenantq"), "acme").patterns()
-    assert patterns["results"] == "tenantq:r:acme:*"
-    assert patterns["markers"] == "tenantq:id:acme:*"
+    assert patterns["results"] == "tenantq:r:{acme:*}"
+    assert patterns["markers"] == "tenantq:id:{*}:acme:*"
     with pytest.raises(ValueError):
         TenantAcl(Keys(), "ac:me")
 
