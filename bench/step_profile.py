@@ -1,8 +1,8 @@
 """Where a decode step's time goes, at batch 1 and batch 64, beside the floor of each part.
 
-    .venv/bin/python bench/profile.py                     # batches 1 and 64, default engine
-    .venv/bin/python bench/profile.py --batch-sizes 1 --weights bf16 --steps 50
-    .venv/bin/python bench/profile.py --batch-sizes 1 --op-by-op   # batch 1's parts apart
+    .venv/bin/python bench/step_profile.py                     # batches 1 and 64, default engine
+    .venv/bin/python bench/step_profile.py --batch-sizes 1 --weights bf16 --steps 50
+    .venv/bin/python bench/step_profile.py --batch-sizes 1 --op-by-op   # batch 1's parts apart
 
 A native decode step of up to 8 sequences runs every layer in one kernel call ("all layers in
 one kernel call"); --op-by-op runs it part by part instead, to see where that call's time goes.
