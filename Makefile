@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: run test install model redis-server browser lint bench clean
+.PHONY: run test install model redis-server browser cxx lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,13 +35,22 @@ browser:
 	  apt-get install -y -qq chromium chromium-driver >/dev/null) \
 	  || echo "chromium not installed: the dashboard's browser tests will skip"; }
 
+# The engine's CPU kernels (worker/engine/model/cpu_kernels.py) are C++ compiled at first use by
+# the system's compiler (plain g++ and ctypes: no ninja, no torch headers). Without one the engine
+# runs slower torch ops, and the kernel tests skip (fail under CI=true). Installed where we may.
+cxx:
+	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq g++ >/dev/null) \
+	  || echo "no C++ compiler: the engine runs torch ops instead of its CPU kernels (slower)"; }
+
 # The whole pool for one answer: the embedded server and a worker in the background, one streamed
 # answer through the queue, then everything stopped again (also on failure or Ctrl-C).
 run: install model
 	@$(BIN)/llmq up --detach --workers 1 && trap '$(BIN)/llmq down' EXIT && trap 'exit 130' INT TERM && \
 	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
-test: install model redis-server browser
+test: install model redis-server browser cxx
 	$(BIN)/ruff check broker worker cli gateway tests bench
 	$(BIN)/python -m pytest -q
 

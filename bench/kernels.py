@@ -5,7 +5,7 @@
 
 Kernels (one thread; microseconds per call, the best CPU time of interleaved repeats, so a busy
 neighbour skews them little; weights are hot in cache: a model streams them from memory,
-which bench/profile.py measures):
+which bench/step_profile.py measures):
 
   fp32     oneDNN, prepacked float32 weight, float32 activations (`--weights fp32`, and native
            above QUANT_MAX_ROWS rows)

@@ -53,7 +53,7 @@ def test_blocks_decode_to_exactly_the_dequantized_matrix(tmp_path, qtype):
         assert 0 <= bq.q.min() and bq.q.max() <= 15
 
 
-@pytest.mark.skipif(CpuKernels.load() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [48, 40])
 def test_the_compiled_kernel_multiplies_in_float32(tmp_path, qtype, out_features):

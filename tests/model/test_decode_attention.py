@@ -18,7 +18,7 @@ from llmq.worker.engine.model.attention import PagedAttention
 from llmq.worker.engine.model.cpu_kernels import CpuKernels
 
 KERNELS = CpuKernels.load()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler for the CPU kernels")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def gathered(kv_cache: torch.Tensor, tables: list[list[int]]

@@ -22,8 +22,7 @@ from tests.fixtures.tiny_gguf import write_tiny_llama
 from tests.model.test_llama_oracle import CHATS, NEW_TOKENS, RAW_PROMPTS
 
 Q = gguf.GGMLQuantizationType
-needs_kernels = pytest.mark.skipif(CpuKernels.load() is None,
-                                   reason="no C++ compiler for the CPU kernels")
+needs_kernels = pytest.mark.usefixtures("cpu_kernels")
 
 
 def random_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:

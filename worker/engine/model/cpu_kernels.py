@@ -10,9 +10,10 @@ of every sequence's blocks into a contiguous buffer in every layer (attention.py
 here each K/V row is read once, where the block table says it is.
 
 The source is compiled on first use into ~/.cache/llmq/kernels (LLMQ_KERNEL_DIR), keyed by a
-hash of the source, the flags and the CPU model, and loaded with ctypes: no torch headers, so
-it builds in about a second. Where there is no compiler (slim images) or LLMQ_CPU_KERNELS=0,
-`load()` returns None and the engine runs the torch path: same results to float32 rounding.
+hash of the source, the flags and the CPU model, and loaded with ctypes (no torch headers, no
+ninja): ~13 s at -O3 on one core, once per machine and source version, shared by every process.
+Where there is no compiler (slim images) or LLMQ_CPU_KERNELS=0, `load()` returns None and the
+engine runs the torch path: same results to float32 rounding.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SOURCE: the C++ of the CPU kernels (cpu_kernels.py builds and binds it).
 
 Kept as a Python string so it ships inside the package like any module. Plain loops over raw
-pointers, no torch headers (so it builds in about a second); `#pragma omp simd` (with
+pointers, no torch headers (no ninja, no cpp_extension); `#pragma omp simd` (with
 -fopenmp-simd, no OpenMP runtime) lets the compiler vectorise the float reductions. Tensors are
 float32 or bfloat16 (`uint16_t`, the high half of a float32's bits), chosen per call by flags.
 

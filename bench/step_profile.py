@@ -1,7 +1,11 @@
 """Where a decode step's time goes, at batch 1 and batch 64, beside the floor of each part.
 
-    .venv/bin/python bench/profile.py                     # batches 1 and 64, default engine
-    .venv/bin/python bench/profile.py --batch-sizes 1 --weights bf16 --steps 50
+    .venv/bin/python bench/step_profile.py                     # batches 1 and 64, default engine
+    .venv/bin/python bench/step_profile.py --batch-sizes 1 --weights bf16 --steps 50
+    .venv/bin/python bench/step_profile.py --batch-sizes 1 --op-by-op   # batch 1's parts apart
+
+A native decode step of up to 8 sequences runs every layer in one kernel call ("all layers in
+one kernel call"); --op-by-op runs it part by part instead, to see where that call's time goes.
 
 Each batch runs B requests of 128-token prompts until all are decoding, then times decode
 steps. Parts are timed by wrapping the engine's pieces (each wrapper costs ~0.3 us a call):
@@ -62,7 +66,8 @@ def instrument(engine: EngineCore) -> None:
     PagedAttention.attend = timed("attention", PagedAttention.attend)  # type: ignore
     PagedAttention.__call__ = timed("attention", PagedAttention.__call__)  # type: ignore
     for name, part in (("add_rms_norm", "residual add + RMSNorm"),
-                       ("rope_store", "RoPE + K/V store"), ("silu_mul", "SwiGLU")):
+                       ("rope_store", "RoPE + K/V store"), ("silu_mul", "SwiGLU"),
+                       ("decode_layers", "all layers in one kernel call")):
         method = getattr(cpu_kernels.CpuKernels, name)
         setattr(cpu_kernels.CpuKernels, name, timed(part, method))
     engine.runner.sampler.__call__ = None  # instance attribute is not used for calls
@@ -143,12 +148,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--weights", default=None, choices=["native", "bf16", "fp32"])
     ap.add_argument("--model", default="")
+    ap.add_argument("--op-by-op", action="store_true",
+                    help="no one-call decode step: time each part of a small step apart")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
                                      threads=1, max_num_seqs=max(args.batch_sizes)))
     model = engine.runner.model
+    if args.op_by_op:
+        model._one_call = False
     projections = [m for m in model.modules() if isinstance(m, linear.Linear)]
     quant_bytes = sum(m.quant.nbytes if m.quant is not None else 0 for m in projections)
     dense_bytes = sum(m.nbytes for m in projections) - quant_bytes
