@@ -29,7 +29,6 @@ Celery visibility-timeout failure mode that lease renewal avoids.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -39,6 +38,7 @@ from llmq.broker.keys import GROUP
 from llmq.broker.protocol import as_str
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.inbox import AbortRequests
+from llmq.worker.io_thread import IOThread
 from llmq.worker.liveness import Liveness
 from llmq.worker.worker_context import WorkerContext
 
@@ -85,12 +85,13 @@ SUSPECT_MIN_IDLE_MS = (HAND_BACK_IDLE_MS + SUSPECT_IDLE_MS) // 2
 HANDBACK_TTL_S = 7 * 24 * 3600
 
 
-class LeaseKeeper:
+class LeaseKeeper(IOThread):
     """`heartbeat()` gives the fields of this worker's heartbeat hash; `ensure_group()`
     recreates the consumer group when Redis lost it."""
 
     def __init__(self, ctx: WorkerContext, *, heartbeat: Callable[[], dict[str, str]],
                  ensure_group: Callable[[], None]) -> None:
+        super().__init__("llmq-lease-keeper")
         config = ctx.config
         assert config.renew_interval is not None
         self.ctx = ctx
@@ -105,21 +106,9 @@ class LeaseKeeper:
         self.heartbeat = heartbeat
         self.ensure_group = ensure_group
         self.liveness = Liveness(self.heartbeat_interval, config.heartbeat_timeout)
-        self.stop_event = threading.Event()
         self.backoff = Backoff("lease keeper", ctx.state, stop=self.stop_event)
         self._script = self.client.register_script(_CLAIM_OWNED)
         self._refused: dict[str, str] = {}  # what Redis last refused, per task (logged once)
-        self._thread = threading.Thread(target=self._run, name="llmq-lease-keeper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         next_renew = 0.0

@@ -33,7 +33,6 @@ from the PEL by XCLAIM: they are answered `lost_payload` on llmq:r:{<entry id>} 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +46,7 @@ from llmq.broker.protocol import as_str
 from llmq.broker.retention import trim_acked_requests
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.io_thread import IOThread
 from llmq.worker.lease_keeper import HAND_BACK_IDLE_MS, SUSPECT_MIN_IDLE_MS
 from llmq.worker.liveness import Liveness
 from llmq.worker.result_writer import EntryWrite, ResultWriter
@@ -60,12 +60,13 @@ CONSUMER_CLEANUP_IDLE_MS = 10 * 60 * 1000
 _SCAN_SLACK = 32
 
 
-class Reclaimer:
+class Reclaimer(IOThread):
     """`liveness` is the lease keeper's record of this worker's own heartbeats."""
 
     def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter,
                  liveness: Liveness, *, ensure_group: Callable[[], None],
                  first_contact: Callable[[], None] = lambda: None) -> None:
+        super().__init__("llmq-reclaimer")
         config = ctx.config
         assert config.claim_interval is not None
         self.ctx = ctx
@@ -85,20 +86,8 @@ class Reclaimer:
         self.heartbeat_ms = int(config.heartbeat_timeout * 1000)
         self.claim_interval = config.claim_interval
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
-        self.stop_event = threading.Event()
         self.backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
         self._next_cleanup = time.monotonic() + 60.0
-        self._thread = threading.Thread(target=self._run, name="llmq-reclaimer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
