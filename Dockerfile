@@ -32,6 +32,11 @@ ENV PATH=/opt/llmq/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     LLMQ_MODEL_DIR=/opt/llmq-models \
     LLMQ_METRICS_PORT=9400
+# g++: the engine compiles its CPU kernels for the node's own CPU at first start (-march=native,
+# cached in ~/.cache/llmq/kernels); without a compiler it runs slower torch ops
+# (docs/performance.md, "Compiling the kernels on a fresh machine").
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 # A numeric uid, so Kubernetes' runAsNonRoot can check it (k8s/worker-deployment.yaml: 10001).
 RUN groupadd --system --gid 10001 llmq \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/llmq --create-home llmq
