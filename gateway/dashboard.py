@@ -242,17 +242,20 @@ async def _inspect(state: GatewayState, viewer: Viewer, request_id: str, after: 
 
 
 async def _known(state: GatewayState, request_id: str) -> bool:
-    """Whether the request has events or was submitted with this id (its idempotency marker)."""
+    """Whether the request has events or was submitted with this id (its idempotency marker
+    on any queue: an id alone does not say which queue it went to)."""
     keys = state.keys
+    queues = await state.client.queues() or [state.settings.broker.queue]
 
     async def read() -> list[Any]:
         pipe = state.client.redis.pipeline(transaction=False)
         pipe.xlen(keys.result(request_id))
-        pipe.get(keys.idempotency(request_id))
+        for queue in queues:
+            pipe.get(keys.idempotency(queue, request_id))
         return await pipe.execute()
 
-    length, marker = await state.client.call(read)
-    return bool(length) or marker is not None
+    length, *markers = await state.client.call(read)
+    return bool(length) or any(marker is not None for marker in markers)
 
 
 async def cancel_request(request: Request) -> Response:
