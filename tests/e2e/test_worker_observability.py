@@ -75,7 +75,7 @@ def test_readyz_follows_loading_serving_draining_and_metrics_count_a_real_run(
 
         # When SIGTERM arrives while a long generation runs
         long_id = "long"
-        xadd_json(r, {"id": long_id, "prompt": "Tell a long story.", "max_tokens": 400,
+        xadd_json(r, {"id": long_id, "prompt": "Tell a long story.", "max_tokens": 200,
                       "ignore_eos": True, "temperature": 0})
         wait_for(lambda: r.xlen(Keys().result(long_id)) >= 3, 60, "the long request to stream")
         w.signal(signal.SIGTERM)
