@@ -5,7 +5,7 @@ workers are SIGKILLed, SIGSTOPped, SIGTERMed, Redis is killed with -9 and restar
 has its clients cut off, each kind at least once. Then every accepted request must have exactly
 one terminal event for its final attempt, whose deltas concatenate to its text, nothing may be
 left pending, and a request may be lost only within the AOF window of a Redis kill (and then
-finishes once resubmitted). The 30-minute figures are in docs/operations.md.
+finishes once resubmitted). The 30-minute figures are in docs/operations.md ("Chaos soak").
 """
 
 from __future__ import annotations
