@@ -245,7 +245,7 @@ async def _known(state: GatewayState, request_id: str) -> bool:
     """Whether the request has events or was submitted with this id (its idempotency marker
     on any queue: an id alone does not say which queue it went to)."""
     keys = state.keys
-    queues = await state.client.queues() or [state.settings.broker.queue]
+    queues = await state.queues()
 
     async def read() -> list[Any]:
         pipe = state.client.redis.pipeline(transaction=False)

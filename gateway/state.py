@@ -84,8 +84,12 @@ class GatewayState:
 
     async def cancel_everywhere(self, request_id: str) -> None:
         """Cancel a request on every queue (a request id alone does not say which it is on)."""
-        for queue in await self.client.queues() or [self.settings.broker.queue]:
+        for queue in await self.queues():
             await self.cancel(request_id, queue)
+
+    async def queues(self) -> list[str]:
+        """The pool's queues (the configured one before any has a consumer group)."""
+        return await self.client.queues() or [self.settings.broker.queue]
 
     async def remember_stream(self, request_id: str, options: dict[str, Any]) -> None:
         """How to stream the request, for a resume on any replica (kept as long as results)."""

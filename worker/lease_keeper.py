@@ -91,15 +91,9 @@ class LeaseKeeper(IOThread):
 
     def __init__(self, ctx: WorkerContext, *, heartbeat: Callable[[], dict[str, str]],
                  ensure_group: Callable[[], None]) -> None:
-        super().__init__("llmq-lease-keeper")
+        super().__init__("llmq-lease-keeper", ctx)
         config = ctx.config
         assert config.renew_interval is not None
-        self.ctx = ctx
-        self.client = ctx.connect()
-        self.keys = ctx.keys
-        self.queue_key = ctx.queue_key
-        self.worker_id = ctx.worker_id
-        self.table = ctx.table
         self.renew_interval = config.renew_interval
         self.heartbeat_interval = config.heartbeat_interval
         self.heartbeat_ttl_ms = max(1, int(config.heartbeat_timeout * 1000))

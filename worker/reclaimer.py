@@ -66,15 +66,9 @@ class Reclaimer(IOThread):
     def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter,
                  liveness: Liveness, *, ensure_group: Callable[[], None],
                  first_contact: Callable[[], None] = lambda: None) -> None:
-        super().__init__("llmq-reclaimer")
+        super().__init__("llmq-reclaimer", ctx)
         config = ctx.config
         assert config.claim_interval is not None
-        self.ctx = ctx
-        self.client = ctx.connect()
-        self.keys = ctx.keys
-        self.queue_key = ctx.queue_key
-        self.worker_id = ctx.worker_id
-        self.table = ctx.table
         self.admission = admission
         self.writer = writer
         self.liveness = liveness
