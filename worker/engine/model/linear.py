@@ -11,8 +11,12 @@ Forms, chosen per call by the number of rows (tokens) in x:
   float32's bytes. With the compiled kernels (cpu_kernels.py) it is a `QuantMatrix`, run in
   float32 arithmetic (the file's own numbers, exactly); without them torch's int4 kernel
   (`Int4Weight`, bfloat16 in and out) where the type maps onto it.
-- dense: the weight prepacked for oneDNN in float32 (`fp32`, and `native` above the
-  crossover) or bfloat16 (`bf16`). Above a few rows the GEMM is compute-bound, and on CPUs
+- int8 (`--weights native` with the compiled kernels, above `QUANT_MAX_ROWS` rows): an
+  `Int8Matrix`, run on torch's int8 GEMM, ~2x float32 oneDNN (int8_matrix.py says how it
+  keeps the activations' precision). The decoder's projections only: the LM head's error
+  would go straight into the logits, and it runs on few rows (the sampled ones).
+- dense: the weight prepacked for oneDNN in float32 (`fp32`, and `native` where int8 is not
+  built) or bfloat16 (`bf16`). Above a few rows the GEMM is compute-bound, and on CPUs
   without AMX float32 oneDNN beats both bfloat16 and the int4 kernels (bench/kernels.py).
 """
 
@@ -29,6 +33,7 @@ from .block_quant import BLOCK_QUANT_TYPES, BlockQuant
 from .cpu_kernels import CpuKernels, QuantMatrix
 from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
+from .int8_matrix import Int8Matrix
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._packed: torch.Tensor | None = None
         self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
+        self.int8: Int8Matrix | None = None  # the large-batch form of `native`, if any
         self._kernels: CpuKernels | None = None
         self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
 
@@ -73,22 +79,25 @@ class Linear(nn.Module):
         """Remember the GGUF blocks of some rows, for `finalize` to build the int4 form."""
         self._quantized_rows.append((rows or slice(0, self.out_features), tensor))
 
-    def finalize(self, native: bool, kernels: CpuKernels | None, keep_dense: bool = False
-                 ) -> None:
-        """Build the forms once the weights are loaded: quantized from the GGUF blocks
-        (`native`), and the oneDNN-packed dense weight. Unless it is shared (a tied head), the
-        dense copy is freed: the packed one replaces it, and keeping both doubles the RSS."""
+    def finalize(self, native: bool, kernels: CpuKernels | None, keep_dense: bool = False,
+                 int8: bool = True) -> None:
+        """Build the forms once the weights are loaded: with `native`, quantized from the GGUF
+        blocks and (`int8`, given the kernels) int8 for large batches; otherwise the
+        oneDNN-packed dense weight. Unless it is shared (a tied head), the dense copy is freed:
+        the form built replaces it, and keeping both doubles the RSS."""
+        self._kernels = kernels
         if native:
             bq = self._block_quant()
             if bq is not None and kernels is not None and QuantMatrix.supports(bq):
-                self.quant, self._kernels = QuantMatrix(bq, self.bias), kernels
+                self.quant = QuantMatrix(bq, self.bias)
             elif bq is not None:
                 self.quant = Int4Weight.from_block_quant(bq)
+            if self.quant is not None and kernels is not None and int8 and Int8Matrix.available():
+                self.int8 = Int8Matrix(self.weight, self.bias)
         self._quantized_rows = []
-        if self._packed is not None or not _onednn_available():
-            return
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        if not keep_dense:
+        if self.int8 is None and self._packed is None and _onednn_available():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if (self.int8 is not None or self._packed is not None) and not keep_dense:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def _block_quant(self) -> BlockQuant | None:
@@ -109,7 +118,8 @@ class Linear(nn.Module):
         """Bytes of every form held (the RSS the weights cost)."""
         dense = self._packed if self._packed is not None else self.weight
         quant = self.quant.nbytes if self.quant is not None else 0
-        return dense.numel() * dense.element_size() + quant
+        int8 = self.int8.nbytes if self.int8 is not None else 0
+        return dense.numel() * dense.element_size() + quant + int8
 
     def input_dtype(self, num_rows: int) -> torch.dtype:
         """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
@@ -118,15 +128,18 @@ class Linear(nn.Module):
         return torch.float32 if self.quant is not None else self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized form,
-        bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers cast
-        where they need another)."""
+        """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized and int8
+        forms, bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers
+        cast where they need another)."""
         if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
             if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
                 assert self._kernels is not None
                 return self._kernels.quant_matmul(x.float(), self.quant)
             y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
+        if self.int8 is not None:  # it adds the bias itself
+            assert self._kernels is not None
+            return self._kernels.int8_matmul(x.float(), self.int8)
         x = x.to(self.weight.dtype)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(

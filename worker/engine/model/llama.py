@@ -402,7 +402,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(native, self.kernels,
-                                keep_dense=keep_embedding and module.weight is self.embed_tokens)
+                                keep_dense=keep_embedding and module.weight is self.embed_tokens,
+                                int8=module is not self.lm_head)
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         self._one_call = (self.kernels is not None and self.paged_attention.kernels is not None
