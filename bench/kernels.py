@@ -8,9 +8,11 @@ neighbour skews them little; weights are hot in cache: a model streams them from
 which bench/step_profile.py measures):
 
   fp32     oneDNN, prepacked float32 weight, float32 activations (`--weights fp32`, and native
-           above QUANT_MAX_ROWS rows)
+           above QUANT_MAX_ROWS rows where the int8 form is not built)
   bf16     oneDNN, prepacked bfloat16 weight and activations (`--weights bf16`)
   quant    llmq's compiled kernel on the GGUF's Q4_1 blocks, float32 arithmetic (native)
+  i8x2     llmq's int8 form (int8_matrix.py): torch._int_mm on int8-per-channel weights and
+           each activation row as two int8 terms (native above QUANT_MAX_ROWS rows)
   int4     aten._weight_int4pack_mm_for_cpu, Q4_1 as int4 with bfloat16 scales; bfloat16 in/out
   int8     aten._weight_int8pack_mm, per-channel int8 (Q4_1 re-quantized: lossy), bfloat16
   w8a8     oneDNN qlinear_pointwise (VNNI), int8 weights and per-tensor dynamic int8
@@ -18,7 +20,7 @@ which bench/step_profile.py measures):
   dyn4     aten._dyn_quant_matmul_4bit (KleidiAI on Arm; a reference loop on x86)
 
 The table picks QUANT_MAX_ROWS (linear.py): below it the quantized kernels read far fewer
-bytes; above it the float32 GEMM's compute wins.
+bytes; above it int8 compute (i8x2) wins, float32 where there is no int8 form.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from llmq.worker.engine.model.block_quant import BlockQuant
 from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
 from llmq.worker.engine.model.int4_weight import Int4Weight
+from llmq.worker.engine.model.int8_matrix import Int8Matrix
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -84,6 +87,8 @@ def kernels_for(out_features: int, in_features: int, kernels: CpuKernels | None)
     if kernels is not None:
         matrix = QuantMatrix(bq)
         table["quant"] = (torch.float32, lambda x: kernels.quant_matmul(x, matrix))
+        int8x2 = Int8Matrix(dense)
+        table["i8x2"] = (torch.float32, lambda x: kernels.int8_matmul(x, int8x2))
     return table
 
 
@@ -98,8 +103,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     kernels = CpuKernels.load()
-    names = ["fp32", "bf16", "quant", "int4", "int8", "w8a8", "dyn4"]
-    names = [n for n in names if n not in args.skip and (n != "quant" or kernels)]
+    names = ["fp32", "bf16", "quant", "i8x2", "int4", "int8", "w8a8", "dyn4"]
+    names = [n for n in names if n not in args.skip and (n not in ("quant", "i8x2") or kernels)]
     print("us per call (best CPU time); '-' where the kernel does not take that many rows")
     print(f"{'shape':<8} {'rows':>5} " + " ".join(f"{n:>8}" for n in names) + "  fastest")
     for shape in args.shapes:

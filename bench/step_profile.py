@@ -57,9 +57,10 @@ def instrument(engine: EngineCore) -> None:
     head = model.lm_head
 
     def linear_forward(self, x, _orig=linear.Linear.forward):
+        small = self.quant is not None and x.shape[0] <= linear.QUANT_MAX_ROWS
         part = "lm head" if self is head else (
-            "projections (quantized)" if self.quant is not None
-            and x.shape[0] <= linear.QUANT_MAX_ROWS else "projections (dense GEMM)")
+            "projections (quantized)" if small else
+            "projections (int8 GEMM)" if self.int8 is not None else "projections (dense GEMM)")
         return timed(part, _orig)(self, x)
 
     linear.Linear.forward = linear_forward  # type: ignore[method-assign]
@@ -101,6 +102,13 @@ def gemm_peak() -> float:
     x = torch.randn(1024, 576)
     return best_rate(2 * 1024 * 3072 * 576, lambda: torch.ops.mkldnn._linear_pointwise(
         x, w, None, "none", [None], ""))
+
+
+def int8_peak() -> float:
+    """int8 multiply-adds x 2 per second of torch._int_mm at the same shape."""
+    w = torch.randint(-127, 128, (3072, 576), dtype=torch.int8)
+    x = torch.randint(-127, 128, (1024, 576), dtype=torch.int8)
+    return best_rate(2 * 1024 * 3072 * 576, lambda: torch._int_mm(x, w.t()))
 
 
 def profile_batch(engine: EngineCore, batch: int, steps: int, prompt_len: int) -> None:
@@ -162,17 +170,23 @@ def main() -> None:
     quant_bytes = sum(m.quant.nbytes if m.quant is not None else 0 for m in projections)
     dense_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
-    bandwidth, peak = stream_bandwidth(), gemm_peak()
+    # NOTE: the int8 form runs each row as two int8 terms: twice the int8 operations
+    int8_flops = 2 * sum(2 * m.out_features * m.in_features for m in projections
+                         if m.int8 is not None)
+    float_flops = 2 * sum(m.out_features * m.in_features for m in projections if m.int8 is None)
+    bandwidth, peak, peak8 = stream_bandwidth(), gemm_peak(), int8_peak()
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
-          f"read {bandwidth / 1e9:.1f} GB/s, float32 GEMM peak {peak / 1e9:.0f} GFLOP/s")
-    print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, dense forms "
+          f"read {bandwidth / 1e9:.1f} GB/s, float32 GEMM peak {peak / 1e9:.0f} GFLOP/s, "
+          f"int8 GEMM peak {peak8 / 1e9:.0f} GOP/s")
+    print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, int8 and dense forms "
           f"{dense_bytes / 2**20:.0f} MiB, {flops_per_token / 1e6:.0f} MFLOP per token "
           "(LM head included)")
     for batch in args.batch_sizes:
         small = batch <= linear.QUANT_MAX_ROWS and quant_bytes
         weight_floor = (quant_bytes if small else dense_bytes) / bandwidth
-        compute_floor = batch * flops_per_token / peak
-        print(f"floor batch {batch}: weights read once {1e3 * weight_floor:.2f} ms, GEMM FLOPs "
+        compute_floor = batch * (flops_per_token / peak if not int8_flops
+                                 else int8_flops / peak8 + float_flops / peak)
+        print(f"floor batch {batch}: weights read once {1e3 * weight_floor:.2f} ms, GEMM work "
               f"at peak {1e3 * compute_floor:.2f} ms")
     instrument(engine)
     for batch in args.batch_sizes:

@@ -76,7 +76,7 @@ def _build(directory: Path) -> Path | None:
     return target
 
 
-INT8_CHUNK_ROWS = 256  # rows of x per int8 GEMM (bench/kernels.py)
+INT8_CHUNK_ROWS = 256  # rows of x per int8 GEMM (CpuKernels.int8_matmul says why)
 
 
 class QMat(ctypes.Structure):

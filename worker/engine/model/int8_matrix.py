@@ -21,6 +21,8 @@ torch `_int_mm` (CPU: oneDNN `gemm_api` s8s8s32).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SOURCE = r"""
@@ -142,6 +144,7 @@ class Int8Matrix:
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @staticmethod
+    @functools.cache
     def available() -> bool:
         """torch's int8 GEMM runs on this build (it is a private op: check, don't assume)."""
         try:

@@ -38,8 +38,11 @@ from .int8_matrix import Int8Matrix
 logger = logging.getLogger(__name__)
 
 # NOTE: measured with bench/kernels.py on a 2-vCPU Xeon (AVX-512, no AMX), one thread: the
-# quantized kernels win up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x of float32 oneDNN;
-# M=16: 1.3-1.4x), float32 oneDNN from there on.
+# quantized kernels beat float32 oneDNN up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x;
+# M=16: 1.3-1.4x). With weights hot in cache the int8 form is ahead of them already at 4-8 rows
+# (bench/results/kernels-int8-2026-12-01.txt), but a model streams its weights from memory,
+# where 4-bit blocks are ~60% of int8's bytes, and up to 8 rows a decode step is one kernel
+# call (llama.py); that crossover is not re-measured.
 QUANT_MAX_ROWS = 8
 
 
