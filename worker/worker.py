@@ -132,10 +132,13 @@ class Worker:
         if not self._warm_up():
             return EXIT_ENGINE_FATAL
         self.writer.start()
-        self.keeper.start()
-        self.reclaimer.start()
+        # NOTE: the followers find their streams' ends before the first heartbeat: a caller
+        # that waits for the heartbeat and then sends a control call must not have it taken as
+        # older than the worker (seen under load in tests/integration/test_worker_control.py).
         self.cancels.start()
         self.controls.start()
+        self.keeper.start()
+        self.reclaimer.start()
         self.reader.start()
         exit_code = self._busy_loop()
         self._shutdown(exit_code)
