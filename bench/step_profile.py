@@ -184,8 +184,7 @@ def main() -> None:
     for batch in args.batch_sizes:
         small = batch <= linear.QUANT_MAX_ROWS and quant_bytes
         weight_floor = (quant_bytes if small else dense_bytes) / bandwidth
-        compute_floor = batch * (flops_per_token / peak if not int8_flops
-                                 else int8_flops / peak8 + float_flops / peak)
+        compute_floor = batch * (int8_flops / peak8 + float_flops / peak)
         print(f"floor batch {batch}: weights read once {1e3 * weight_floor:.2f} ms, GEMM work "
               f"at peak {1e3 * compute_floor:.2f} ms")
     instrument(engine)

@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import int8_matrix
 from .block_quant import BlockQuant
+from .int8_matrix import SOURCE as INT8_SOURCE
 from .int8_matrix import Int8Matrix
 from .kernel_source import SOURCE as LAYER_SOURCE
 
-SOURCE = LAYER_SOURCE + int8_matrix.SOURCE
+SOURCE = LAYER_SOURCE + INT8_SOURCE
 
 logger = logging.getLogger(__name__)
 
