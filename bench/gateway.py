@@ -38,7 +38,7 @@ import msgspec  # noqa: E402
 
 from llmq.broker.aio import AsyncClient  # noqa: E402
 from llmq.broker.embedded import ServerProcess, find_server_binary, free_port  # noqa: E402
-from llmq.broker.protocol import Delta  # noqa: E402
+from llmq.protocol import Delta  # noqa: E402
 
 KEY = "sk-bench"
 _TICK = os.sysconf("SC_CLK_TCK")

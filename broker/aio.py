@@ -38,17 +38,17 @@ from llmq.broker.commands import (
     queue_group_creation,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
-from llmq.broker.errors import BrokerError, RequestFailed
 from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions_async
-from llmq.broker.protocol import (
+from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
+from llmq.broker.settings import BrokerSettings
+from llmq.protocol import (
     Done,
     Encoding,
     Error,
     Event,
     WorkerHeartbeat,
 )
-from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
-from llmq.broker.settings import BrokerSettings
+from llmq.protocol.errors import BrokerError, RequestFailed
 
 __all__ = ["AsyncClient"]
 

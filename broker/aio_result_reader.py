@@ -25,7 +25,6 @@ import redis.asyncio
 
 from llmq.broker.commands import Followed, ResultFollower, stream_entries
 from llmq.broker.connection import dedicated_connection, is_cluster, translate
-from llmq.broker.errors import ResultTimeout
 from llmq.broker.multiplex import (
     FALLBACK_SLICE_MS,
     KEYS_PER_LANE,
@@ -38,6 +37,7 @@ from llmq.broker.multiplex import (
     single_key_reads,
 )
 from llmq.broker.retry import Backoff, RetryPolicy
+from llmq.protocol.errors import ResultTimeout
 
 __all__ = ["AsyncResultReader"]
 

@@ -57,7 +57,6 @@ from llmq.broker.connection import (
     resolve_redis_url,
     translate,
 )
-from llmq.broker.errors import BrokerError, InvalidRequest, RequestFailed
 from llmq.broker.functions import (
     SUBMIT_FUNCTION,
     ensure_functions,
@@ -65,7 +64,10 @@ from llmq.broker.functions import (
     submit_error,
 )
 from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
-from llmq.broker.protocol import (
+from llmq.broker.result_reader import FollowerGroup, ResultReader
+from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff, RetryPolicy
+from llmq.broker.settings import BrokerSettings
+from llmq.protocol import (
     Done,
     Encoding,
     Error,
@@ -73,10 +75,8 @@ from llmq.broker.protocol import (
     WorkerHeartbeat,
     encode_cancel,
 )
-from llmq.broker.protocol.requests import ENTRY_ID_RE
-from llmq.broker.result_reader import FollowerGroup, ResultReader
-from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff, RetryPolicy
-from llmq.broker.settings import BrokerSettings
+from llmq.protocol.errors import BrokerError, InvalidRequest, RequestFailed
+from llmq.protocol.requests import ENTRY_ID_RE
 
 __all__ = ["Client"]
 

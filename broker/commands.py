@@ -16,18 +16,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from llmq.broker.errors import (
-    InvalidRequest,
-    LLMQError,
-    ProtocolError,
-    RequestIdConflict,
-    ResultTimeout,
-    SchemaMismatch,
-    StreamExhausted,
-)
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.multiplex import parse_entry_id
-from llmq.broker.protocol import (
+from llmq.broker.transcript import Fold, Transcript
+from llmq.protocol import (
     DeadLetter,
     Encoding,
     Event,
@@ -39,8 +31,16 @@ from llmq.broker.protocol import (
     encode_event,
     parse_request,
 )
-from llmq.broker.protocol.requests import ENTRY_ID_RE
-from llmq.broker.transcript import Fold, Transcript
+from llmq.protocol.errors import (
+    InvalidRequest,
+    LLMQError,
+    ProtocolError,
+    RequestIdConflict,
+    ResultTimeout,
+    SchemaMismatch,
+    StreamExhausted,
+)
+from llmq.protocol.requests import ENTRY_ID_RE
 
 __all__ = [
     "CANCEL_STREAM_MAXLEN",

@@ -21,9 +21,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from llmq.broker.embedded import EmbeddedServer
-from llmq.broker.errors import BrokerError, BrokerUnavailable, LLMQError
 from llmq.broker.redis_url import RedisURL, is_cluster
 from llmq.broker.retry import is_pool_exhausted
+from llmq.protocol.errors import BrokerError, BrokerUnavailable, LLMQError
 
 __all__ = [
     "connect",

@@ -1,6 +1,6 @@
 """Utility calls to the workers of a queue: the caller's side, and the Redis commands of both.
 
-An admin XADDs one `ControlCall` (llmq.broker.protocol.control) to `llmq:ctl:{<queue>}`, which
+An admin XADDs one `ControlCall` (llmq.protocol.control) to `llmq:ctl:{<queue>}`, which
 every worker of the queue follows with a plain XREAD from `$` (its own position, not the
 consumer group: a call concerns every worker, or the one it names). Each worker that takes the
 call answers with one `ControlReply` on `llmq:ctlr:<call_id>` (`queue_reply`), which expires
@@ -17,7 +17,7 @@ from typing import Any
 from llmq.broker.commands import stream_entries
 from llmq.broker.connection import translate_errors
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import (
+from llmq.protocol import (
     ControlCall,
     ControlReply,
     as_str,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import redis
 
-from llmq.broker.errors import ServerStartError
+from llmq.protocol.errors import ServerStartError
 
 __all__ = [
     "EmbeddedServer",

@@ -39,10 +39,10 @@ import msgspec
 
 from llmq.broker.client import Client
 from llmq.broker.commands import build_submission
-from llmq.broker.errors import ErrorCode, InvalidRequest
-from llmq.broker.keys import is_valid_name
-from llmq.broker.protocol import Done, Error
 from llmq.broker.transcript import Transcript
+from llmq.protocol import Done, Error
+from llmq.protocol.errors import ErrorCode, InvalidRequest
+from llmq.protocol.names import is_valid_name
 
 __all__ = ["FileJob", "FileJobListener", "FileLine", "OutputFile", "derive_request_id",
            "read_lines"]

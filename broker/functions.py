@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from llmq.broker.errors import BrokerError, LLMQError, StreamExhausted
+from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
 __all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "SUBMIT_FUNCTION",
            "ensure_functions", "ensure_functions_async", "is_missing_function",

@@ -27,7 +27,7 @@ import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
 
-from llmq.broker.errors import BrokerUnavailable
+from llmq.protocol.errors import BrokerUnavailable
 
 __all__ = ["CLUSTER_SCHEMES", "SENTINEL_SCHEMES", "RedisURL", "is_cluster", "primary_address"]
 

@@ -22,7 +22,6 @@ import redis
 
 from llmq.broker.commands import Followed, ResultFollower, stream_entries
 from llmq.broker.connection import dedicated_connection, is_cluster, translate
-from llmq.broker.errors import ResultTimeout
 from llmq.broker.keys import Keys
 from llmq.broker.multiplex import (
     FALLBACK_SLICE_MS,
@@ -38,6 +37,7 @@ from llmq.broker.multiplex import (
 )
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.broker.transcript import Transcript
+from llmq.protocol.errors import ResultTimeout
 
 __all__ = ["FollowerGroup", "ResultReader"]
 

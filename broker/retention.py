@@ -14,7 +14,7 @@ import logging
 import redis
 
 from llmq.broker.keys import GROUP, Keys
-from llmq.broker.protocol import as_str, parse_entry_id
+from llmq.protocol import as_str, parse_entry_id
 
 __all__ = ["trim_acked_requests"]
 

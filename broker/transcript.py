@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-from llmq.broker.protocol import Delta, Done, Error, Event, Start
+from llmq.protocol import Delta, Done, Error, Event, Start
 
 __all__ = ["Fold", "Transcript"]
 

@@ -26,7 +26,6 @@ import click
 
 from llmq.broker.client import Client
 from llmq.broker.connection import translate_errors
-from llmq.broker.errors import LLMQError
 from llmq.cli.helpers import echo_json, note, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options, redis_url_option
 from llmq.gateway.batch_store import (
@@ -36,6 +35,7 @@ from llmq.gateway.batch_store import (
     batch_summary,
     rq_connection,
 )
+from llmq.protocol.errors import LLMQError
 
 _DAY = 24 * 3600
 

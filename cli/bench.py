@@ -23,10 +23,10 @@ import click
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import build_submission
-from llmq.broker.errors import LLMQError
-from llmq.broker.protocol import Delta, Done, Error, Start
 from llmq.cli.helpers import echo_json
 from llmq.cli.options import connection_kwargs, connection_options
+from llmq.protocol import Delta, Done, Error, Start
+from llmq.protocol.errors import LLMQError
 
 _TOKEN_IDS = (100, 500)
 

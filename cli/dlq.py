@@ -6,9 +6,9 @@ from __future__ import annotations
 import click
 import msgspec
 
-from llmq.broker.errors import LLMQError
 from llmq.cli.helpers import ago, echo_json, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options
+from llmq.protocol.errors import LLMQError
 
 
 @click.group()

@@ -15,9 +15,9 @@ from typing import TextIO
 import click
 
 from llmq.broker.client import Client
-from llmq.broker.errors import RequestFailed
-from llmq.broker.protocol import Delta, Done, Error, Event, Start
 from llmq.cli.helpers import note, to_json
+from llmq.protocol import Delta, Done, Error, Event, Start
+from llmq.protocol.errors import RequestFailed
 
 
 class EventPrinter:

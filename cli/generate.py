@@ -28,7 +28,7 @@ def generate(prompt: str | None, chat: str | None, file, output, **kwargs) -> No
     """Generate in-process: stream one PROMPT (or --chat message), or run a JSONL file (-f)."""
     if sum(x is not None for x in (prompt, chat, file)) != 1:
         raise click.UsageError("give exactly one of PROMPT, --chat TEXT or -f FILE")
-    from llmq.broker.protocol import parse_request
+    from llmq.protocol import parse_request
     from llmq.worker.engine.config import EngineConfig
     from llmq.worker.engine.engine_core import EngineCore
     from llmq.worker.engine.input_processor import InputProcessor

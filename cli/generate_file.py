@@ -11,8 +11,8 @@ from typing import Any, TextIO
 
 import msgspec
 
-from llmq.broker import protocol
-from llmq.broker.errors import ErrorCode, RequestRejected
+from llmq import protocol
+from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.input_processor import InputProcessor
 

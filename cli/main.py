@@ -12,7 +12,6 @@ import logging
 import click
 import redis
 
-from llmq.broker.errors import LLMQError
 from llmq.cli.acl import acl
 from llmq.cli.admin import admin
 from llmq.cli.batch import batch, batch_worker
@@ -25,6 +24,7 @@ from llmq.cli.status import status
 from llmq.cli.submit import submit
 from llmq.cli.up import down, up
 from llmq.cli.worker import worker
+from llmq.protocol.errors import LLMQError
 
 
 class LLMQGroup(click.Group):

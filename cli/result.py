@@ -13,12 +13,12 @@ import click
 
 from llmq.broker.client import Client
 from llmq.broker.connection import translate_errors
-from llmq.broker.errors import LLMQError, RequestFailed, ResultTimeout
-from llmq.broker.protocol import Done, Error, decode_event
 from llmq.broker.transcript import Fold, Transcript
 from llmq.cli.event_printer import EventPrinter
 from llmq.cli.helpers import note, open_client
 from llmq.cli.options import connection_kwargs, connection_options
+from llmq.protocol import Done, Error, decode_event
+from llmq.protocol.errors import LLMQError, RequestFailed, ResultTimeout
 
 _ENTRY_ID = re.compile(r"\d+-\d+")
 

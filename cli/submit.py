@@ -16,7 +16,6 @@ import sys
 
 import click
 
-from llmq.broker.errors import LLMQError, ResultTimeout
 from llmq.cli.event_printer import EventPrinter
 from llmq.cli.helpers import note, open_client, warn_if_unserved
 from llmq.cli.options import (
@@ -25,6 +24,7 @@ from llmq.cli.options import (
     sampling_kwargs,
     sampling_options,
 )
+from llmq.protocol.errors import LLMQError, ResultTimeout
 
 
 def _messages(value: str | None) -> list[dict] | None:

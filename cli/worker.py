@@ -76,7 +76,7 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
         # NOTE: before torch starts its threads: they inherit the process's affinity.
         os.sched_setaffinity(0, cpus)
     from llmq.broker.connection import resolve_redis_url
-    from llmq.broker.errors import LLMQError
+    from llmq.protocol.errors import LLMQError
     from llmq.worker.engine.config import EngineConfig
     from llmq.worker.worker_config import WorkerConfig, default_worker_id
 

@@ -31,13 +31,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
-from llmq.broker.errors import LLMQError, RequestIdConflict
 from llmq.gateway import batches, completions, dashboard, files
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView
 from llmq.gateway.settings import GatewaySettings
 from llmq.gateway.state import GatewayState, json_response
+from llmq.protocol.errors import LLMQError, RequestIdConflict
 
 __all__ = ["CLIENT_NAME", "create_app"]
 

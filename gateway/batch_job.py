@@ -32,7 +32,6 @@ from typing import Any
 import msgspec
 
 from llmq.broker.client import Client
-from llmq.broker.protocol import Done
 from llmq.broker.result_reader import FollowerGroup
 from llmq.gateway.batch_store import RQ_URL_VAR
 from llmq.gateway.openai_batch import (
@@ -43,6 +42,7 @@ from llmq.gateway.openai_batch import (
     output_record,
     parse_line,
 )
+from llmq.protocol import Done
 
 __all__ = ["BATCH_QUEUE", "BatchRun", "run_batch"]
 

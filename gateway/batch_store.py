@@ -15,9 +15,9 @@ from typing import Any
 import redis
 
 from llmq.broker.connection import connect, is_cluster
-from llmq.broker.errors import BrokerUnavailable, LLMQError
 from llmq.broker.keys import Keys
 from llmq.broker.redis_url import RedisURL
+from llmq.protocol.errors import BrokerUnavailable, LLMQError
 
 __all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "RQ_URL_VAR", "BatchStore", "batch_status",
            "batch_summary", "rq_connection"]

@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmq.broker.commands import as_str
-from llmq.broker.errors import LLMQError
 from llmq.gateway.batch_store import FINAL_STATUSES, BatchStore, batch_status
 from llmq.gateway.errors import bad_request, not_found
 from llmq.gateway.files import FileStore, new_file_id
 from llmq.gateway.openai_request import CHAT, COMPLETIONS
 from llmq.gateway.state import GatewayState, json_response
+from llmq.protocol.errors import LLMQError
 
 __all__ = ["cancel_batch", "create_batch", "get_batch", "list_batches"]
 

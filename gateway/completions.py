@@ -27,10 +27,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from llmq.broker.errors import LLMQError, ResultTimeout
-from llmq.broker.keys import is_valid_name
 from llmq.broker.multiplex import parse_entry_id
-from llmq.broker.protocol import Delta, Done, Error, Start
 from llmq.broker.transcript import Fold
 from llmq.gateway.errors import bad_request, not_found
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
@@ -45,6 +42,9 @@ from llmq.gateway.openai_response import (
     sse,
 )
 from llmq.gateway.state import GatewayState, json_response
+from llmq.protocol import Delta, Done, Error, Start
+from llmq.protocol.errors import LLMQError, ResultTimeout
+from llmq.protocol.names import is_valid_name
 
 __all__ = ["cancel_chat", "cancel_completion", "create_chat", "create_completion",
            "resume_chat", "resume_completion"]

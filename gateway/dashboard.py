@@ -32,9 +32,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llmq.broker.errors import LLMQError, ResultTimeout
 from llmq.broker.multiplex import parse_entry_id
-from llmq.broker.protocol import Delta
 from llmq.broker.transcript import Fold
 from llmq.gateway.dashboard_session import (
     Viewer,
@@ -48,6 +46,8 @@ from llmq.gateway.dead_letter_view import DeadLetterView
 from llmq.gateway.errors import APIError, bad_request, not_found
 from llmq.gateway.openai_response import sse
 from llmq.gateway.state import GatewayState, json_response
+from llmq.protocol import Delta
+from llmq.protocol.errors import LLMQError, ResultTimeout
 
 __all__ = ["ROUTES"]
 

@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llmq.broker.keys import is_valid_name
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.errors import APIError
+from llmq.protocol.names import is_valid_name
 
 __all__ = ["COOKIE", "CSRF_HEADER", "Viewer", "check_post", "clear_cookie", "same_origin",
            "set_cookie", "viewer_of"]

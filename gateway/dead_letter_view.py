@@ -16,10 +16,10 @@ import msgspec
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import DeadLetterEntry, parse_dead_letters
-from llmq.broker.errors import BrokerError, BrokerUnavailable, LLMQError
-from llmq.broker.keys import is_valid_name
 from llmq.gateway.dashboard_session import Viewer
 from llmq.gateway.errors import APIError, not_found
+from llmq.protocol.errors import BrokerError, BrokerUnavailable, LLMQError
+from llmq.protocol.names import is_valid_name
 
 __all__ = ["DeadLetterView"]
 

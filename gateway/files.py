@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmq.broker.commands import as_str
-from llmq.broker.keys import is_valid_name
 from llmq.gateway.errors import APIError, bad_request, not_found
 from llmq.gateway.state import GatewayState, json_response
+from llmq.protocol.names import is_valid_name
 
 __all__ = ["FileStore", "delete_file", "file_content", "get_file", "list_files", "upload_file"]
 

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from llmq.broker.protocol import Done, Error
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
 from llmq.gateway.openai_response import (
     completion_id,
@@ -33,6 +32,7 @@ from llmq.gateway.openai_response import (
     error_body,
     error_status,
 )
+from llmq.protocol import Done, Error
 
 __all__ = ["CHAT", "COMPLETIONS", "BatchLine", "BatchLineError", "error_record",
            "failed_record", "output_record", "parse_line"]

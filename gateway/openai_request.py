@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmq.broker.commands import build_submission
-from llmq.broker.errors import InvalidRequest
-from llmq.broker.protocol import MAX_LOGPROBS
+from llmq.protocol import MAX_LOGPROBS
+from llmq.protocol.errors import InvalidRequest
 
 __all__ = ["CHAT", "COMPLETIONS", "BodyError", "OpenAIRequest", "parse_body"]
 

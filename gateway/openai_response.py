@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 
 from llmq.broker.commands import Followed
-from llmq.broker.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
 from llmq.broker.transcript import Fold
 from llmq.gateway.openai_request import CHAT
+from llmq.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
 
 __all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
            "completion_object", "error_body", "error_status", "sse", "usage_object"]

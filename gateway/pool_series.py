@@ -26,9 +26,9 @@ import msgspec
 import redis
 
 from llmq.broker.aio import AsyncClient
-from llmq.broker.errors import LLMQError
-from llmq.broker.protocol import LatencyHistogram, WorkerHeartbeat
 from llmq.gateway.pool_view import PoolView
+from llmq.protocol import LatencyHistogram, WorkerHeartbeat
+from llmq.protocol.errors import LLMQError
 
 __all__ = ["PoolSample", "PoolSeries", "QueueRates"]
 

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 
 from llmq.broker.aio import AsyncClient
-from llmq.broker.errors import LLMQError
-from llmq.broker.protocol import WorkerHeartbeat
 from llmq.gateway.errors import APIError
+from llmq.protocol import WorkerHeartbeat
+from llmq.protocol.errors import LLMQError
 
 __all__ = ["PoolView", "ServedModel"]
 

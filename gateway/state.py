@@ -19,13 +19,13 @@ from starlette.responses import Response
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import as_str
-from llmq.broker.errors import LLMQError
 from llmq.gateway.batch_store import rq_connection
 from llmq.gateway.errors import APIError
 from llmq.gateway.metrics import GatewayMetrics
 from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView
 from llmq.gateway.settings import GatewaySettings
+from llmq.protocol.errors import LLMQError
 
 __all__ = ["GatewayState", "json_response"]
 

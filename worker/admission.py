@@ -35,10 +35,10 @@ from typing import Any
 
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.connection import is_cluster
-from llmq.broker.errors import ErrorCode, RequestRejected
 from llmq.broker.keys import tenant_of
+from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.inbox import AddRequest

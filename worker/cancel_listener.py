@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.worker.inbox import AbortRequests
 from llmq.worker.stream_follower import StreamFollower
 from llmq.worker.worker_context import WorkerContext

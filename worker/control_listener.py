@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from llmq.broker.control import queue_reply
-from llmq.broker.protocol import ControlReply, decode_call
+from llmq.protocol import ControlReply, decode_call
 from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.inbox import UtilityCall
 from llmq.worker.stream_follower import StreamFollower

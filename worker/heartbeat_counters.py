@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from llmq.broker.protocol import LatencyHistogram
+from llmq.protocol import LatencyHistogram
 
 __all__ = ["HeartbeatCounters"]
 

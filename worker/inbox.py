@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass
 
-from llmq.broker.protocol import ControlCall
+from llmq.protocol import ControlCall
 from llmq.worker.engine.sampling_params import SamplingParams
 
 __all__ = ["AbortRequests", "AddRequest", "Inbox", "InboxItem", "UtilityCall"]

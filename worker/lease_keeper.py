@@ -35,7 +35,7 @@ from collections.abc import Callable
 import redis
 
 from llmq.broker.keys import GROUP
-from llmq.broker.protocol import as_str
+from llmq.protocol import as_str
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.inbox import AbortRequests
 from llmq.worker.io_thread import IOThread

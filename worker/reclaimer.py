@@ -39,11 +39,11 @@ from typing import Any
 
 import redis
 
-from llmq.broker import protocol
-from llmq.broker.errors import ErrorCode
+from llmq import protocol
 from llmq.broker.keys import GROUP, is_valid_name
-from llmq.broker.protocol import as_str
 from llmq.broker.retention import trim_acked_requests
+from llmq.protocol import as_str
+from llmq.protocol.errors import ErrorCode
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.io_thread import IOThread

@@ -30,13 +30,13 @@ from typing import Any
 
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.commands import queue_events
 from llmq.broker.connection import is_cluster
-from llmq.broker.errors import ProtocolError
 from llmq.broker.keys import GROUP
-from llmq.broker.protocol import Encoding, Event
 from llmq.broker.retry import is_refusal_to_wait_out
+from llmq.protocol import Encoding, Event
+from llmq.protocol.errors import ProtocolError
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.worker_context import WorkerContext

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from llmq.broker.commands import stream_entries
-from llmq.broker.protocol import as_str, parse_entry_id
+from llmq.protocol import as_str, parse_entry_id
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.worker_context import WorkerContext
 

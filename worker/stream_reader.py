@@ -27,7 +27,7 @@ import redis
 from llmq.broker.commands import stream_entries
 from llmq.broker.connection import is_cluster
 from llmq.broker.keys import GROUP
-from llmq.broker.protocol import as_str
+from llmq.protocol import as_str
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.worker_context import WorkerContext

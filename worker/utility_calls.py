@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from llmq.broker.protocol import METHODS, ControlCall, ControlReply
+from llmq.protocol import METHODS, ControlCall, ControlReply
 
 if TYPE_CHECKING:
     from llmq.worker.worker import Worker

@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
-from llmq.broker.errors import RequestRejected, StreamExhausted
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
+from llmq.protocol.errors import RequestRejected, StreamExhausted
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener

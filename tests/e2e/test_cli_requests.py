@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import (
+from llmq.protocol import (
     DeadLetter,
     Delta,
     Done,

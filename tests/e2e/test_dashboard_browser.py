@@ -24,7 +24,7 @@ import redis
 from llmq.broker import Client
 from llmq.broker.control import call_workers
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import DeadLetter, encode_dead_letter
+from llmq.protocol import DeadLetter, encode_dead_letter
 from tests.e2e.cli_harness import llmq_process, subprocess_env
 from tests.e2e.gateway_harness import GatewayProcess
 from tests.fixtures.browser import console_errors, headless_chromium, require_chromium

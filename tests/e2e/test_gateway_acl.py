@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import DeadLetter, encode_dead_letter
+from llmq.protocol import DeadLetter, encode_dead_letter
 from tests.e2e.cli_harness import llmq, ok
 from tests.e2e.gateway_harness import KEYS, GatewayProcess
 from tests.fixtures.acl_server import PASSWORDS, acl_url

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import Done, decode_event
+from llmq.protocol import Done, decode_event
 from tests.e2e.cli_harness import serve
 from tests.e2e.gateway_harness import KEYS, GatewayProcess, parse_sse
 from tests.integration.worker_harness import wait_for

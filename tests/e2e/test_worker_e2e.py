@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.sampling_params import SamplingParams

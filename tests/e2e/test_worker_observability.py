@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.embedded import free_port
 from llmq.broker.keys import Keys
 from tests.integration.worker_harness import WorkerProcess, wait_for, wait_terminal, xadd_json

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.broker.errors import RequestRejected
-from llmq.broker.protocol import Message, Request
+from llmq.protocol import Message, Request
+from llmq.protocol.errors import RequestRejected
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.input_processor import InputProcessor

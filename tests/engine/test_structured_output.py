@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 
-from llmq.broker.errors import RequestRejected
+from llmq.protocol.errors import RequestRejected
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.input_processor import InputProcessor

@@ -31,7 +31,7 @@ from llmq.broker.commands import queue_event
 from llmq.broker.embedded import free_port
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
-from llmq.broker.protocol import Done, Start, Timings, Usage
+from llmq.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
 from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url
 

@@ -12,7 +12,7 @@ import redis
 
 from llmq.broker.connection import resolve_redis_url
 from llmq.broker.embedded import EmbeddedServer, ServerProcess, find_server_binary
-from llmq.broker.errors import BrokerUnavailable, ServerStartError
+from llmq.protocol.errors import BrokerUnavailable, ServerStartError
 from tests.fixtures.redis_servers import SERVER_KINDS, require_binary
 
 pytestmark = pytest.mark.redis

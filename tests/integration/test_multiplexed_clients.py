@@ -15,9 +15,9 @@ import redis
 
 from llmq.broker import AsyncClient, Client
 from llmq.broker.commands import queue_event
-from llmq.broker.errors import ResultTimeout
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import Delta, Done, Event, Start, Timings, Usage
+from llmq.protocol import Delta, Done, Event, Start, Timings, Usage
+from llmq.protocol.errors import ResultTimeout
 
 pytestmark = pytest.mark.redis
 

@@ -22,17 +22,9 @@ import redis
 from llmq.broker import AsyncClient, Client
 from llmq.broker.commands import queue_event
 from llmq.broker.embedded import free_port
-from llmq.broker.errors import (
-    BrokerError,
-    BrokerUnavailable,
-    InvalidRequest,
-    LLMQError,
-    RequestFailed,
-    ResultTimeout,
-    SchemaMismatch,
-)
 from llmq.broker.keys import GROUP, Keys
-from llmq.broker.protocol import (
+from llmq.broker.transcript import Fold, Transcript
+from llmq.protocol import (
     DeadLetter,
     DecodedRequest,
     Delta,
@@ -49,7 +41,15 @@ from llmq.broker.protocol import (
     encode_dead_letter,
     encode_heartbeat,
 )
-from llmq.broker.transcript import Fold, Transcript
+from llmq.protocol.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    InvalidRequest,
+    LLMQError,
+    RequestFailed,
+    ResultTimeout,
+    SchemaMismatch,
+)
 
 pytestmark = pytest.mark.redis
 

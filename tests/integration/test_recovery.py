@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from llmq.broker import Client, protocol
-from llmq.broker.protocol import parse_entry_id
+from llmq import protocol
+from llmq.broker import Client
+from llmq.protocol import parse_entry_id
 from llmq.worker.worker_config import WorkerConfig
 from tests.integration.worker_harness import (
     KEYS,

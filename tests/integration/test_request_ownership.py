@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from tests.integration.worker_harness import (
     InProcessWorker,
     dead_letters,

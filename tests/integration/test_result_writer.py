@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.keys import GROUP
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.worker_config import WorkerConfig

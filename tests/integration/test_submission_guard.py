@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from llmq.broker.commands import LAST_ENTRY_ID
-from llmq.broker.errors import StreamExhausted
+from llmq.protocol.errors import StreamExhausted
 from tests.integration.worker_harness import (
     KEYS,
     QUEUE_KEY,

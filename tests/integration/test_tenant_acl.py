@@ -14,11 +14,12 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from llmq.broker import Client, protocol
-from llmq.broker.errors import BrokerError, RequestIdConflict
+from llmq import protocol
+from llmq.broker import Client
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.tenant_acl import TenantAcl
 from llmq.cli.main import cli
+from llmq.protocol.errors import BrokerError, RequestIdConflict
 from tests.fixtures.acl_server import PASSWORDS, acl_url
 from tests.integration.worker_harness import (
     KEYS,

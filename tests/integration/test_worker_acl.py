@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
 from tests.fixtures.acl_server import PASSWORDS, acl_url

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from tests.integration.worker_harness import (
     KEYS,
     MAX_MODEL_LEN,

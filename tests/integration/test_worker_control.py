@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from llmq.broker.control import call_workers
 from llmq.broker.embedded import free_port
 from llmq.broker.keys import GROUP

@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from llmq.broker.keys import GROUP
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore

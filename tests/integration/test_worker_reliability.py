@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from llmq.broker import Client, protocol
+from llmq import protocol
+from llmq.broker import Client
 from llmq.broker.embedded import free_port
 from llmq.broker.keys import GROUP
 from tests.integration.worker_harness import (

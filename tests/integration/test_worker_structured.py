@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from llmq.broker import protocol
+from llmq import protocol
 from tests.integration.worker_harness import (
     InProcessWorker,
     num_pending,

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.keys import GROUP, Keys
 
 REPO = Path(__file__).resolve().parents[2]

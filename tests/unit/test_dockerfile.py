@@ -102,7 +102,11 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_the_heavy_rest():
     patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
                 if p.strip() and not p.startswith("#")]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    needed = ["pyproject.toml", *pyproject["tool"]["setuptools"]["package-dir"].values()]
+    # llmq/ and the folders its links point at (the package's code)
+    links = [path for path in (ROOT / "llmq").iterdir() if path.is_symlink()]
+    needed = ["pyproject.toml", "llmq", *(path.resolve().relative_to(ROOT).as_posix()
+                                          for path in links)]
+    assert len(links) >= 5, "llmq/ should link protocol, broker, worker, gateway and cli"
     if isinstance(pyproject["project"].get("readme"), str):
         needed.append(pyproject["project"]["readme"])
     for path in needed:

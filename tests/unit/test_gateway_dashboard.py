@@ -8,17 +8,17 @@ from types import SimpleNamespace
 import pytest
 
 from llmq.broker.keys import Keys
-from llmq.broker.protocol import (
+from llmq.gateway.api_keys import ApiKeys
+from llmq.gateway.dashboard_session import Viewer
+from llmq.gateway.errors import APIError
+from llmq.gateway.pool_series import PoolSeries
+from llmq.protocol import (
     TTFT_BUCKETS_MS,
     LatencyHistogram,
     WorkerHeartbeat,
     decode_heartbeat,
     encode_heartbeat,
 )
-from llmq.gateway.api_keys import ApiKeys
-from llmq.gateway.dashboard_session import Viewer
-from llmq.gateway.errors import APIError
-from llmq.gateway.pool_series import PoolSeries
 
 # -- who sees what ---------------------------------------------------------------------------------
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from llmq.broker.commands import Followed
-from llmq.broker.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
 from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
 from llmq.gateway.openai_response import CompletionStream, completion_object, sse
+from llmq.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
 
 # -- bodies ---------------------------------------------------------------------------------------
 

@@ -16,11 +16,11 @@ import pytest
 # module -> prefixes of modules it must not pull in
 RULES = {
     "llmq.broker.keys": ("torch", "llmq.worker", "llmq.cli"),
-    "llmq.broker.protocol": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.client": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.aio": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.broker.embedded": ("torch", "llmq.worker", "llmq.cli"),
-    "llmq.broker.multiplex": ("torch", "redis", "llmq.worker", "llmq.cli"),
+    "llmq.broker.multiplex": ("torch", "llmq.worker", "llmq.cli"),
+    "llmq.protocol": ("torch", "redis", "llmq.broker", "llmq.worker", "llmq.cli", "llmq.gateway"),
     "llmq.broker.result_reader": ("torch", "llmq.worker", "llmq.cli", "llmq.gateway"),
     "llmq.broker.aio_result_reader": ("torch", "llmq.worker", "llmq.cli", "llmq.gateway"),
     "llmq.broker.control": ("torch", "llmq.worker", "llmq.cli"),
@@ -76,9 +76,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_MODULES = sorted(
     "llmq.worker." + ".".join(path.relative_to(ROOT / "worker").with_suffix("").parts)
     for path in (ROOT / "worker" / "engine").rglob("*.py") if path.name != "__init__.py")
-# The redis-free wire contract the engine may read: the protocol structs, the error codes, and
-# the name rules the protocol validates ids with.
-ENGINE_MAY_LOAD_FROM_BROKER = ("llmq.broker.protocol", "llmq.broker.errors", "llmq.broker.keys")
 
 
 @pytest.mark.parametrize("module", ENGINE_MODULES)
@@ -87,13 +84,12 @@ def test_nothing_in_the_engine_talks_to_redis_or_reaches_up(module: str) -> None
     out = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True,
                          check=True).stdout
     loaded = json.loads(out)
-    # Then no redis, no broker module but the wire contract, nothing of the layers above
+    # Then no redis, nothing of the broker (the wire contract is llmq.protocol), nothing above
     def under(name: str, prefix: str) -> bool:
         return name == prefix or name.startswith(prefix + ".")
     forbidden = [m for m in loaded
                  if under(m, "redis") or under(m, "llmq.cli") or under(m, "llmq.gateway")
-                 or (under(m, "llmq.broker") and m != "llmq.broker"
-                     and not any(under(m, p) for p in ENGINE_MAY_LOAD_FROM_BROKER))
+                 or under(m, "llmq.broker")
                  or (under(m, "llmq.worker") and m != "llmq.worker"
                      and not under(m, "llmq.worker.engine"))]
     assert forbidden == [], f"{module} pulls in {forbidden[:5]}"

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from llmq.broker.protocol import Choice, Done, Error, Timings, Usage
 from llmq.gateway.openai_batch import (
     BatchLineError,
     error_record,
@@ -14,6 +13,7 @@ from llmq.gateway.openai_batch import (
     output_record,
     parse_line,
 )
+from llmq.protocol import Choice, Done, Error, Timings, Usage
 
 
 def batch_line(url: str = "/v1/chat/completions", **body) -> str:

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from llmq.broker.errors import RequestRejected
+from llmq.protocol.errors import RequestRejected
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.request import Request
 from tests.unit.test_scheduler import VOCAB, Engine, run_alone

@@ -14,10 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmq.broker import protocol
+from llmq import protocol
 from llmq.broker.commands import build_submission
-from llmq.broker.errors import InvalidRequest, ProtocolError
-from llmq.broker.protocol import (
+from llmq.protocol import (
     MAX_PAYLOAD_BYTES,
     CancelNotice,
     DeadLetter,
@@ -33,6 +32,7 @@ from llmq.broker.protocol import (
     WorkerHeartbeat,
     decode_request_entry,
 )
+from llmq.protocol.errors import InvalidRequest, ProtocolError
 
 ENTRY_ID = "1796013460689-0"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmq.broker.errors import BrokerUnavailable
 from llmq.broker.redis_url import RedisURL
+from llmq.protocol.errors import BrokerUnavailable
 
 
 def test_a_cluster_url_names_its_seed_nodes_and_user() -> None:

@@ -7,8 +7,8 @@ import redis
 import redis.exceptions
 
 from llmq.broker.connection import translate
-from llmq.broker.errors import BrokerError, BrokerUnavailable
 from llmq.broker.retry import RetryPolicy, is_transient
+from llmq.protocol.errors import BrokerError, BrokerUnavailable
 
 URL = "redis://user:secret@cache:6379/0"
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmq.broker.errors import RequestRejected
+from llmq.protocol.errors import RequestRejected
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmq.broker.protocol import Delta, Done, Error, Start, Timings, Usage
 from llmq.broker.transcript import Fold, Transcript
+from llmq.protocol import Delta, Done, Error, Start, Timings, Usage
 
 
 def _done(attempt: int, text: str) -> Done:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from llmq.broker.errors import ErrorCode, RequestRejected
-from llmq.broker.protocol import Request
+from llmq.protocol import Request
+from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 

@@ -6,15 +6,15 @@ seen before travel as a diff (`CachedRequestData`); a request that is new, or re
 preemption, travels whole (`NewRequestData`).
 
 A finished request's usage, timings and logprobs are the wire's own structs
-(`llmq.broker.protocol`): the engine fills them in once, and the worker writes them as they are.
+(`llmq.protocol`): the engine fills them in once, and the worker writes them as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmq.broker.errors import ErrorCode
-from llmq.broker.protocol import Timings, TokenLogprob, Usage
+from llmq.protocol import Timings, TokenLogprob, Usage
+from llmq.protocol.errors import ErrorCode
 from llmq.worker.engine.sampling_params import SamplingParams
 
 __all__ = [

@@ -10,7 +10,7 @@ import enum
 import time
 from typing import Protocol
 
-from llmq.broker.errors import ErrorCode
+from llmq.protocol.errors import ErrorCode
 from llmq.worker.engine.sampling_params import SamplingParams
 
 

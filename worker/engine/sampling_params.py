@@ -1,6 +1,6 @@
 """Per-request sampling and stopping parameters, as the engine sees them.
 
-Mirrors vLLM's `SamplingParams` names. The wire request (`llmq.broker.protocol`) is checked
+Mirrors vLLM's `SamplingParams` names. The wire request (`llmq.protocol`) is checked
 field by field before it becomes one of these; `__post_init__` re-checks so in-process users
 (`llmq generate`, tests) get the same clear errors.
 """

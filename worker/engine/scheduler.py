@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from llmq.broker.errors import ErrorCode, RequestRejected
+from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine import stop_checker
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.kv_cache_manager import KVCacheManager

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
-from llmq.broker.protocol.encoding import json_encoder
+from llmq.protocol.encoding import json_encoder
 
 __all__ = ["Guided", "JsonSchema", "ResponseFormat", "ResponseFormatJsonObject",
            "ResponseFormatJsonSchema", "ResponseFormatText", "constrains", "output_constraint"]

@@ -18,9 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from llmq.broker.errors import ErrorCode, InvalidRequest
-from llmq.broker.keys import NAME_PATTERN, is_valid_name
-from llmq.broker.protocol.encoding import (
+from llmq.protocol.encoding import (
     ENCODINGS,
     Encoding,
     as_str,
@@ -29,7 +27,9 @@ from llmq.broker.protocol.encoding import (
     json_encoder,
     msgpack_encoder,
 )
-from llmq.broker.protocol.response_format import (
+from llmq.protocol.errors import ErrorCode, InvalidRequest
+from llmq.protocol.names import NAME_PATTERN, is_valid_name
+from llmq.protocol.response_format import (
     Guided,
     ResponseFormat,
     constrains,

@@ -14,13 +14,12 @@ without pulling in redis. By concept:
     latency_histogram.py  TTFT counts in fixed buckets, carried by heartbeats
     control.py    utility calls on llmq:ctl:{<queue>} and the workers' answers
 
-Everything public is re-exported here: `from llmq.broker.protocol import Request, Done`.
+Everything public is re-exported here: `from llmq.protocol import Request, Done`.
 
 References: vLLM v1 `engine/__init__.py` for msgspec wire structs.
 """
 
-from llmq.broker.errors import ErrorCode
-from llmq.broker.protocol.control import (
+from llmq.protocol.control import (
     METHODS,
     ControlCall,
     ControlReply,
@@ -29,8 +28,9 @@ from llmq.broker.protocol.control import (
     encode_call,
     encode_reply,
 )
-from llmq.broker.protocol.encoding import ENCODINGS, Encoding, as_str
-from llmq.broker.protocol.events import (
+from llmq.protocol.encoding import ENCODINGS, Encoding, as_str
+from llmq.protocol.errors import ErrorCode
+from llmq.protocol.events import (
     Choice,
     Delta,
     Done,
@@ -47,8 +47,8 @@ from llmq.broker.protocol.events import (
     is_terminal,
     terminal_event,
 )
-from llmq.broker.protocol.latency_histogram import TTFT_BUCKETS_MS, LatencyHistogram
-from llmq.broker.protocol.records import (
+from llmq.protocol.latency_histogram import TTFT_BUCKETS_MS, LatencyHistogram
+from llmq.protocol.records import (
     DEAD_LETTER_FIELD,
     CancelNotice,
     DeadLetter,
@@ -60,7 +60,7 @@ from llmq.broker.protocol.records import (
     encode_dead_letter,
     encode_heartbeat,
 )
-from llmq.broker.protocol.requests import (
+from llmq.protocol.requests import (
     DEFAULT_MAX_TOKENS,
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -86,7 +86,7 @@ from llmq.broker.protocol.requests import (
     parse_entry_id,
     parse_request,
 )
-from llmq.broker.protocol.response_format import (
+from llmq.protocol.response_format import (
     Guided,
     JsonSchema,
     ResponseFormat,

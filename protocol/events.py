@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from llmq.broker.errors import ErrorCode, ProtocolError
-from llmq.broker.protocol.encoding import ENCODINGS, Encoding, encoders, field_items
+from llmq.protocol.encoding import ENCODINGS, Encoding, encoders, field_items
+from llmq.protocol.errors import ErrorCode, ProtocolError
 
 # NOTE: events do not forbid unknown fields, so readers keep working when workers add fields.
 

@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from llmq.broker.errors import ProtocolError
-from llmq.broker.protocol.encoding import as_str, field_items, json_encoder
-from llmq.broker.protocol.requests import MAX_PAYLOAD_BYTES, RequestId
+from llmq.protocol.encoding import as_str, field_items, json_encoder
+from llmq.protocol.errors import ProtocolError
+from llmq.protocol.requests import MAX_PAYLOAD_BYTES, RequestId
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from llmq.broker.protocol.encoding import field_items, json_encoder
-from llmq.broker.protocol.requests import RequestId
+from llmq.protocol.encoding import field_items, json_encoder
+from llmq.protocol.requests import RequestId
 
 __all__ = ["METHODS", "ControlCall", "ControlReply", "decode_call", "decode_reply",
            "encode_call", "encode_reply"]

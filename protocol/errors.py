@@ -13,7 +13,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmq.broker.protocol import Error
+    from llmq.protocol import Error
 
 __all__ = [
     "BrokerError",
