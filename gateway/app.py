@@ -105,7 +105,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return json_response({"error": {"message": str(exc.detail), "type": kind, "param": None,
-                                    "code": code}}, exc.status_code, exc.headers)
+                                    "code": code}}, exc.status_code, dict(exc.headers or {}))
 
 
 async def _broker_error(request: Request, exc: Exception) -> Response:
@@ -148,8 +148,8 @@ class RequestIdAndMetrics:
             await self.app(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
-            state: GatewayState | None = getattr(scope.get("app").state, "gateway", None) \
-                if scope.get("app") is not None else None
+            app = scope.get("app")  # set by Starlette, once routing began
+            state: GatewayState | None = getattr(app.state, "gateway", None) if app else None
             if state is not None:
                 state.metrics.observe(scope["method"], getattr(route, "path", "unmatched"),
                                       status, time.perf_counter() - started)

@@ -19,18 +19,18 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from llmq.broker.commands import Followed
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.transcript import Fold
 from llmq.gateway.errors import bad_request, not_found
-from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
+from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, Endpoint, decode_body
 from llmq.gateway.openai_response import (
     DONE_FRAME,
     CompletionStream,
@@ -83,16 +83,12 @@ async def cancel_completion(request: Request) -> Response:
 # -- create ---------------------------------------------------------------------------------------
 
 
-async def _create(request: Request, endpoint: str) -> Response:
+async def _create(request: Request, endpoint: Endpoint) -> Response:
     state = GatewayState.of(request)
     tenant = state.tenant(request)
     public_id = _public_id(request, tenant)
     try:
-        body = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
-    try:
-        parsed = parse_body(endpoint, body)
+        parsed = decode_body(endpoint, await request.body())
     except BodyError as exc:
         raise bad_request(str(exc), exc.param) from None
     queue = await state.pool.route(parsed.model)
@@ -139,8 +135,7 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
     logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
     try:
-        async with contextlib.aclosing(state.client.follow(
-                request_id, timeout=state.settings.request_timeout)) as events:
+        async with _following(state, request_id) as events:
             async for followed in events:
                 event = followed.event
                 created = created or parse_entry_id(followed.entry_id)[0] // 1000
@@ -183,17 +178,31 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+@contextlib.asynccontextmanager
+async def _following(state: GatewayState, request_id: str, after: str | None = None
+                     ) -> AsyncGenerator[AsyncIterator[Followed], None]:
+    """The request's events, closed on leaving, however that happens: its follower unsubscribes
+    at once rather than whenever the garbage collector finalizes the generator."""
+    events = state.client.follow(request_id, timeout=state.settings.request_timeout, after=after)
+    try:
+        yield events
+    finally:
+        # NOTE: AsyncClient.follow is an async generator, though typed as an AsyncIterator.
+        if isinstance(events, AsyncGenerator):
+            await events.aclose()
+
+
 # -- streaming ------------------------------------------------------------------------------------
 
 
 async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
-               cancel_queue: str | None, after: str | None = None) -> AsyncIterator[bytes]:
+               cancel_queue: str | None, after: str | None = None
+               ) -> AsyncGenerator[bytes, None]:
     """The request's events as SSE frames; a client that goes away cancels the request when
     `cancel_queue` names its queue (Starlette cancels this generator on a disconnect)."""
     state.metrics.open_streams.inc()
     try:
-        async with contextlib.aclosing(state.client.follow(
-                request_id, timeout=state.settings.request_timeout, after=after)) as events:
+        async with _following(state, request_id, after) as events:
             async for followed in events:
                 for frame in stream.feed(followed):
                     yield frame
@@ -217,7 +226,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                 await state.cancel(request_id, cancel_queue)
 
 
-async def _resume(request: Request, endpoint: str) -> Response:
+async def _resume(request: Request, endpoint: Endpoint) -> Response:
     state = GatewayState.of(request)
     tenant = state.tenant(request)
     public_id = _path_id(request, endpoint)
@@ -243,7 +252,7 @@ async def _resume(request: Request, endpoint: str) -> Response:
 # -- cancel ---------------------------------------------------------------------------------------
 
 
-async def _cancel(request: Request, endpoint: str) -> Response:
+async def _cancel(request: Request, endpoint: Endpoint) -> Response:
     state = GatewayState.of(request)
     tenant = state.tenant(request)
     public_id = _path_id(request, endpoint)
@@ -271,7 +280,7 @@ def _public_id(request: Request, tenant: str) -> str:
     return public_id
 
 
-def _path_id(request: Request, endpoint: str) -> str:
+def _path_id(request: Request, endpoint: Endpoint) -> str:
     raw = request.path_params["request_id"]
     public_id = raw.removeprefix("chatcmpl-" if endpoint == CHAT else "cmpl-")
     if not is_valid_name(public_id):

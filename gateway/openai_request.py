@@ -1,46 +1,55 @@
 """OpenAI request bodies -> llmq requests, for the HTTP routes and for batch file lines alike.
 
-`/v1/chat/completions` takes `messages` (string content or text parts), `/v1/completions` takes
-`prompt` (one string, or one list of token ids). Sampling fields map onto the llmq request by name
+Each endpoint's body is a msgspec Struct: `ChatCompletionBody` (`messages`: string content or
+text parts) for /v1/chat/completions, `CompletionBody` (`prompt`: one string, or one list of token
+ids) for /v1/completions, both on `OpenAIBody`, the fields the two share. An HTTP body is decoded
+from its bytes by a long-lived typed decoder (`decode_body`); a batch line's, parsed already with
+its line, is converted into the same Struct (`parse_body`).
+
+Sampling fields carry the llmq request's names and pass onto it as they are
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority` too); `user` and `metadata` ride in the
 request's `metadata`. `n` (completions sampled over one prefill) and `response_format` (`text`,
 `json_object`, `json_schema`: decoding follows it) pass through as they are. A field llmq cannot
-honour (`tools`, `logit_bias`, `best_of`...) is refused, never silently ignored. The whole request
-is then checked by the worker's own decoder, so what passes here runs there.
+honour (`tools`, `logit_bias`, `best_of`...) is refused, and so is a field no Struct declares:
+never silently ignored. The whole request is then checked by the worker's own decoder, so what
+passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one place, the
+wire contract (llmq.protocol.requests): the Structs check types.
 
-References: https://platform.openai.com/docs/api-reference/chat/create and /completions/create.
+To take a new OpenAI or vLLM field (`tools`, `structured_outputs`, `guided_*`...): declare it,
+typed and defaulting to None, on the Struct of each endpoint that has it (until then a body naming
+it is a 400), and map it onto the llmq request in that Struct's `llmq_request`.
+
+References: https://platform.openai.com/docs/api-reference/chat/create and /completions/create;
+vLLM's entrypoints/openai/protocol.py (`ChatCompletionRequest`, `CompletionRequest`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Final, Literal
+
+import msgspec
+from msgspec import Meta, Struct
 
 from llmq.broker.commands import build_submission
 from llmq.protocol import MAX_LOGPROBS
 from llmq.protocol.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETIONS", "BodyError", "OpenAIRequest", "parse_body"]
+__all__ = ["CHAT", "COMPLETIONS", "BodyError", "ChatCompletionBody", "CompletionBody",
+           "Endpoint", "OpenAIBody", "OpenAIRequest", "decode_body", "parse_body"]
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+COMPLETIONS: Final = "/v1/completions"
+CHAT: Final = "/v1/chat/completions"
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 
-# OpenAI body field -> llmq request field
-_SAMPLING = {
-    "model": "model", "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-    "stop": "stop", "seed": "seed", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "priority": "priority",
-}
-# No effect on the generated text.
-_IGNORED = {"store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-            "safety_identifier"}
-_EMPTY_OK = {"tools", "functions", "logit_bias"}  # accepted when empty or null
-# Passed through as they are, unless they ask for the default.
-_PASSED = {"n": 1, "response_format": {"type": "text"}}
+# OpenAI body fields that are llmq request fields of the same name.
+_SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+             "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+             "ignore_eos", "stop_token_ids", "priority")
+_DEFAULT_RESPONSE_FORMAT = {"type": "text"}
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class BodyError(Exception):
@@ -62,149 +71,270 @@ class OpenAIRequest:
     n: int = 1  # completions: the response has choices 0..n-1
 
 
-def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIRequest:
-    """Validate one body as the worker will; BodyError saying why not.
+# -- the bodies -----------------------------------------------------------------------------------
 
-    `batch`: a line of a batch file, where `stream`, `logprobs`, `user` and `metadata` have no
-    place in the output format: the first two are refused, the others ignored.
-    """
-    if endpoint not in (COMPLETIONS, CHAT):
-        raise BodyError(f"`url` must be {COMPLETIONS} or {CHAT}, got {endpoint!r}")
-    if not isinstance(body, dict):
-        raise BodyError("the body must be a JSON object")
-    chat = endpoint == CHAT
-    input_field = "messages" if chat else "prompt"
-    request: dict[str, Any] = {}
-    extras: dict[str, Any] = {}
-    for name, value in body.items():
-        if name in _SAMPLING:
-            request[_SAMPLING[name]] = value
-        elif name in _PASSED:
-            if value is not None and value != _PASSED[name]:
-                request[name] = value
-        elif name == "max_completion_tokens" and chat:
-            if value is not None:
-                request["max_tokens"] = value
-        elif name == input_field or name in _IGNORED or (batch and name in ("user", "metadata")):
-            continue
-        elif name in _EMPTY_OK:
-            if value:
+
+class StreamOptions(Struct, kw_only=True):
+    """`stream_options`; other keys (vLLM's `continuous_usage_stats`...) are ignored."""
+
+    include_usage: bool | None = None
+
+
+class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body fields both endpoints take."""
+
+    # NOTE: the types only; the bounds are checked by the worker's decoder, in one place.
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    response_format: dict[str, Any] | None = None  # checked as the wire's ResponseFormat
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+    # the response's shape, and what rides along
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    # accepted, with no effect on the generated text
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused unless empty or null (tool_choice: unless "none" or "auto"): llmq has no tool
+    # calls nor logit biases yet
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    # Fields a batch line refuses, as it refuses a field no Struct declares: those that shape
+    # an HTTP response (the batch output format has no place for them; `stream` is taken there
+    # when false), and `tool_choice`.
+    not_in_batch: ClassVar[tuple[str, ...]] = ("stream_options", "tool_choice")
+
+    def llmq_request(self) -> dict[str, Any]:
+        """The llmq request's fields (without `id`, `stream` and `metadata`); BodyError for a
+        field llmq cannot honour."""
+        for name in ("tools", "functions", "logit_bias"):
+            if getattr(self, name):
                 raise BodyError(f"`{name}` is not supported", name)
-        else:
-            extras[name] = value
-    options = _options(endpoint, extras, batch)
-    if input_field not in body:
-        raise BodyError(f"the body needs `{input_field}` for {endpoint}", input_field)
-    if chat:
-        request["messages"] = _messages(body["messages"])
-    else:
-        request.update(_prompt(body["prompt"]))
-    if options.pop("_logprobs") is not None:
-        request["logprobs"] = options["logprobs"]
-    if options["metadata"]:
-        request["metadata"] = options["metadata"]
-    try:
-        build_submission(request)  # the worker's own decoder
-    except InvalidRequest as exc:
-        raise BodyError(str(exc), _param(str(exc), body)) from None
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    return OpenAIRequest(endpoint, request, model, options["stream"], options["include_usage"],
-                         options["logprobs"], request.get("n", 1))
+        if self.tool_choice not in (None, "none", "auto"):
+            raise BodyError("`tool_choice` is not supported", "tool_choice")
+        request = {name: value for name in _SAMPLING if (value := getattr(self, name)) is not None}
+        if self.n is not None and self.n != 1:
+            request["n"] = self.n
+        if self.response_format is not None and self.response_format != _DEFAULT_RESPONSE_FORMAT:
+            request["response_format"] = self.response_format
+        return request
+
+    def logprobs_count(self) -> int | None:
+        """Log-probabilities to return: None for none, n for the sampled token's and the top n."""
+        return None
+
+    def param_of(self, llmq_field: str) -> str:
+        """The body field an llmq request field came from."""
+        return llmq_field
 
 
-def _options(endpoint: str, extras: dict[str, Any], batch: bool) -> dict[str, Any]:
-    """The fields that shape the response rather than the request; BodyError for the rest."""
-    chat = endpoint == CHAT
-    out: dict[str, Any] = {"stream": False, "include_usage": False, "logprobs": None,
-                           "_logprobs": None, "metadata": {}}
-    for name, value in extras.items():
-        if name == "stream":
-            if value and batch:
-                raise BodyError("`stream` must be false in a batch", "stream")
-            out["stream"] = bool(value)
-        elif name == "stream_options" and not batch:
-            if value is not None and not isinstance(value, dict):
-                raise BodyError("`stream_options` must be an object", "stream_options")
-            out["include_usage"] = bool((value or {}).get("include_usage"))
-        elif name == "logprobs" and not batch:
-            if chat:
-                if value not in (None, True, False):
-                    raise BodyError("`logprobs` must be a boolean", "logprobs")
-                out["_logprobs"] = True if value else None
-            elif value is not None:
-                out["_logprobs"] = out["logprobs"] = _count("logprobs", value)
-        elif name == "top_logprobs" and chat and not batch:
-            if value is not None:
-                out["logprobs"] = _count("top_logprobs", value)
-        elif name in ("user", "metadata"):
-            if value is not None:
-                if name == "metadata" and not isinstance(value, dict):
-                    raise BodyError("`metadata` must be an object", "metadata")
-                out["metadata"][name] = value
-        elif name == "tool_choice" and not batch:
-            if value not in (None, "none", "auto"):
-                raise BodyError("`tool_choice` is not supported", "tool_choice")
-        elif name in ("echo", "best_of", "suffix") and not chat and not batch:
-            harmless = {"echo": False, "best_of": 1, "suffix": ""}[name]
-            if value is not None and (value != harmless or type(value) is not type(harmless)):
+class ContentPart(Struct, kw_only=True):
+    """One part of a message's content; only `text` parts carry meaning here."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    """One chat message; other keys (`name`...) are ignored."""
+
+    role: str  # the worker's decoder checks it is one it renders
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's new name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: LogprobCount | None = None
+
+    not_in_batch: ClassVar[tuple[str, ...]] = (*OpenAIBody.not_in_batch, "logprobs",
+                                               "top_logprobs")
+
+    def llmq_request(self) -> dict[str, Any]:
+        request = super().llmq_request()
+        if self.max_completion_tokens is not None:
+            request["max_tokens"] = self.max_completion_tokens
+        request["messages"] = [_llmq_message(i, m) for i, m in enumerate(self.messages)]
+        if (logprobs := self.logprobs_count()) is not None:
+            request["logprobs"] = logprobs
+        return request
+
+    def logprobs_count(self) -> int | None:
+        if self.logprobs:
+            return self.top_logprobs or 0
+        if self.top_logprobs is not None:
+            raise BodyError("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+        return None
+
+    def param_of(self, llmq_field: str) -> str:
+        if llmq_field.startswith("max_tokens") and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return llmq_field
+
+
+def _llmq_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        if not all(part.type == "text" and part.text is not None for part in content):
+            raise BodyError(f"messages[{index}]: only text content parts are supported",
+                            f"messages[{index}].content")
+        content = "".join(part.text or "" for part in content)
+    return {"role": message.role, "content": content}
+
+
+# `prompt`: a string, token ids, or a list of one of those (the OpenAI client's batch shape).
+Prompt = str | list[str | int | list[int]]
+
+
+class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
+    """The body of POST /v1/completions."""
+
+    prompt: Prompt
+    logprobs: LogprobCount | None = None
+    # accepted at the value that changes nothing
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    not_in_batch: ClassVar[tuple[str, ...]] = (*OpenAIBody.not_in_batch, "logprobs", "echo",
+                                               "best_of", "suffix")
+
+    def llmq_request(self) -> dict[str, Any]:
+        for name, harmless in (("echo", False), ("best_of", 1), ("suffix", "")):
+            if getattr(self, name) not in (None, harmless):
                 raise BodyError(f"`{name}` is not supported", name)
-        else:
-            raise BodyError(f"body field `{name}` is not supported for {endpoint}", name)
-    if chat and out["_logprobs"]:
-        out["logprobs"] = out["logprobs"] or 0
-    elif chat and out["logprobs"] is not None:
-        raise BodyError("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-    if out["include_usage"] and not out["stream"]:
-        raise BodyError("`stream_options` is only allowed with `stream: true`", "stream_options")
-    return out
+        request = super().llmq_request()
+        request.update(_llmq_prompt(self.prompt))
+        if self.logprobs is not None:
+            request["logprobs"] = self.logprobs
+        return request
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def param_of(self, llmq_field: str) -> str:
+        return "prompt" if llmq_field.startswith("prompt_token_ids") else llmq_field
 
 
-def _count(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
-        raise BodyError(f"`{name}` must be an integer from 0 to {MAX_LOGPROBS}", name)
-    return value
-
-
-def _prompt(prompt: Any) -> dict[str, Any]:
+def _llmq_prompt(prompt: Prompt) -> dict[str, Any]:
+    one: Prompt | list[int] = prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # one prompt in a list, as the OpenAI client sends it
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return {"prompt_token_ids": prompt}
+        one = prompt[0]  # one prompt in a list, as the OpenAI client sends it
+    if isinstance(one, str):
+        return {"prompt": one}
+    if one and all(isinstance(token, int) for token in one):
+        return {"prompt_token_ids": one}
     raise BodyError("`prompt` must be a string or a list of token ids (one prompt per line)",
                     "prompt")
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list):
-        raise BodyError("`messages` must be a list", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise BodyError(f"messages[{i}] must be an object", f"messages[{i}]")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text ones carry meaning here
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise BodyError(f"messages[{i}]: only text content parts are supported",
-                                    f"messages[{i}].content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        out.append({"role": message.get("role"), "content": content})
-    return out
+# -- decoding -------------------------------------------------------------------------------------
+
+_BODIES: dict[str, type[ChatCompletionBody] | type[CompletionBody]] = {
+    CHAT: ChatCompletionBody, COMPLETIONS: CompletionBody}
+_decoders: dict[str, msgspec.json.Decoder[ChatCompletionBody]
+                | msgspec.json.Decoder[CompletionBody]] = {
+    CHAT: msgspec.json.Decoder(ChatCompletionBody),
+    COMPLETIONS: msgspec.json.Decoder(CompletionBody)}
 
 
-def _param(message: str, body: dict[str, Any]) -> str | None:
-    """The OpenAI name of the field a decoder message points at (``... - at `$.top_p```)."""
-    _, found, path = message.rpartition("at `$.")
-    if not found:
-        return None
-    field = path.rstrip("`")
-    if field.startswith("max_tokens") and "max_completion_tokens" in body:
-        return "max_completion_tokens"
-    if field.startswith("prompt_token_ids"):
-        return "prompt"
-    return field
+def decode_body(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
+    """An HTTP request's JSON body, validated as the worker will; BodyError saying why not."""
+    try:
+        body = _decoders[endpoint].decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _decode_error(str(exc), endpoint) from None
+    except msgspec.DecodeError as exc:
+        raise BodyError(f"the body is not valid JSON: {exc}") from None
+    return _translate(endpoint, body, batch=False)
+
+
+def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIRequest:
+    """A body already parsed from JSON (a batch file line's), validated as the worker will;
+    BodyError saying why not.
+
+    `batch`: a line of a batch file, where `stream`, `logprobs`, `user` and `metadata` have no
+    place in the output format: the first two are refused, the others ignored.
+    """
+    if endpoint not in _BODIES:
+        raise BodyError(f"`url` must be {COMPLETIONS} or {CHAT}, got {endpoint!r}")
+    known: Endpoint = CHAT if endpoint == CHAT else COMPLETIONS
+    try:
+        decoded = msgspec.convert(body, _BODIES[known])
+    except msgspec.ValidationError as exc:
+        raise _decode_error(str(exc), known) from None
+    return _translate(known, decoded, batch)
+
+
+def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
+               batch: bool) -> OpenAIRequest:
+    if batch:
+        if body.stream:
+            raise BodyError("`stream` must be false in a batch", "stream")
+        for name in body.not_in_batch:
+            if getattr(body, name) is not None:
+                raise BodyError(f"body field `{name}` is not supported for {endpoint}", name)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if include_usage and not body.stream:
+        raise BodyError("`stream_options` is only allowed with `stream: true`", "stream_options")
+    request = body.llmq_request()
+    if not batch:
+        riders = {"user": body.user, "metadata": body.metadata}
+        if metadata := {name: value for name, value in riders.items() if value is not None}:
+            request["metadata"] = metadata
+    try:
+        build_submission(request)  # the worker's own decoder
+    except InvalidRequest as exc:
+        field = _path_of(str(exc))
+        raise BodyError(str(exc), None if field is None else body.param_of(field)) from None
+    return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
+                         body.logprobs_count(), request.get("n", 1))
+
+
+# msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?(.*)`)?\Z")
+_MISSING_FIELD = re.compile(r"Object missing required field `([^`]+)`(?: - at `\$\.?(.*)`)?\Z")
+
+
+def _decode_error(message: str, endpoint: Endpoint) -> BodyError:
+    """BodyError for a msgspec message, in today's words for the body's own fields."""
+    if match := _UNKNOWN_FIELD.match(message) or _MISSING_FIELD.match(message):
+        field, at = match[1], match[2]
+        if at:  # a field of a nested object, e.g. messages[0].role
+            return BodyError(message, f"{at}.{field}")
+        if match.re is _UNKNOWN_FIELD:
+            return BodyError(f"body field `{field}` is not supported for {endpoint}", field)
+        return BodyError(f"the body needs `{field}` for {endpoint}", field)
+    if message.startswith("Expected `object`") and " - at `$" not in message:
+        return BodyError("the body must be a JSON object")
+    return BodyError(message, _path_of(message))
+
+
+def _path_of(message: str) -> str | None:
+    """The field a msgspec message points at (``... - at `$.messages[0].role```)."""
+    _, found, path = message.rpartition(" - at `$.")
+    return path.removesuffix("`") if found else None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from llmq.broker.commands import Followed
 from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
-from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, parse_body
+from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, decode_body, parse_body
 from llmq.gateway.openai_response import CompletionStream, completion_object, sse
 from llmq.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
 
@@ -71,11 +72,57 @@ def test_completions_logprobs_are_a_count() -> None:
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "allow_special_tokens": True}, "allow_special_tokens", "not supported"),
     (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
+    (COMPLETIONS, {"model": "m", "prompt": [5, -1]}, "prompt", ">= 0"),
+    (CHAT, {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role", "`role`"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", "only text content parts"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+     "stream", "`bool"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "top_logprobs": 2}, "top_logprobs",
+     "not supported for /v1/completions"),
+    (COMPLETIONS, [{"model": "m", "prompt": "x"}], None, "must be a JSON object"),
 ])
 def test_a_body_llmq_cannot_run_names_the_field(endpoint, body, param, words) -> None:
+    # Given a body as a batch line holds it (parsed) and as an HTTP request sends it (bytes)
+    for parse in (lambda: parse_body(endpoint, body),
+                  lambda: decode_body(endpoint, msgspec.json.encode(body))):
+        # Then both are refused the same way, naming the field at fault
+        with pytest.raises(BodyError) as info:
+            parse()
+        assert info.value.param == param and words in str(info.value)
+
+
+def test_an_http_body_that_is_not_json_says_so() -> None:
+    with pytest.raises(BodyError, match="not valid JSON"):
+        decode_body(CHAT, b'{"model": "m", ')
+
+
+def test_fields_with_no_effect_or_asking_for_nothing_are_accepted() -> None:
+    # Given a body from a client that sends OpenAI's harmless fields at their neutral values
+    body = {"model": "m", "prompt": ["Once"], "echo": False, "best_of": 1, "suffix": "",
+            "store": True, "service_tier": "auto", "tools": [], "logit_bias": {},
+            "tool_choice": "none", "stream_options": {"include_usage": False},
+            "stream": False, "n": 1, "response_format": {"type": "text"}, "top_k": None}
+    # Then it runs as the bare prompt would
+    parsed = decode_body(COMPLETIONS, msgspec.json.encode(body))
+    assert parsed.request == {"model": "m", "prompt": "Once"}
+    assert (parsed.stream, parsed.include_usage, parsed.logprobs, parsed.n) == (
+        False, False, None, 1)
+
+
+@pytest.mark.parametrize("field, value", [("stream", True), ("logprobs", True),
+                                          ("stream_options", {}), ("tool_choice", "auto")])
+def test_a_batch_line_refuses_what_only_an_http_response_has(field, value) -> None:
+    # Given a chat body an HTTP client may send
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    parse_body(CHAT, body)
+    # Then as a batch line it is refused, naming the field
     with pytest.raises(BodyError) as info:
-        parse_body(endpoint, body)
-    assert info.value.param == param and words in str(info.value)
+        parse_body(CHAT, body, batch=True)
+    assert info.value.param == field
 
 
 # -- streaming ------------------------------------------------------------------------------------
