@@ -148,8 +148,9 @@ class RequestIdAndMetrics:
             await self.app(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
-            app = scope.get("app")  # set by Starlette, once routing began
-            state: GatewayState | None = getattr(app.state, "gateway", None) if app else None
+            app = scope.get("app")
+            state: GatewayState | None = (getattr(app.state, "gateway", None)
+                                          if app is not None else None)
             if state is not None:
                 state.metrics.observe(scope["method"], getattr(route, "path", "unmatched"),
                                       status, time.perf_counter() - started)

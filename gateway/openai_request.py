@@ -277,8 +277,9 @@ def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIReques
     """A body already parsed from JSON (a batch file line's), validated as the worker will;
     BodyError saying why not.
 
-    `batch`: a line of a batch file, where `stream`, `logprobs`, `user` and `metadata` have no
-    place in the output format: the first two are refused, the others ignored.
+    `batch`: a line of a batch file, whose output format has no place for what shapes an HTTP
+    response: the body's `not_in_batch` fields are refused, `stream` unless false, and `user`
+    and `metadata` are ignored.
     """
     if endpoint not in _BODIES:
         raise BodyError(f"`url` must be {COMPLETIONS} or {CHAT}, got {endpoint!r}")
@@ -321,7 +322,8 @@ _MISSING_FIELD = re.compile(r"Object missing required field `([^`]+)`(?: - at `\
 
 
 def _decode_error(message: str, endpoint: Endpoint) -> BodyError:
-    """BodyError for a msgspec message, in today's words for the body's own fields."""
+    """BodyError for a msgspec message: an unknown or missing field of the body itself in plain
+    words, the rest as msgspec words it (naming the path); `param` names the field."""
     if match := _UNKNOWN_FIELD.match(message) or _MISSING_FIELD.match(message):
         field, at = match[1], match[2]
         if at:  # a field of a nested object, e.g. messages[0].role

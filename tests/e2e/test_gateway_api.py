@@ -263,6 +263,32 @@ def test_an_invalid_body_is_a_400_naming_the_field(client: openai.OpenAI, model:
     assert bad_n.value.body["param"] == "n"
 
 
+def test_a_field_llmq_does_not_know_or_cannot_honour_is_a_400_naming_it(
+        client: openai.OpenAI, model: str) -> None:
+    # Given a misspelt vLLM field, a tool to call, and a message without a role
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bodies = [({"messages": MESSAGES, "extra_body": {"top_kk": 4}}, "top_kk", "not supported"),
+              ({"messages": MESSAGES, "tools": [tool]}, "tools", "not supported"),
+              ({"messages": [{"content": "Hi"}]}, "messages[0].role", "`role`")]
+    for kwargs, param, words in bodies:
+        # Then each is refused before it is queued, naming the field
+        with pytest.raises(openai.BadRequestError, match=words) as info:
+            client.chat.completions.create(model=model, max_tokens=4, **kwargs)
+        assert info.value.body["param"] == param
+        assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_text_content_parts_are_one_message(client: openai.OpenAI, model: str) -> None:
+    # Given the question as two text parts, as multimodal clients send it
+    parts = [{"type": "text", "text": "Tell me about "}, {"type": "text", "text": "the sea."}]
+    answers = [client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True}).choices[0].message.content
+        for messages in ([{"role": "user", "content": parts}], MESSAGES)]
+    # Then the answer is the one to the question as one string
+    assert answers[0] == answers[1] and answers[0]
+
+
 def test_a_body_that_is_not_json_is_a_400(pool: GatewayProcess) -> None:
     response = httpx.post(f"{pool.base_url}/v1/completions", content=b"{nope",
                           headers={"Authorization": f"Bearer {KEYS['alice']}"})
