@@ -115,7 +115,7 @@ def test_fields_with_no_effect_or_asking_for_nothing_are_accepted() -> None:
 
 @pytest.mark.parametrize("field, value", [("stream", True), ("logprobs", True),
                                           ("stream_options", {}), ("tool_choice", "auto")])
-def test_a_batch_line_refuses_what_only_an_http_response_has(field, value) -> None:
+def test_a_batch_line_refuses_the_fields_it_has_no_place_for(field, value) -> None:
     # Given a chat body an HTTP client may send
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
     parse_body(CHAT, body)
