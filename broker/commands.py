@@ -385,7 +385,7 @@ def parse_dead_letters(entries: StreamRangeResponse | None) -> list[DeadLetterEn
     """DLQ entries from XRANGE; ProtocolError for an entry that is not a dead letter."""
     parsed = []
     for entry_id, fields in entries or []:
-        dead_letter, payload = decode_dead_letter(fields)
+        dead_letter, payload = decode_dead_letter(fields or {})
         parsed.append(DeadLetterEntry(as_str(entry_id), dead_letter, payload))
     return parsed
 
