@@ -35,9 +35,10 @@ browser:
 	  apt-get install -y -qq chromium chromium-driver >/dev/null) \
 	  || echo "chromium not installed: the dashboard's browser tests will skip"; }
 
-# The engine's CPU kernels (worker/engine/model/cpu_kernels.py) are C++ compiled at first use by
-# the system's compiler (plain g++ and ctypes: no ninja, no torch headers). Without one the engine
-# runs slower torch ops, and the kernel tests skip (fail under CI=true). Installed where we may.
+# The engine's CPU kernels (the C++ in worker/engine/model/kernels/, built by cpu_kernels.py) are
+# compiled at first use by the system's compiler (plain g++ and ctypes: no ninja, no torch
+# headers). Without one the engine runs slower torch ops, and the kernel tests skip (fail under
+# CI=true). Installed where we may.
 cxx:
 	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
 	  && command -v apt-get >/dev/null && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \

@@ -22,7 +22,7 @@ import redis
 import redis.asyncio
 
 from llmq.broker.aio_result_reader import AsyncResultReader
-from llmq.broker.client import _ClientBase
+from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
     RETRY_SCRIPT,
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncClient(_ClientBase):
+class AsyncClient(ClientBase):
     """Asyncio producer client; the arguments and methods are those of `Client`."""
 
     def __init__(

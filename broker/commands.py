@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -41,6 +41,9 @@ from llmq.protocol.errors import (
     StreamExhausted,
 )
 from llmq.protocol.requests import ENTRY_ID_RE
+
+if TYPE_CHECKING:
+    from redis.typing import StreamRangeResponse  # XRANGE's reply, as redis-py types it
 
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
@@ -378,16 +381,16 @@ class DeadLetterEntry:
     payload: dict[str, bytes]  # the original request fields ({} when not kept)
 
 
-def parse_dead_letters(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[DeadLetterEntry]:
+def parse_dead_letters(entries: StreamRangeResponse | None) -> list[DeadLetterEntry]:
     """DLQ entries from XRANGE; ProtocolError for an entry that is not a dead letter."""
     parsed = []
-    for entry_id, fields in entries:
-        dead_letter, payload = decode_dead_letter(fields)
+    for entry_id, fields in entries or []:
+        dead_letter, payload = decode_dead_letter(fields or {})
         parsed.append(DeadLetterEntry(as_str(entry_id), dead_letter, payload))
     return parsed
 
 
-def dead_letter_to_retry(entries: list[tuple[bytes, dict[bytes, bytes]]], dlq_entry_id: str,
+def dead_letter_to_retry(entries: StreamRangeResponse | None, dlq_entry_id: str,
                          queue: str) -> DeadLetterEntry:
     """The one dead letter XRANGE found for a retry; LLMQError when missing or without payload."""
     if not entries:

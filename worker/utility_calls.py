@@ -20,23 +20,54 @@ import os
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmq.protocol import METHODS, ControlCall, ControlReply
 
 if TYPE_CHECKING:
-    from llmq.worker.worker import Worker
+    from llmq.worker.engine_client import EngineClient
+    from llmq.worker.inflight_table import InFlightTable
+    from llmq.worker.lease_keeper import LeaseKeeper
+    from llmq.worker.result_writer import ResultWriter
+
+__all__ = ["Intake", "UtilityCalls"]
 
 logger = logging.getLogger(__name__)
 
 
+class Intake(Protocol):
+    """The worker's taking of new work (reading its queue, reclaiming peers' entries), which a
+    sleep pauses; worker/worker.py's `Worker` is the one implementation."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    def pause_intake(self) -> None:
+        """Read and reclaim nothing more; a read blocking now is woken (on another thread)."""
+
+    def resume_intake(self) -> None:
+        """Read and reclaim again, unless the worker is draining."""
+
+
 class UtilityCalls:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker  # its engine, in-flight table, reader, lease keeper, writer
+    """The calls, run on the busy loop: `engine` is the busy loop's; `table` the entries the
+    worker holds; `writer` gets the outputs of the aborts a sleep makes; `keeper` hands entries
+    back to peers; `intake` is paused while asleep."""
+
+    def __init__(self, engine: EngineClient, table: InFlightTable, writer: ResultWriter,
+                 keeper: LeaseKeeper, intake: Intake, *, worker_id: str,
+                 model_name: str) -> None:
+        self.engine = engine
+        self.table = table
+        self.writer = writer
+        self.keeper = keeper
+        self.intake = intake
+        self.worker_id = worker_id
+        self.model_name = model_name
 
     @property
     def sleep_level(self) -> int:
-        return self.worker.engine.sleep_level
+        return self.engine.sleep_level
 
     def run(self, call: ControlCall) -> ControlReply:
         handler = getattr(self, f"_{call.method}", None) if call.method in METHODS else None
@@ -53,69 +84,60 @@ class UtilityCalls:
 
     def _reply(self, call: ControlCall, result: dict[str, Any] | None = None,
                error: str | None = None) -> ControlReply:
-        return ControlReply(call_id=call.call_id, worker=self.worker.config.worker_id,
+        return ControlReply(call_id=call.call_id, worker=self.worker_id,
                             ok=error is None, result=result, error=error)
 
     # -- the calls ----------------------------------------------------------------------------
 
     def _reset_prefix_cache(self) -> dict[str, Any]:
-        reset = self.worker.engine.reset_prefix_cache()
+        reset = self.engine.reset_prefix_cache()
         return {"reset": reset} if reset else {
             "reset": False, "reason": "requests are running and hold cached blocks"}
 
     def _sleep(self, level: int = 1) -> dict[str, Any]:
-        w = self.worker
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
         if self.sleep_level:
             return {"level": self.sleep_level, "already_sleeping": True}
-        w.reader.pause()
-        w.reclaimer.reclaiming = False
-        threading.Thread(target=w.reader.unblock, args=(w.admin,), daemon=True,
-                         name="llmq-pause-reader").start()
+        self.intake.pause_intake()
         handed_back = self.hand_back_in_flight()
         try:
-            freed = w.engine.sleep(level)
+            freed = self.engine.sleep(level)
         except Exception:
-            w.reader.resume()  # still awake: serve again rather than hang half asleep
-            w.reclaimer.reclaiming = not w.draining
+            self.intake.resume_intake()  # still awake: serve again rather than hang half asleep
             raise
         logger.warning("sleeping at level %d: %d MiB freed, %d request(s) handed back", level,
                        freed >> 20, len(handed_back))
         return {"level": level, "freed_bytes": freed, "handed_back": len(handed_back)}
 
     def _wake_up(self) -> dict[str, Any]:
-        w = self.worker
         level = self.sleep_level
         if not level:
             return {"was_sleeping": 0}
         started = time.perf_counter()
-        w.engine.wake_up()
-        if not w.draining:
-            w.reclaimer.reclaiming = True
-            w.reader.resume()
+        self.engine.wake_up()
+        self.intake.resume_intake()
         logger.warning("awake after sleep level %d (%.2f s to restore)", level,
                        time.perf_counter() - started)
         return {"was_sleeping": level, "seconds": round(time.perf_counter() - started, 3)}
 
     def _profile(self, action: str, dir: str | None = None) -> dict[str, Any]:  # noqa: A002
-        engine = self.worker.engine
+        engine = self.engine
         if action == "start":
             engine.start_profile()
             return {"profiling": True}
         if action == "stop":
             folder = dir or os.environ.get("LLMQ_PROFILE_DIR") or tempfile.gettempdir()
             os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, f"llmq-trace-{self.worker.config.worker_id}-"
+            path = os.path.join(folder, f"llmq-trace-{self.worker_id}-"
                                         f"{int(time.time() * 1000)}.json")
             return {"profiling": False, "trace": engine.stop_profile(path)}
         raise ValueError(f"action must be start or stop, got {action!r}")
 
     def _stats(self) -> dict[str, Any]:
-        w = self.worker
-        stats = dataclasses.asdict(w.engine.stats())
-        return {**stats, "sleeping": self.sleep_level, "in_flight": len(w.table),
-                "draining": w.draining, "model": w.model_name}
+        stats = dataclasses.asdict(self.engine.stats())
+        return {**stats, "sleeping": self.sleep_level, "in_flight": len(self.table),
+                "draining": self.intake.draining, "model": self.model_name}
 
     # -- sleeping -------------------------------------------------------------------------------
 
@@ -123,28 +145,27 @@ class UtilityCalls:
         """Give every request this worker holds back to its peers: fenced here (so nothing
         more is written for them and no ack happens), aborted in the engine, and handed back on
         another thread (the busy loop never waits on Redis)."""
-        w = self.worker
-        ids = w.table.live_entry_ids()
-        every = w.table.entry_ids()  # with entries a peer took over, still in the engine
+        ids = self.table.live_entry_ids()
+        every = self.table.entry_ids()  # with entries a peer took over, still in the engine
         if not every:
             return []
-        w.table.fence(ids)
-        w.engine.abort(every)
+        self.table.fence(ids)
+        self.engine.abort(every)
         # NOTE: one step delivers the aborts' outputs; the writer drops fenced entries' events
         # and forgets the entries.
-        w.writer.put_step(w.engine.step())
+        self.writer.put_step(self.engine.step())
         if ids:
             self.hand_back(ids)
         return ids
 
     def hand_back_admitted(self, entry_id: str) -> None:
         """An entry admitted while the worker fell asleep, never added to the engine."""
-        self.worker.table.fence([entry_id])
-        self.worker.table.pop(entry_id)
+        self.table.fence([entry_id])
+        self.table.pop(entry_id)
         self.hand_back([entry_id])
 
     def hand_back(self, ids: list[str]) -> None:
         """Hand entries back on another thread: the busy loop never waits on Redis."""
-        threading.Thread(target=self.worker.keeper.hand_back_retrying, args=(ids,),
+        threading.Thread(target=self.keeper.hand_back_retrying, args=(ids,),
                          kwargs={"forgive": True}, daemon=True,
                          name="llmq-sleep-hand-back").start()

@@ -9,7 +9,8 @@ round trips never stall a forward pass. Threads:
     Reclaimer      dead workers' and lapsed entries -> Admission       (worker/reclaimer.py)
     CancelListener cancel stream -> abort                              (worker/cancel_listener.py)
     ControlListener control stream -> utility calls -> answers         (worker/control_listener.py)
-    busy loop      inbox -> engine.add_request/abort; step(); outputs -> ResultWriter
+    busy loop      inbox -> EngineFeeder -> engine; step(); outputs -> ResultWriter
+                   (the feeder: worker/engine_feeder.py; utility calls: worker/utility_calls.py)
     ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
 
 The threads share one `WorkerContext` (config, keys, connection factory, metrics, inbox,
@@ -32,13 +33,12 @@ Delivery is at-least-once (dramatiq/arq: ack only after the result is written). 
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -47,7 +47,7 @@ from llmq import protocol
 from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
-from llmq.protocol.errors import RequestRejected, StreamExhausted
+from llmq.protocol.errors import StreamExhausted
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener
@@ -55,10 +55,10 @@ from llmq.worker.control_listener import ControlListener
 from llmq.worker.engine.input_processor import InputProcessor
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine_client import EngineClient
-from llmq.worker.inbox import AbortRequests, AddRequest, UtilityCall
+from llmq.worker.engine_feeder import EngineFeeder
 from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.reclaimer import Reclaimer
-from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.result_writer import ResultWriter
 from llmq.worker.stream_reader import StreamReader
 from llmq.worker.utility_calls import UtilityCalls
 from llmq.worker.worker_config import WorkerConfig
@@ -105,7 +105,10 @@ class Worker:
                                    hand_back=self.keeper.hand_back)
         self.cancels = CancelListener(ctx)
         self.controls = ControlListener(ctx)
-        self.utility = UtilityCalls(self)
+        self.utility = UtilityCalls(engine, ctx.table, self.writer, self.keeper, self,
+                                    worker_id=config.worker_id, model_name=model_name)
+        self.feeder = EngineFeeder(engine, ctx.table, ctx.inbox, self.writer, self.utility,
+                                   answer=self._answer)
         self.started_ms = int(time.time() * 1000)
         self.draining = False
         self._drain_deadline = 0.0
@@ -115,8 +118,6 @@ class Worker:
         self._rate = (time.monotonic(), 0)
         self._stats: EngineStats | None = None
         self._group_seen = False  # a group existed once: recreating it later is news
-        self._held: collections.deque[AddRequest] = collections.deque()  # admitted, not added
-        self._solo: str | None = None  # the suspect running alone, while it runs
         self._engine_failed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -197,6 +198,20 @@ class Worker:
             os._exit(128 + signum)
         self.request_stop()
 
+    def pause_intake(self) -> None:
+        """Read and reclaim nothing more (a sleep); a read blocking now is woken."""
+        self.reader.pause()
+        self.reclaimer.reclaiming = False
+        # NOTE: CLIENT UNBLOCK on a thread: the busy loop must not wait on Redis.
+        threading.Thread(target=self.reader.unblock, args=(self.admin,), daemon=True,
+                         name="llmq-pause-reader").start()
+
+    def resume_intake(self) -> None:
+        """Read and reclaim again (awake), unless draining: a drain's stop stands."""
+        if not self.draining:
+            self.reclaimer.reclaiming = True
+            self.reader.resume()
+
     def ensure_group(self) -> None:
         """Create the consumer group (at id 0, with the stream) if it does not exist."""
         # NOTE: the group is gone with every entry we held (a Redis restart without
@@ -244,7 +259,7 @@ class Worker:
             if self._stop_requested and not self.draining:
                 self._begin_drain()
             busy = engine.has_unfinished_requests() or need_step
-            need_step |= self._drain_inbox(block=0.0 if busy else 0.05)
+            need_step |= self.feeder.drain_inbox(block=0.0 if busy else 0.05)
             now = time.monotonic()
             if now >= next_stats:
                 next_stats = now + 0.25
@@ -267,12 +282,13 @@ class Worker:
 
     def _dead_threads(self) -> list[str]:
         """IO threads that ended on an unexpected exception (they only end when told to)."""
-        threads = {"result writer": self.writer, "lease keeper": self.keeper,
-                   "reclaimer": self.reclaimer, "cancel listener": self.cancels,
-                   "control listener": self.controls}
+        alive: dict[str, Callable[[], bool]] = {
+            "result writer": self.writer.is_alive, "lease keeper": self.keeper.is_alive,
+            "reclaimer": self.reclaimer.is_alive, "cancel listener": self.cancels.is_alive,
+            "control listener": self.controls.is_alive}
         if not self.draining:
-            threads["stream reader"] = self.reader
-        return [name for name, t in threads.items() if not t.is_alive()]
+            alive["stream reader"] = self.reader.is_alive
+        return [name for name, is_alive in alive.items() if not is_alive()]
 
     def _drained(self, now: float) -> bool:
         if now >= self._drain_deadline:
@@ -282,8 +298,13 @@ class Worker:
                                "request(s)", self.config.drain_timeout, left)
             return True
         return (not self.engine.has_unfinished_requests() and self.inbox.empty()
-                and not self._held and not self.reader.is_alive()
+                and not self.feeder.num_held and not self.reader.is_alive()
                 and self.table.running_count() == 0)
+
+    def _answer(self, reply: protocol.ControlReply) -> None:
+        """A utility call's reply, once readiness shows the call's effect."""
+        self._publish_stats()
+        self.controls.answer(reply)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -296,75 +317,6 @@ class Worker:
         self.writer.put_step(outputs)
         if self.metrics is not None:
             self.metrics.observe_step(elapsed, num_tokens)
-
-    def _drain_inbox(self, block: float) -> bool:
-        """Feed queued adds and aborts to the engine; True when an abort needs a step."""
-        aborted = False
-        try:
-            item = self.inbox.get(timeout=block) if block and not self._held else \
-                self.inbox.get_nowait()
-        except queue.Empty:
-            item = None
-        while item is not None:
-            if isinstance(item, list):  # one read's requests, added before the next step
-                self._held.extend(item)
-            elif isinstance(item, AbortRequests):
-                aborted |= self._add_held()  # adds queued before the abort go in first
-                self.engine.abort(item.entry_ids)
-                aborted = True
-            elif isinstance(item, UtilityCall):
-                reply = self.utility.run(item.call)
-                self._publish_stats()  # readiness shows the call's effect before its answer
-                self.controls.answer(reply)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                item = None
-        return self._add_held() or aborted
-
-    def _add_held(self) -> bool:
-        """Add held requests in order; a suspect (`solo`) waits for the engine to empty, and
-        nothing joins it while it runs. True when an abort needs a step."""
-        aborted = False
-        while self._held:
-            running = self.engine.has_unfinished_requests()
-            if self._solo is not None and running:
-                break  # a suspect runs alone
-            self._solo = None
-            add = self._held[0]
-            if add.solo and running:
-                break  # it waits for the engine to empty, and so does whatever came after it
-            self._held.popleft()
-            aborted |= self._add(add)
-            if add.solo and self.engine.has_unfinished_requests():
-                self._solo = add.entry_id
-                logger.info("running suspect entry %s alone", add.entry_id)
-        return aborted
-
-    def _add(self, item: AddRequest) -> bool:
-        entry = self.table.get(item.entry_id)
-        if entry is None or entry.fenced:
-            self.table.pop(item.entry_id)
-            return False
-        if self.utility.sleep_level:
-            self.utility.hand_back_admitted(item.entry_id)  # read just before the sleep
-            return False
-        try:
-            self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
-                                    priority=item.priority, arrival_time=item.arrival_time)
-            entry.in_engine = True
-        except RequestRejected as e:
-            error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt,
-                                   code=e.code, message=e.message, metadata=entry.metadata)
-            entry.terminal = True
-            self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [error],
-                                       ack=True))
-            return False
-        if entry.cancel_requested:
-            # The cancel arrived while the request was being admitted.
-            self.engine.abort([item.entry_id])
-            return True
-        return False
 
     # -- shutdown ---------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from llmq.broker.keys import GROUP, Keys
-from llmq.worker.result_writer import ACK_SCRIPT, ack_script_args
+from llmq.worker.ack_script import ACK_SCRIPT, ack_script_args
 
 pytestmark = pytest.mark.redis
 

@@ -37,7 +37,7 @@ from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputP
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 
 if TYPE_CHECKING:
-    from llmq.worker.engine.engine_core import EngineCore
+    from llmq.worker.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,29 @@ class PromptTokenizer(Protocol):
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                     allow_special_tokens: bool = False) -> list[int]: ...
+
+
+class GatedEngine(Protocol):
+    """What `InputProcessor.for_engine` reads of an engine: `EngineCore`, or the worker's view
+    of one (worker/engine_client.py)."""
+
+    @property
+    def tokenizer(self) -> PromptTokenizer: ...
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def structured_output(self) -> StructuredOutputManager: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def kv_cache_tokens(self) -> int: ...
 
 
 @dataclass
@@ -77,7 +100,7 @@ class InputProcessor:
                                                                               vocab_size)
 
     @classmethod
-    def for_engine(cls, engine: EngineCore) -> InputProcessor:
+    def for_engine(cls, engine: GatedEngine) -> InputProcessor:
         # NOTE: the configured context and the KV capacity, not their minimum
         # (`engine.max_model_len`), so a refusal names the limit that bit.
         return cls(engine.tokenizer, vocab_size=engine.vocab_size,

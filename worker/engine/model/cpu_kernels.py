@@ -9,11 +9,14 @@ query row per head, against the K/V of its blocks, read in place. In torch that 
 of every sequence's blocks into a contiguous buffer in every layer (attention.py's fallback);
 here each K/V row is read once, where the block table says it is.
 
-The source is compiled on first use into ~/.cache/llmq/kernels (LLMQ_KERNEL_DIR), keyed by a
-hash of the source, the flags and the CPU model, and loaded with ctypes (no torch headers, no
-ninja): ~13 s at -O3 on one core, once per machine and source version, shared by every process.
-Where there is no compiler (slim images) or LLMQ_CPU_KERNELS=0, `load()` returns None and the
-engine runs the torch path: same results to float32 rounding.
+The C++ lives in kernels/ beside this module (package data: layer_kernels.cpp and the
+vec16.h it includes), plus the int8 row kernels int8_matrix.py holds. It is compiled on first use
+from where it lies, so a compiler error names the real file and line, into ~/.cache/llmq/kernels
+(LLMQ_KERNEL_DIR), keyed by a hash of every source file, the compiler, the flags and the CPU
+model, and loaded with ctypes (no torch headers, no ninja): ~13 s at -O3 on one core, once per
+machine and source version, shared by every process. Where there is no compiler (slim images)
+or LLMQ_CPU_KERNELS=0, `load()` returns None and the engine runs the torch path: same results
+to float32 rounding.
 """
 
 from __future__ import annotations
@@ -26,22 +29,32 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from . import int8_matrix
 from .block_quant import BlockQuant
-from .int8_matrix import SOURCE as INT8_SOURCE
 from .int8_matrix import Int8Matrix
-from .kernel_source import SOURCE as LAYER_SOURCE
 
-SOURCE = LAYER_SOURCE + INT8_SOURCE
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # a function of a loaded library, as typeshed names it
 
 logger = logging.getLogger(__name__)
 
+# The kernels' C++ (package data: pyproject.toml ships kernels/*.cpp and kernels/*.h).
+KERNEL_DIR = Path(__file__).resolve().with_name("kernels")
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared",
           "-std=c++17"]
+# What the int8 row kernels (int8_matrix.SOURCE, a string) need ahead of them.
+_INT8_PRELUDE = """#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+"""
 
 
 def _cpu_model() -> str:
@@ -52,24 +65,65 @@ def _cpu_model() -> str:
         return ""
 
 
-def _build(directory: Path) -> Path | None:
+def kernel_sources(kernel_dir: Path = KERNEL_DIR) -> list[Path]:
+    """The C++ files of the kernels: every .cpp (one translation unit each) and .h in
+    `kernel_dir`. FileNotFoundError names the folder when there is none."""
+    sources = sorted(p for p in kernel_dir.glob("*") if p.suffix in (".cpp", ".h"))
+    if not any(p.suffix == ".cpp" for p in sources):
+        raise FileNotFoundError(f"no kernel sources (*.cpp) in {kernel_dir}: the package was "
+                                "installed without its data files")
+    return sources
+
+
+def _int8_unit() -> str:
+    """int8_matrix.SOURCE as a translation unit; its `#line` points compiler messages at the
+    lines of int8_matrix.py that hold it."""
+    path = Path(int8_matrix.__file__).resolve()
+    try:
+        text = path.read_text()
+        first_line = text[:text.index(int8_matrix.SOURCE)].count("\n") + 1
+        line = f'#line {first_line} "{path}"\n'
+    except (OSError, ValueError):
+        line = ""  # no source beside the bytecode: line numbers of the string itself
+    return _INT8_PRELUDE + line + int8_matrix.SOURCE
+
+
+def build_key(compiler: str, sources: list[Path]) -> str:
+    """The cache key of a build: any change to a source file (its name or a byte, or the int8
+    kernels' string), the compiler, the flags or the CPU gives another library file. Where the
+    package lies is not part of it: the library does not depend on it."""
+    digest = hashlib.sha256()
+    for part in [compiler, *_FLAGS, _cpu_model(), _INT8_PRELUDE, int8_matrix.SOURCE]:
+        digest.update(part.encode() + b"\0")
+    for source in sources:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_library(directory: Path, kernel_dir: Path = KERNEL_DIR) -> Path | None:
+    """The compiled kernels in `directory` (built there first if missing), or None when there
+    is no compiler or the build failed (the compiler's first messages are logged)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return None
-    key = hashlib.sha256("\0".join([SOURCE, compiler, *_FLAGS, _cpu_model()]).encode())
-    target = directory / f"llmq_kernels_{key.hexdigest()[:16]}.so"
+    sources = kernel_sources(kernel_dir)
+    target = directory / f"llmq_kernels_{build_key(compiler, sources)}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        source = Path(tmp) / "kernels.cpp"
-        source.write_text(SOURCE)
+        int8_source = Path(tmp) / "int8_matrix.cpp"
+        int8_source.write_text(_int8_unit())
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built)],
+        # NOTE: the package's files compiled where they lie (not copied), so a compiler message
+        # names the file and line to open.
+        units = [str(p) for p in sources if p.suffix == ".cpp"] + [str(int8_source)]
+        result = subprocess.run([compiler, *_FLAGS, *units, "-o", str(built)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode:
-            logger.warning("CPU kernels did not compile (%s): %s", compiler,
-                           result.stderr.strip()[-500:])
+            # NOTE: the first error leads; what follows it is often its echo.
+            logger.warning("CPU kernels did not compile (%s):\n%s", compiler,
+                           result.stderr.strip()[:2000])
             return None
         # NOTE: a rename, so a worker starting beside us never loads a half-written file.
         os.replace(built, target)
@@ -80,7 +134,7 @@ INT8_CHUNK_ROWS = 256  # rows of x per int8 GEMM (CpuKernels.int8_matmul says wh
 
 
 class QMat(ctypes.Structure):
-    """The kernels' view of a QuantMatrix (kernel_source.py `QMat`)."""
+    """The kernels' view of a QuantMatrix (kernels/layer_kernels.cpp `QMat`)."""
 
     _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
@@ -89,7 +143,7 @@ class QMat(ctypes.Structure):
 
 
 class DecoderLayer(ctypes.Structure):
-    """One layer for `CpuKernels.decode_layers` (kernel_source.py `DecoderLayer`)."""
+    """One layer for `CpuKernels.decode_layers` (kernels/layer_kernels.cpp `DecoderLayer`)."""
 
     _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
@@ -116,7 +170,7 @@ class QuantMatrix:
 
         q = bq.q.astype(np.uint8)  # int8 keeps its bits
         if bq.bits == 4:
-            q = q[:, 0::2] | (q[:, 1::2] << 4)  # [out, in / 2]
+            q = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # [out, in / 2]
         self.q = tiled(q)
         self.scales, self.offsets = tiled(bq.scales), tiled(bq.offsets)
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -176,7 +230,7 @@ class CpuKernels:
         directory = Path(os.environ.get("LLMQ_KERNEL_DIR")
                          or Path.home() / ".cache" / "llmq" / "kernels")
         try:
-            path = _build(directory)
+            path = build_library(directory)
             if path is not None:
                 cls._instance = cls(ctypes.CDLL(str(path)))
         except (OSError, subprocess.SubprocessError) as e:
@@ -242,8 +296,8 @@ class CpuKernels:
                                      w.scale.data_ptr(), bias, y[start].data_ptr(), y.stride(0))
         return y
 
-    def decode_layers(self, layers: ctypes.Array, h: torch.Tensor, intermediate_size: int,
-                      final_norm: torch.Tensor, eps: float, num_heads: int,
+    def decode_layers(self, layers: ctypes.Array[DecoderLayer], h: torch.Tensor,
+                      intermediate_size: int, final_norm: torch.Tensor, eps: float, num_heads: int,
                       kv_cache: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -310,7 +364,8 @@ class CpuKernels:
         return q, kv
 
 
-def _bind(fn, argtypes: list, restype=None):  # -> the ctypes function, typed
+def _bind(fn: CFuncPtr, argtypes: list[Any], restype: Any = None) -> CFuncPtr:
+    """`fn` with its C signature set, so ctypes converts (and checks) the arguments."""
     fn.argtypes, fn.restype = argtypes, restype
     return fn
 

@@ -1,0 +1,184 @@
+"""ClientBase: what the sync `Client` and the asyncio `AsyncClient` share, without IO.
+
+Settings and key names, request building and validation, the retry policy, and the arguments
+and reply handling of every command both clients send (submit through the function library,
+cancel, queue stats, dead-letter retry, the id-marker checks). Each client subclasses it and adds
+only the IO: `llmq.broker.client.Client` on redis-py, `llmq.broker.aio.AsyncClient` on
+redis.asyncio. The commands themselves are built and parsed in `llmq.broker.commands`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from llmq.broker.commands import (
+    CANCEL_STREAM_MAXLEN,
+    MARKER_CHECK_REPLIES,
+    DeadLetterEntry,
+    QueueStats,
+    Submission,
+    as_str,
+    build_submission,
+    check_marker,
+    exhausted_message,
+    parse_queue_stats,
+    queue_marker_check,
+)
+from llmq.broker.connection import describe_connection, resolve_redis_url, translate
+from llmq.broker.functions import is_missing_function, submit_error
+from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
+from llmq.broker.retry import Backoff, RetryPolicy
+from llmq.broker.settings import BrokerSettings
+from llmq.protocol import Encoding, encode_cancel
+from llmq.protocol.errors import InvalidRequest
+from llmq.protocol.requests import ENTRY_ID_RE
+
+__all__ = ["ClientBase"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClientBase:
+    """What the sync and asyncio clients share: settings, keys, and request building."""
+
+    def _configure(self, redis_url: str | None, queue: str | None, prefix: str | None,
+                   encoding: Encoding, request_ttl: int, settings: BrokerSettings | None,
+                   connection: Any, retry_timeout: float | None) -> None:
+        overrides: dict[str, Any] = {k: v for k, v in
+                     {"redis_url": redis_url, "queue": queue, "prefix": prefix}.items()
+                     if v is not None}
+        self.settings = (replace(settings, **overrides) if settings is not None
+                         else BrokerSettings.from_env(**overrides))
+        if encoding not in ("json", "msgpack"):
+            raise ValueError(f"encoding must be 'json' or 'msgpack', got {encoding!r}")
+        if request_ttl < 1:
+            raise ValueError(f"request_ttl must be >= 1 second, got {request_ttl}")
+        self.keys: Keys = self.settings.keys
+        self.encoding: Encoding = encoding
+        self.request_ttl = request_ttl
+        self.url = (describe_connection(connection) if connection is not None
+                    else resolve_redis_url(self.settings.redis_url))
+        self._groups_ready: set[str] = set()
+        self._functions_tried = False  # loaded the function library after a "not found"
+        self._policy = RetryPolicy(retry_timeout)
+
+    def _retrying(self, exc: Exception, deadline: float | None, backoff: Backoff) -> float:
+        """The delay before trying a failed call again; raises the translated error if none."""
+        if not self._policy.should_retry(exc, deadline):
+            raise (translate(exc, self.url) or exc) from None
+        delay = backoff.delay()
+        logger.warning("Redis at %s: %s; retrying in %.2fs", self.url, exc, delay)
+        return delay
+
+    def _queue(self, queue: str | None) -> str:
+        return validate_name("queue", queue or self.settings.queue)
+
+    def _submission(self, prompt: str | None, messages: Any, prompt_token_ids: Any,
+                    request_id: str | None, params: Mapping[str, Any]) -> Submission:
+        if "id" in params:
+            raise InvalidRequest("pass the request id as `request_id=`")
+        if request_id is not None and not is_valid_name(request_id):
+            raise InvalidRequest(f"invalid request_id {request_id!r:.60}: must match "
+                                 f"{NAME_PATTERN}")
+        body = {"id": request_id, "prompt": prompt, "messages": messages,
+                "prompt_token_ids": prompt_token_ids, **params}
+        return build_submission(body, self.encoding)
+
+    def _submissions(self, requests: Iterable[Mapping[str, Any]]) -> list[Submission]:
+        """Every request of a batch validated before any is sent; InvalidRequest names the index."""
+        submissions = []
+        for index, body in enumerate(requests):
+            try:
+                submissions.append(build_submission(body, self.encoding))
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"request {index}: {exc}") from None
+        return submissions
+
+    def _queue_cancel(self, pipe: Any, request_id: str, queue: str) -> None:
+        """Queue a cancel's writes on a (sync or asyncio) pipeline: the flag, then the notice."""
+        pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
+        pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
+                  maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+
+    def _queue_stats_reads(self, pipe: Any, queue: str) -> None:
+        """Queue the reads `_parse_stats` expects; execute them with raise_on_error=False."""
+        pipe.xlen(self.keys.queue(queue))
+        pipe.xinfo_groups(self.keys.queue(queue))
+        pipe.xlen(self.keys.dlq(queue))
+        pipe.xinfo_stream(self.keys.queue(queue))
+
+    @staticmethod
+    def _parse_stats(queue: str, replies: list[Any]) -> QueueStats:
+        length, groups, dead, info = replies
+        for reply in (length, dead):
+            if isinstance(reply, Exception):
+                raise reply
+        return parse_queue_stats(queue, length, groups, dead, info)
+
+    def _retry_args(self, entry: DeadLetterEntry, queue: str
+                    ) -> tuple[str | None, list[str], list[Any]]:
+        """(old result stream to delete first or None, RETRY_SCRIPT's keys, its args)."""
+        keys = [self.keys.queue(queue), self.keys.dlq(queue)]
+        request_id = entry.dead_letter.request_id
+        old_result = None
+        # NOTE: only a producer-given id outlives its entry; a default id (the old entry id)
+        # gives way to the new entry's id, and the old result stream stays as it was.
+        if request_id and request_id != entry.dead_letter.entry_id:
+            keys.append(self.keys.idempotency(queue, request_id))
+            old_result = self.keys.result(request_id)
+        fields = [x for pair in entry.payload.items() for x in pair]
+        return old_result, keys, [entry.dlq_entry_id, self.request_ttl, *fields]
+
+    def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
+        """FCALL llmq_submit's arguments: numkeys, keys, then args (broker/functions.py)."""
+        keys = [self.keys.queue(queue), self.keys.submissions(queue)]
+        args: list[Any] = [submission.encoding, submission.payload]
+        if submission.request_id is not None:
+            keys.append(self.keys.idempotency(queue, submission.request_id))
+            args += [self.request_ttl, submission.request_id]
+        return [len(keys), *keys, *args]
+
+    @staticmethod
+    def _marked_elsewhere(sent: Iterable[tuple[Submission, Any]]) -> list[tuple[str, str]]:
+        """(request id, entry id its marker names) of the submits the script did not queue."""
+        return [(submission.request_id, as_str(reply[1])) for submission, reply in sent
+                if submission.request_id is not None and not int(reply[0])]
+
+    def _queue_marker_checks(self, pipe: Any, queue: str, marked: list[tuple[str, str]]) -> None:
+        for request_id, entry_id in marked:
+            if ENTRY_ID_RE.fullmatch(entry_id):
+                queue_marker_check(pipe, self.keys, queue, request_id, entry_id)
+
+    @staticmethod
+    def _check_markers(marked: list[tuple[str, str]], replies: list[Any]) -> None:
+        """RequestIdConflict for the first marker that cannot be its request's (see
+        `commands.check_marker`): raised rather than pretend the request is queued."""
+        at = 0
+        for request_id, entry_id in marked:
+            if not ENTRY_ID_RE.fullmatch(entry_id):
+                check_marker(request_id, entry_id, None)
+            check_marker(request_id, entry_id, replies[at:at + MARKER_CHECK_REPLIES])
+            at += MARKER_CHECK_REPLIES
+
+    @staticmethod
+    def _submitted_id(submission: Submission, reply: Any) -> str:
+        """The request id, from the submit function's reply {queued, entry id}."""
+        if submission.request_id is None:
+            return as_str(reply[1])
+        if not int(reply[0]):
+            logger.debug("request %s was already submitted; not queued again",
+                         submission.request_id)
+        return submission.request_id
+
+    def _submit_failed(self, exc: Exception, queue: str) -> Exception | None:
+        """The producer's error for a refused submit; None when loading the library may cure
+        it (the caller then loads it and tries once more)."""
+        if is_missing_function(exc) and not self._functions_tried:
+            self._functions_tried = True
+            return None
+        # NOTE: anything else (NOPERM: another tenant's id, a refused write) is the error.
+        return submit_error(exc, self.keys.queue(queue),
+                            exhausted_message(self.keys, queue)) or exc

@@ -1,0 +1,151 @@
+// vec16.h: 16-lane float vectors and the scalar/vector helpers the CPU kernels share.
+//
+// GCC's vector extension (one zmm with AVX-512, two ymm with AVX2), bfloat16 <-> float32 as
+// torch rounds it, horizontal sums, and exp / SiLU as branch-free polynomials so the loops
+// around them vectorise. Included by layer_kernels.cpp; compiled by cpu_kernels.py.
+//
+// References: llama.cpp `ggml-cpu/vec.h` (`ggml_v_expf`, `ggml_vec_swiglu_f32`), Cephes `expf`
+// (the polynomial).
+
+#ifndef LLMQ_VEC16_H
+#define LLMQ_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+namespace llmq {
+
+typedef uint16_t bf16;
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const bf16* p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(bf16* p, int64_t i, float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+        p[i] = (bf16)((u >> 16) | 64);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch's .to(bfloat16)
+    p[i] = (bf16)(u >> 16);
+}
+
+// 16 floats: GCC's vector extension, one zmm with AVX-512, two ymm with AVX2.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
+// NOTE: a shuffle of lane 0 (one vbroadcastss), not `f + v16{}`: without -ffast-math that
+// first adds 0.0 (which would turn -0.0 into +0.0), nor a loop (sixteen masked broadcasts).
+inline v16 splat(float f) {
+    v16 v = {f};
+    return __builtin_shuffle(v, i16{});
+}
+inline v16 load16(const bf16* p) {
+    h16 h;
+    memcpy(&h, p, 32);
+    u16 w = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    memcpy(&v, &w, 64);
+    return v;
+}
+
+// The sum of 16 lanes by halving (a shuffle tree), not lane by lane.
+inline float hsum(v16 v) {
+    v = v + __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v + __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v + __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v + __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+// x . y over n floats: 16 lanes at a time, then the tail.
+template <typename C>
+inline float dot(const float* x, const C* y, int64_t n) {
+    v16 acc = {};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) acc += load16(x + d) * load16(y + d);
+    float sum = hsum(acc);
+    for (; d < n; ++d) sum += x[d] * load(y, d);
+    return sum;
+}
+
+inline void store16(float* p, v16 x) { memcpy(p, &x, 64); }
+inline void store16(bf16* p, v16 x) {  // round to nearest even, NaN kept, as store() does
+    u16 u;
+    memcpy(&u, &x, 64);
+    const u16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u16 nan = (u >> 16) | 64u;
+    const u16 r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    const h16 h = __builtin_convertvector(r, h16);
+    memcpy(p, &h, 32);
+}
+
+// Call f with a null pointer of the element type a flag names: float32 (0) or bfloat16 (1).
+template <typename F> void typed(int32_t is_bf16, F f) {
+    if (is_bf16) f((bf16*)nullptr); else f((float*)nullptr);
+}
+
+// exp(x) for x <= 0, ~2 ulp: Cephes' range reduction and polynomial, branch-free so the
+// loops around it vectorise.
+inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// exp_neg on 16 lanes (the same polynomial); round to nearest by the 1.5 * 2^23 trick.
+inline v16 exp_neg16(v16 x) {
+    const v16 lo = splat(-87.0f);
+    x = x < lo ? lo : x;
+    const v16 magic = splat(12582912.0f);
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, 64);
+    return p * scale;
+}
+
+inline v16 silu16(v16 g) {
+    const v16 neg = g < 0.0f ? g : -g;  // -|g|
+    const v16 e = exp_neg16(neg);
+    return g * (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+}
+
+inline float silu(float g) {
+    float e = exp_neg(g < 0.0f ? g : -g);  // e^-|g|
+    return g * (g < 0.0f ? e : 1.0f) / (1.0f + e);
+}
+
+}  // namespace llmq
+
+#endif  // LLMQ_VEC16_H
