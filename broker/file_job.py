@@ -3,9 +3,9 @@
 Each input line is a request object in the wire format (docs/protocol.md); the sampling flags of
 the command fill the fields a line leaves out. Every line gets a request id: its `id` field, else
 a stable hash of the file's path, the line number and the line's text, so a rerun maps each line
-to the same id. All lines are validated, then submitted at once (one pipelined round trip per
-thousand), then followed together (`Client.follow_many`: one reader for all of them); results
-are written as JSONL in input order, one flushed line at a time, so a killed run leaves a valid
+to the same id. All lines are validated, then run by the `OrderedRun` (broker/ordered_run.py):
+submitted at once (one pipelined round trip per thousand), followed together, and their results
+written as JSONL in input order, one flushed line at a time, so a killed run leaves a valid
 prefix behind.
 
 Rerunning the same command resumes: results already in the output file are kept and their
@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
@@ -39,17 +38,17 @@ import msgspec
 
 from llmq.broker.client import Client
 from llmq.broker.commands import build_submission
+from llmq.broker.ordered_run import OrderedRun, RunEnd, Settled, Submit
 from llmq.broker.transcript import Transcript
 from llmq.protocol import Done, Error
 from llmq.protocol.errors import ErrorCode, InvalidRequest
 from llmq.protocol.names import is_valid_name
 
 __all__ = ["FileJob", "FileJobListener", "FileLine", "OutputFile", "derive_request_id",
-           "read_lines"]
+           "read_lines", "write_record"]
 
 logger = logging.getLogger(__name__)
 
-_SUBMIT_CHUNK = 1000
 # NOTE: JSON allows U+0085, U+2028 and U+2029 raw inside strings, but Python's str.splitlines()
 # and JavaScript end a line there: escaped, every result stays one line for any JSONL reader.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
@@ -127,7 +126,7 @@ def read_lines(lines: list[str], path_key: str, defaults: dict[str, Any]) -> lis
                                    f"line {number}: not a JSON object (a request is {{...}})"))
             continue
         given = obj.get("id")
-        request_id = given if is_valid_name(given) else derived
+        request_id = given if isinstance(given, str) and is_valid_name(given) else derived
         if request_id in first_seen:
             parsed.append(FileLine(number, derived, None,
                                    f"line {number}: duplicate id {request_id!r} (first on line "
@@ -225,6 +224,8 @@ class FileJob:
         self.num_skipped = 0  # lines whose results an earlier run wrote
         self.num_failed = 0  # lines whose result is an error, this run's and earlier ones
         self.num_tokens = 0  # tokens generated for this run's lines
+        self._file_lines: list[FileLine] = []  # the lines this run handles (after the kept ones)
+        self._stream: TextIO = sys.stdout
 
     def run(self) -> int:
         """Submit, follow and write everything; the exit code (0: every line has its result)."""
@@ -244,62 +245,52 @@ class FileJob:
                 stream.close()
 
     def _run(self, file_lines: list[FileLine], out: OutputFile, stream: TextIO, kept: int) -> int:
-        ready: dict[int, dict[str, Any]] = {}  # input index -> result record not yet written
-        to_submit: list[int] = []
-        for index in range(kept, len(file_lines)):
-            line = file_lines[index]
+        self._file_lines = file_lines[kept:]
+        self._stream = stream
+        lines: list[Submit | Settled[dict[str, Any]]] = []
+        reused: list[FileLine] = []  # after the kept prefix, with a result from earlier
+        new_errors = 0
+        for line in self._file_lines:
             if line.request_id in out.existing:
-                ready[index] = {**out.existing[line.request_id], "line": line.number}
-            elif line.error is not None:
-                ready[index] = error_record(line, ErrorCode.INVALID_REQUEST, line.error)
+                lines.append(Settled({**out.existing[line.request_id], "line": line.number}))
+                reused.append(line)
+            elif line.error is not None or line.body is None:
+                lines.append(Settled(error_record(line, ErrorCode.INVALID_REQUEST,
+                                                  line.error or "")))
+                new_errors += 1
             else:
-                to_submit.append(index)
-        reused = [i for i in ready if file_lines[i].request_id in out.existing]
+                lines.append(Submit(line.request_id, line.body))
         self.num_skipped = kept + len(reused)
-        self.num_failed = sum("error" in out.existing[file_lines[i].request_id]
-                              for i in [*range(kept), *reused])
+        self.num_failed = sum("error" in out.existing[line.request_id]
+                              for line in [*file_lines[:kept], *reused])
         listener = self.listener
         listener.started(len(file_lines), self.num_skipped)
-        new_errors = len(ready) - len(reused)
         self.num_failed += new_errors
         if new_errors:
             listener.advanced(done=new_errors, failed=new_errors)
+        to_submit = len(lines) - len(reused) - new_errors
         if to_submit:
-            listener.submitting(len(to_submit))
-        index_of = {file_lines[i].request_id: i for i in to_submit}
-        gatherer = self.client.follow_many()
-        for start in range(0, len(to_submit), _SUBMIT_CHUNK):
-            chunk = [file_lines[i].body for i in to_submit[start:start + _SUBMIT_CHUNK]]
-            gatherer.add(self.client.submit_many(chunk))  # type: ignore[arg-type]
-
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        next_index = kept
+            listener.submitting(to_submit)
+        run = OrderedRun(self.client, lines, self, timeout=self.timeout)
         try:
-            while True:
-                next_index = self._write_ready(ready, next_index, stream)
-                if next_index == len(file_lines) or not gatherer:
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    listener.stopped()
-                    listener.note(f"timed out: {len(gatherer)} request(s) still queued or "
-                                  "running; rerun the same command to collect them")
-                    return 1
-                for transcript in gatherer.poll(block_ms=250):
-                    index = index_of[transcript.request_id]
-                    ready[index] = self._record(file_lines[index], transcript)
+            end = run.run()
         except KeyboardInterrupt:
             listener.stopped()
-            listener.note(f"interrupted: {next_index} of {len(file_lines)} results written; "
-                          "rerun the same command to resume (queued requests are not queued "
-                          "again)")
+            listener.note(f"interrupted: {kept + run.written} of {len(file_lines)} results "
+                          "written; rerun the same command to resume (queued requests are not "
+                          "queued again)")
             return 130
-        finally:
-            gatherer.close()
         listener.stopped()
+        if end is RunEnd.TIMED_OUT:
+            listener.note(f"timed out: {run.unfinished} request(s) still queued or running; "
+                          "rerun the same command to collect them")
+            return 1
         self._summary(len(file_lines))
         return 0
 
-    def _record(self, line: FileLine, transcript: Transcript) -> dict[str, Any]:
+    # -- the RunSink of the OrderedRun --------------------------------------------------------
+
+    def finished(self, index: int, transcript: Transcript) -> dict[str, Any]:
         final = transcript.final
         assert final is not None
         if isinstance(final, Done):
@@ -308,16 +299,19 @@ class FileJob:
         else:
             self.num_failed += 1
             self.listener.advanced(done=1, failed=1)
-        return result_record(line, final)
+        return result_record(self._file_lines[index], final)
 
-    @staticmethod
-    def _write_ready(ready: dict[int, dict[str, Any]], next_index: int, stream: TextIO) -> int:
-        while next_index in ready:
-            record = ready.pop(next_index)
-            stream.write(json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n")
-            stream.flush()
-            next_index += 1
-        return next_index
+    def not_run(self, index: int, *, submitted: bool) -> dict[str, Any]:
+        raise AssertionError("a file job is never stopped (stop_requested is False)")
+
+    def write(self, record: dict[str, Any]) -> None:
+        write_record(self._stream, record)
+
+    def tick(self, submitted: int) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        return False
 
     def _summary(self, total: int) -> None:
         failed = self.num_failed
@@ -325,3 +319,9 @@ class FileJob:
         skipped = f" ({self.num_skipped} already done)" if self.num_skipped else ""
         self.listener.note(f"{total} requests: {total - failed} ok, {failed} failed{skipped}; "
                            f"{self.num_tokens} tokens generated{where}")
+
+
+def write_record(stream: TextIO, record: dict[str, Any]) -> None:
+    """One result line, flushed (a killed run leaves whole lines)."""
+    stream.write(json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n")
+    stream.flush()

@@ -24,8 +24,10 @@ from typing import Any
 
 import click
 
+from llmq.broker.batch_records import BatchRecords
 from llmq.broker.client import Client
 from llmq.broker.connection import translate_errors
+from llmq.broker.exchange import send
 from llmq.cli.helpers import echo_json, note, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options, redis_url_option
 from llmq.gateway.batch_store import (
@@ -41,7 +43,7 @@ _DAY = 24 * 3600
 
 
 def _store(client: Client) -> BatchStore:
-    return BatchStore(rq_connection(client.redis), client.keys, client.redis)
+    return BatchStore(rq_connection(client.redis), client)
 
 
 def _fetch(client: Client, batch_id: str) -> Any:
@@ -69,7 +71,7 @@ def batch() -> None:
 @click.option("--timeout", type=click.IntRange(min=1), default=_DAY, show_default=True,
               help="Seconds the job may run (OpenAI's completion window is 24h).")
 @connection_options
-def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs) -> None:
+def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs: Any) -> None:
     """Queue FILE (OpenAI batch input JSONL) as one rq job; prints the batch id."""
     client = open_client(**connection_kwargs(kwargs))
     with open(file, "rb") as f:
@@ -80,7 +82,7 @@ def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs
     batch_id = f"batch_{uuid.uuid4().hex}"
     with translate_errors(client.url):
         client.ensure_group()  # so `llmq status` shows the queue before any worker started
-        client.redis.set(client.keys.batch_input(batch_id), data, ex=ttl)
+        send(client, BatchRecords(client.keys).store_input(batch_id, data, ttl))
         store = _store(client)
         store.enqueue(batch_id, queue=client.settings.queue, max_in_flight=max_in_flight,
                       ttl=ttl, timeout=timeout,
@@ -97,7 +99,7 @@ def submit_batch(file: str, max_in_flight: int, ttl: int, timeout: int, **kwargs
 @click.argument("batch_id")
 @click.option("--json", "as_json", is_flag=True, help="An OpenAI-style batch object.")
 @connection_options
-def status_batch(batch_id: str, as_json: bool, **kwargs) -> None:
+def status_batch(batch_id: str, as_json: bool, **kwargs: Any) -> None:
     """Show a batch's status and progress."""
     client = open_client(**connection_kwargs(kwargs))
     summary = batch_summary(_fetch(client, batch_id))
@@ -145,7 +147,7 @@ def _wait_final(client: Client, batch_id: str, timeout: float | None) -> Any:
               help="With --wait: give up after this many seconds.")
 @connection_options
 def results_batch(batch_id: str, output: str, errors_path: str | None, wait: bool,
-                  timeout: float | None, **kwargs) -> None:
+                  timeout: float | None, **kwargs: Any) -> None:
     """Write a finished batch's output (and error) lines to files."""
     client = open_client(**connection_kwargs(kwargs))
     job = _wait_final(client, batch_id, timeout) if wait else _fetch(client, batch_id)
@@ -157,9 +159,7 @@ def results_batch(batch_id: str, output: str, errors_path: str | None, wait: boo
         counts = summary["request_counts"]
         raise LLMQError(f"batch {batch_id} is {status} ({counts['completed'] + counts['failed']}"
                         f"/{counts['total']} done): wait for it, or add --wait")
-    with translate_errors(client.url):
-        outputs = client.redis.lrange(client.keys.batch_output(batch_id), 0, -1)
-        errors = client.redis.lrange(client.keys.batch_errors(batch_id), 0, -1)
+    outputs, errors = send(client, BatchRecords(client.keys).results(batch_id))
     if errors_path is None and output != "-" and errors:
         stem = output[:-len(".jsonl")] if output.endswith(".jsonl") else output
         errors_path = f"{stem}.errors.jsonl"
@@ -183,7 +183,7 @@ def _write_lines(path: str, lines: list[bytes]) -> None:
 @click.argument("batch_id")
 @click.option("--wait", is_flag=True, help="Wait until the job has stopped.")
 @connection_options
-def cancel_batch(batch_id: str, wait: bool, **kwargs) -> None:
+def cancel_batch(batch_id: str, wait: bool, **kwargs: Any) -> None:
     """Stop a batch: no more requests are submitted, unfinished ones are cancelled."""
     client = open_client(**connection_kwargs(kwargs))
     job = _fetch(client, batch_id)
@@ -208,7 +208,7 @@ def cancel_batch(batch_id: str, wait: bool, **kwargs) -> None:
 @batch.command("list")
 @click.option("--json", "as_json", is_flag=True, help="One batch object per line.")
 @connection_options
-def list_batches(as_json: bool, **kwargs) -> None:
+def list_batches(as_json: bool, **kwargs: Any) -> None:
     """List the batches rq still keeps (queued, running and finished ones)."""
     client = open_client(**connection_kwargs(kwargs))
     with translate_errors(client.url):

@@ -7,47 +7,34 @@ is the stream entry id is found in the queue stream itself.
 
 from __future__ import annotations
 
-import re
+from typing import Any
 
 import click
 
 from llmq.broker.client import Client
-from llmq.broker.connection import translate_errors
-from llmq.broker.transcript import Fold, Transcript
+from llmq.broker.exchange import send
+from llmq.broker.request_lookup import RequestLookup
+from llmq.broker.transcript import Transcript
 from llmq.cli.event_printer import EventPrinter
 from llmq.cli.helpers import note, open_client
 from llmq.cli.options import connection_kwargs, connection_options
-from llmq.protocol import Done, Error, decode_event
+from llmq.protocol import Done, Error, Event
 from llmq.protocol.errors import LLMQError, RequestFailed, ResultTimeout
 
-_ENTRY_ID = re.compile(r"\d+-\d+")
 
-
-def read_transcript(client: Client, request_id: str) -> tuple[Transcript, list]:
+def read_transcript(client: Client, request_id: str) -> tuple[Transcript, list[Event]]:
     """The request's events so far (superseded attempts dropped) and their fold."""
-    transcript = Transcript(request_id)
-    shown = []
-    with translate_errors(client.url):
-        entries = client.redis.xrange(client.keys.result(request_id))
-    for _, fields in entries:
-        try:
-            event = decode_event(fields)
-        except LLMQError:
-            continue  # an event type this reader predates
-        if transcript.apply(event) is not Fold.IGNORED:
-            shown.append(event)
-    return transcript, shown
+    return send(client, RequestLookup(client.keys).events(request_id))
 
 
 def is_queued(client: Client, request_id: str, queue: str | None = None) -> bool:
     """Whether the request waits in its queue (it has no events yet)."""
     queue = queue or client.settings.queue
-    with translate_errors(client.url):
-        if client.redis.exists(client.keys.idempotency(queue, request_id)):
-            return True
-        if _ENTRY_ID.fullmatch(request_id):
-            return bool(client.redis.xrange(client.keys.queue(queue), request_id, request_id))
-    return False
+    lookup = RequestLookup(client.keys)
+    if send(client, lookup.marked(queue, request_id)):
+        return True
+    in_queue = lookup.in_queue(queue, request_id)
+    return in_queue is not None and send(client, in_queue)
 
 
 def unknown_request(client: Client, request_id: str) -> LLMQError:
@@ -65,7 +52,7 @@ def unknown_request(client: Client, request_id: str) -> LLMQError:
               help="With --follow: give up after this many seconds.")
 @connection_options
 def result(request_id: str, follow: bool, json_lines: bool, timeout: float | None,
-           **kwargs) -> None:
+           **kwargs: Any) -> None:
     """Show the answer of REQUEST_ID (what has arrived so far, or all of it with --follow)."""
     client = open_client(**connection_kwargs(kwargs))
     transcript, events = read_transcript(client, request_id)
@@ -94,7 +81,7 @@ def result(request_id: str, follow: bool, json_lines: bool, timeout: float | Non
 @click.command()
 @click.argument("request_ids", nargs=-1, required=True, metavar="REQUEST_ID...")
 @connection_options
-def cancel(request_ids: tuple[str, ...], **kwargs) -> None:
+def cancel(request_ids: tuple[str, ...], **kwargs: Any) -> None:
     """Cancel requests: queued ones never run, running ones stop (finish_reason cancelled)."""
     client = open_client(**connection_kwargs(kwargs))
     unknown = []

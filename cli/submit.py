@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
@@ -27,7 +29,7 @@ from llmq.cli.options import (
 from llmq.protocol.errors import LLMQError, ResultTimeout
 
 
-def _messages(value: str | None) -> list[dict] | None:
+def _messages(value: str | None) -> list[Mapping[str, str]] | None:
     if value is None:
         return None
     try:
@@ -66,7 +68,7 @@ def _messages(value: str | None) -> list[dict] | None:
 def submit(prompt: str | None, chat: str | None, messages: str | None, file: str | None,
            output: str, request_id: str | None, priority: int | None, no_stream: bool,
            json_lines: bool, no_wait: bool, timeout: float | None, progress: bool | None,
-           **kwargs) -> None:
+           **kwargs: Any) -> None:
     """Submit PROMPT (- reads stdin), a --chat message, --messages, or a JSONL file (-f).
 
     A single request streams its answer as tokens arrive; Ctrl-C cancels it. A file is
@@ -99,7 +101,8 @@ def submit(prompt: str | None, chat: str | None, messages: str | None, file: str
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise click.UsageError("stdin was empty: nothing to submit")
-    chat_messages = [{"role": "user", "content": chat}] if chat is not None else _messages(messages)
+    chat_messages: list[Mapping[str, str]] | None = (
+        [{"role": "user", "content": chat}] if chat is not None else _messages(messages))
     if no_stream:
         params["stream"] = False
     request_id = client.submit(prompt, messages=chat_messages, request_id=request_id, **params)

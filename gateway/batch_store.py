@@ -3,7 +3,9 @@
 A batch is one rq job (`batch_job.run_batch`) on the rq queue `llmq-batch`, served by
 `llmq batch-worker`; its progress lives in the job's meta under OpenAI's names. This module
 enqueues, finds, summarises and cancels them, with synchronous redis-py (rq's own); the gateway
-calls it from a thread. rq is imported only when a batch is touched.
+calls it from a thread. What llmq itself keeps of a batch (input, results, the cancel flag) is
+`llmq.broker.batch_records`, sent through a sync `Client`. rq is imported only when a batch is
+touched.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any
 
 import redis
 
+from llmq.broker.batch_records import BatchRecords
+from llmq.broker.client import Client
 from llmq.broker.connection import connect, is_cluster
-from llmq.broker.keys import Keys
+from llmq.broker.exchange import send
 from llmq.broker.redis_url import RedisURL
 from llmq.protocol.errors import BrokerUnavailable, LLMQError
 
@@ -78,16 +82,17 @@ def rq_connection(llmq_redis: Any) -> redis.Redis:
 
 
 class BatchStore:
-    """`connection`: rq's Redis (`rq_connection`); `data`: llmq's, for the batch's own keys
-    (the same one unless llmq runs on a cluster)."""
+    """`connection`: rq's Redis (`rq_connection`); `client`: llmq's, for the batch's own keys
+    (the same server unless llmq runs on a cluster)."""
 
-    def __init__(self, connection: redis.Redis, keys: Keys, data: Any = None) -> None:
+    def __init__(self, connection: redis.Redis, client: Client) -> None:
         from rq import Queue
         from rq.serializers import JSONSerializer
 
         self.rq = connection
-        self.redis = data if data is not None else connection
-        self.keys = keys
+        self.client = client
+        self.keys = client.keys
+        self.records = BatchRecords(client.keys)
         self.serializer = JSONSerializer
         self.queue = Queue(BATCH_QUEUE, connection=connection, serializer=JSONSerializer)
 
@@ -138,7 +143,7 @@ class BatchStore:
         status = batch_status(job)
         if status in FINAL_STATUSES:
             return status
-        self.redis.set(self.keys.batch_cancel(job.id), b"1", ex=int(job.result_ttl or 7 * _DAY))
+        send(self.client, self.records.request_cancel(job.id, int(job.result_ttl or 7 * _DAY)))
         if job.get_status() in ("queued", "deferred", "scheduled"):
             job.cancel()  # never started: rq drops it, nothing was submitted
             job.meta.update(status="cancelled", cancelled_at=int(time.time()))
@@ -153,5 +158,4 @@ class BatchStore:
 
     def results(self, batch_id: str) -> tuple[list[bytes], list[bytes]]:
         """(output lines, error lines) a finished batch wrote."""
-        return (self.redis.lrange(self.keys.batch_output(batch_id), 0, -1),
-                self.redis.lrange(self.keys.batch_errors(batch_id), 0, -1))
+        return send(self.client, self.records.results(batch_id))

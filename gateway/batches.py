@@ -20,10 +20,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llmq.broker.commands import as_str
+from llmq.broker.batch_records import BatchRecords
+from llmq.broker.exchange import send_async
 from llmq.gateway.batch_store import FINAL_STATUSES, BatchStore, batch_status
 from llmq.gateway.errors import bad_request, not_found
-from llmq.gateway.files import FileStore, new_file_id
+from llmq.gateway.files import TenantFiles, new_file_id
 from llmq.gateway.openai_request import CHAT, COMPLETIONS
 from llmq.gateway.state import GatewayState, json_response
 from llmq.protocol.errors import LLMQError
@@ -38,7 +39,7 @@ _STATUS = {"queued": "validating", "in_progress": "in_progress", "finalizing": "
 
 
 def _store(state: GatewayState) -> BatchStore:
-    return BatchStore(state.rq_redis, state.keys, state.sync_redis)
+    return BatchStore(state.rq_redis, state.sync_client)
 
 
 def batch_object(job: Any) -> dict[str, Any]:
@@ -98,9 +99,9 @@ async def create_batch(request: Request) -> Response:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("`metadata` must be an object", "metadata")
-    files = FileStore(state, tenant)
-    input_file_id = body.get("input_file_id")
-    meta = await files.meta(str(input_file_id))
+    files = TenantFiles(state, tenant)
+    input_file_id = str(body.get("input_file_id"))
+    meta = await files.meta(input_file_id)
     if meta.get("purpose") != "batch":
         raise bad_request(f"file {input_file_id!r} was not uploaded with purpose batch",
                           "input_file_id")
@@ -121,15 +122,9 @@ async def create_batch(request: Request) -> Response:
             meta=job_meta, tenant=tenant, input_key=state.keys.file(tenant, input_file_id))
 
     job = await anyio.to_thread.run_sync(enqueue)
-    await state.client.call(lambda: _index(state, tenant, batch_id, job_meta))
+    await send_async(state.client, BatchRecords(state.keys).index(
+        tenant, batch_id, int(time.time()), settings.file_ttl))
     return json_response(batch_object(job))
-
-
-async def _index(state: GatewayState, tenant: str, batch_id: str, meta: dict[str, Any]) -> None:
-    pipe = state.client.redis.pipeline(transaction=False)
-    pipe.zadd(state.keys.tenant_batches(tenant), {batch_id: int(time.time())})
-    pipe.expire(state.keys.tenant_batches(tenant), state.settings.file_ttl)
-    await pipe.execute()
 
 
 async def get_batch(request: Request) -> Response:
@@ -160,8 +155,7 @@ async def list_batches(request: Request) -> Response:
     except ValueError:
         raise bad_request("`limit` must be an integer", "limit") from None
     after = request.query_params.get("after")
-    ids = [as_str(i) for i in await state.client.call(lambda: state.client.redis.zrevrange(
-        state.keys.tenant_batches(tenant), 0, -1))]
+    ids = await send_async(state.client, BatchRecords(state.keys).tenant_batch_ids(tenant))
     if after in ids:
         ids = ids[ids.index(after) + 1:]
     page, more = ids[:limit], len(ids) > limit

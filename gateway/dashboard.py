@@ -22,17 +22,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import cast
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llmq.broker.commands import Followed
+from llmq.broker.exchange import send_async
 from llmq.broker.multiplex import parse_entry_id
+from llmq.broker.request_lookup import RequestLookup
 from llmq.broker.transcript import Fold
 from llmq.gateway.dashboard_session import (
     Viewer,
@@ -222,8 +225,11 @@ async def _inspect(state: GatewayState, viewer: Viewer, request_id: str, after: 
         yield sse({"type": "unknown"})
     shown = viewer.shown_id(request_id)
     try:
-        async with contextlib.aclosing(state.client.follow(
-                request_id, timeout=state.settings.request_timeout, after=after)) as events:
+        # NOTE: AsyncClient.follow is an async generator (annotated as an AsyncIterator):
+        # closed here at once when the browser goes, not whenever it is collected.
+        follow = cast(AsyncGenerator[Followed, None], state.client.follow(
+            request_id, timeout=state.settings.request_timeout, after=after))
+        async with contextlib.aclosing(follow) as events:
             async for followed in events:
                 if followed.replayed:
                     continue
@@ -244,18 +250,8 @@ async def _inspect(state: GatewayState, viewer: Viewer, request_id: str, after: 
 async def _known(state: GatewayState, request_id: str) -> bool:
     """Whether the request has events or was submitted with this id (its idempotency marker
     on any queue: an id alone does not say which queue it went to)."""
-    keys = state.keys
-    queues = await state.queues()
-
-    async def read() -> list[Any]:
-        pipe = state.client.redis.pipeline(transaction=False)
-        pipe.xlen(keys.result(request_id))
-        for queue in queues:
-            pipe.get(keys.idempotency(queue, request_id))
-        return await pipe.execute()
-
-    length, *markers = await state.client.call(read)
-    return bool(length) or any(marker is not None for marker in markers)
+    return await send_async(state.client, RequestLookup(state.keys).known(
+        request_id, await state.queues()))
 
 
 async def cancel_request(request: Request) -> Response:

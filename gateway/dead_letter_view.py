@@ -15,7 +15,9 @@ from typing import Any
 import msgspec
 
 from llmq.broker.aio import AsyncClient
-from llmq.broker.commands import DeadLetterEntry, parse_dead_letters
+from llmq.broker.commands import DeadLetterEntry
+from llmq.broker.dead_letter_entries import DeadLetterEntries
+from llmq.broker.exchange import send_async
 from llmq.gateway.dashboard_session import Viewer
 from llmq.gateway.errors import APIError, not_found
 from llmq.protocol.errors import BrokerError, BrokerUnavailable, LLMQError
@@ -37,10 +39,9 @@ class DeadLetterView:
         tenant's among the newest 4 x `count`: its letters may sit among others')."""
         rows: list[dict[str, Any]] = []
         for queue in queues:
-            key = self.client.keys.dlq(queue)
-            entries = await self.client.call(lambda key=key: self.client.redis.xrevrange(
-                key, count=count if viewer.admin else count * 4))
-            letters = [e for e in _parse(entries) if viewer.owns(e.dead_letter.request_id)]
+            entries = await send_async(self.client, DeadLetterEntries(
+                self.client.keys, queue).newest(count if viewer.admin else count * 4))
+            letters = [e for e in entries if viewer.owns(e.dead_letter.request_id)]
             rows += [_row(queue, e, viewer) for e in letters[:count]]
         return sorted(rows, key=lambda row: row["at_ms"], reverse=True)
 
@@ -64,39 +65,26 @@ class DeadLetterView:
             raise not_found(f"no queue {queue!r:.60}")
         if viewer.admin:
             return await self.client.purge_dead_letters(queue)
-        key = self.client.keys.dlq(queue)
+        entries = DeadLetterEntries(self.client.keys, queue)
         removed, start = 0, "-"
         while True:
-            entries = await self.client.call(lambda start=start: self.client.redis.xrange(
-                key, start, "+", count=_SCAN_CHUNK))
-            mine = [e.dlq_entry_id for e in _parse(entries)
+            page = await send_async(self.client, entries.page(start, _SCAN_CHUNK))
+            mine = [e.dlq_entry_id for e in page.entries
                     if viewer.owns(e.dead_letter.request_id)]
             if mine:
-                removed += await self.client.call(lambda mine=mine: self.client.redis.xdel(
-                    key, *mine))
-            if len(entries) < _SCAN_CHUNK:
+                removed += await send_async(self.client, entries.delete(mine))
+            if page.next_start is None:
                 return removed
-            start = "(" + entries[-1][0].decode()
+            start = page.next_start
 
     async def _reachable(self, viewer: Viewer, queue: str, dlq_entry_id: str
                          ) -> DeadLetterEntry:
         if is_valid_name(queue) and _is_entry_id(dlq_entry_id):
-            key = self.client.keys.dlq(queue)
-            entries = _parse(await self.client.call(lambda: self.client.redis.xrange(
-                key, dlq_entry_id, dlq_entry_id)))
-            if entries and viewer.owns(entries[0].dead_letter.request_id):
-                return entries[0]
+            entry = await send_async(self.client, DeadLetterEntries(
+                self.client.keys, queue).entry(dlq_entry_id))
+            if entry is not None and viewer.owns(entry.dead_letter.request_id):
+                return entry
         raise not_found(f"no dead letter {dlq_entry_id!r:.40} in queue {queue!r:.60}")
-
-
-def _parse(entries: list[Any]) -> list[DeadLetterEntry]:
-    parsed = []
-    for entry in entries:
-        try:
-            parsed += parse_dead_letters([entry])
-        except LLMQError:
-            continue  # not a dead letter: nothing to show or retry
-    return parsed
 
 
 def _row(queue: str, entry: DeadLetterEntry, viewer: Viewer) -> dict[str, Any]:

@@ -74,8 +74,11 @@ def parse_line(text: str, number: int) -> BatchLine:
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
     if unknown:
         raise BatchLineError(f"unknown field `{sorted(unknown)[0]}`", custom_id)
+    url = obj.get("url")
+    if not isinstance(url, str):
+        raise BatchLineError(f"`url` must be {COMPLETIONS} or {CHAT}, got {url!r}", custom_id)
     try:
-        parsed = parse_body(obj.get("url"), obj.get("body"), batch=True)
+        parsed = parse_body(url, obj.get("body"), batch=True)
     except BodyError as exc:
         raise BatchLineError(str(exc), custom_id) from None
     return BatchLine(number, custom_id, parsed.endpoint, parsed.model, parsed.request)

@@ -1,11 +1,10 @@
 """PoolSeries: the dashboard's charts of the last hour, one sample of the pool per interval.
 
 Every gateway replica watches the workers' heartbeats (through its PoolView, so no extra reads)
-and, once per `interval`, adds a sample to the stream `keys.dashboard_series()` under the
-interval's own entry id, `<interval start in ms>-0`. Redis refuses an id at or below the
-stream's last one, so exactly one replica's sample lands per interval, with no lock and no
-leader, and every replica's dashboard reads the same stream and draws the same chart. The
-stream is capped to an hour of samples (MAXLEN ~).
+and, once per `interval`, offers a sample to the stream `keys.dashboard_series()` under the
+interval's own entry id (`llmq.broker.pool_samples`): exactly one replica's sample lands per
+interval, with no lock and no leader, and every replica's dashboard reads the same stream and
+draws the same chart. The stream is capped to an hour of samples (MAXLEN ~).
 
 Rates come from the cumulative counters of the heartbeats (docs/protocol.md section 9): for each
 worker, the difference between its two latest heartbeats over the time between them; the pool's
@@ -22,10 +21,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
-import redis
-
 from llmq.broker.aio import AsyncClient
+from llmq.broker.exchange import send_async
+from llmq.broker.pool_samples import PoolSample, PoolSamples
 from llmq.gateway.pool_view import PoolView
 from llmq.protocol import LatencyHistogram, WorkerHeartbeat
 from llmq.protocol.errors import LLMQError
@@ -37,21 +35,6 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 3600  # what the charts show
 TTFT_WINDOW_MS = 60_000  # the requests each TTFT point is computed over
 _TICK_S = 1.0  # how often heartbeats are looked at (the pool view reads them anyway)
-
-
-class PoolSample(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One point of every chart; stored as JSON in the `json` field of a series entry."""
-
-    t: int  # unix ms: the start of the interval
-    tokens_per_s: float = 0.0
-    requests_per_s: float = 0.0
-    lag: int = 0  # unread requests over every queue
-    ttft_p50_ms: float | None = None  # None: no request finished within the last minute
-    ttft_p95_ms: float | None = None
-
-
-_sample_decoder = msgspec.json.Decoder(PoolSample)
-_json = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
@@ -78,8 +61,7 @@ class PoolSeries:
         self.client = client
         self.pool = pool
         self.interval_ms = int(interval * 1000)
-        self.key = client.keys.dashboard_series()
-        self.maxlen = WINDOW_S * 1000 // self.interval_ms + 2
+        self.samples = PoolSamples(client.keys, WINDOW_S * 1000 // self.interval_ms + 2)
         self._tracks: dict[str, _Track] = {}
         self._ttft: deque[tuple[int, LatencyHistogram]] = deque()  # (heartbeat ms, new counts)
         self._watching_since_ms = int(time.time() * 1000)
@@ -175,32 +157,12 @@ class PoolSeries:
 
     async def offer(self, sample: PoolSample) -> bool:
         """Add the sample under its interval's id; False when another replica was first."""
-        async def add() -> bool:
-            try:
-                await self.client.redis.xadd(self.key, {"json": _json.encode(sample)},
-                                             id=f"{sample.t}-0", maxlen=self.maxlen,
-                                             approximate=True)
-            except redis.ResponseError as exc:
-                if "equal or smaller" in str(exc):
-                    return False
-                raise
-            return True
-
-        return await self.client.call(add)
+        return await send_async(self.client, self.samples.offer(sample))
 
     async def read(self, since_ms: int = 0) -> list[PoolSample]:
         """The samples of the last hour after `since_ms`, oldest first."""
         start = max(since_ms + 1, int(time.time() * 1000) - WINDOW_S * 1000)
-        entries = await self.client.call(lambda: self.client.redis.xrange(self.key,
-                                                                           f"{start}-0"))
-        samples = []
-        for _, fields in entries:
-            raw = fields.get(b"json")
-            try:
-                samples.append(_sample_decoder.decode(raw))
-            except (msgspec.DecodeError, TypeError):
-                logger.warning("skipping an unreadable dashboard sample in %s", self.key)
-        return samples
+        return await send_async(self.client, self.samples.since(start))
 
 
 def _since(now: int, then: int) -> int:

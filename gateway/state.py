@@ -18,7 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmq.broker.aio import AsyncClient
-from llmq.broker.commands import as_str
+from llmq.broker.client import Client
+from llmq.broker.exchange import send_async
+from llmq.broker.keys import Keys
+from llmq.broker.stream_options import StreamOptions
 from llmq.gateway.batch_store import rq_connection
 from llmq.gateway.errors import APIError
 from llmq.gateway.metrics import GatewayMetrics
@@ -48,6 +51,7 @@ class GatewayState:
     series: PoolSeries  # the dashboard's charts
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _rq_redis: redis.Redis | None = None
+    _sync_client: Client | None = None
     # True once the server is stopping: streams it ends then were not left by their clients,
     # so their requests keep running (to be resumed on another replica), not cancelled.
     shutting_down: Callable[[], bool] = lambda: False
@@ -64,7 +68,15 @@ class GatewayState:
         return self._rq_redis
 
     @property
-    def keys(self) -> Any:
+    def sync_client(self) -> Client:
+        """A sync Client on `sync_redis`, for batches' records (from worker threads)."""
+        if self._sync_client is None:
+            self._sync_client = Client(connection=self.sync_redis,
+                                       settings=self.settings.broker)
+        return self._sync_client
+
+    @property
+    def keys(self) -> Keys:
         return self.client.keys
 
     def tenant(self, request: Request) -> str:
@@ -93,19 +105,9 @@ class GatewayState:
 
     async def remember_stream(self, request_id: str, options: dict[str, Any]) -> None:
         """How to stream the request, for a resume on any replica (kept as long as results)."""
-        key = self.keys.stream_options(request_id)
-        ttl = self.settings.broker.result_ttl
-
-        async def write() -> None:
-            pipe = self.client.redis.pipeline(transaction=False)
-            pipe.hset(key, mapping=options)
-            pipe.expire(key, ttl)
-            await pipe.execute()
-
-        await self.client.call(write)
+        await send_async(self.client, StreamOptions(self.keys).remember(
+            request_id, options, self.settings.broker.result_ttl))
 
     async def stream_options(self, request_id: str) -> dict[str, str] | None:
         """The options `remember_stream` kept; None for a request this tenant never made."""
-        raw = await self.client.call(lambda: self.client.redis.hgetall(
-            self.keys.stream_options(request_id)))
-        return {as_str(k): as_str(v) for k, v in raw.items()} if raw else None
+        return await send_async(self.client, StreamOptions(self.keys).read(request_id))

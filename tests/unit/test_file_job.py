@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from llmq.broker.file_job import FileJob, OutputFile, derive_request_id, read_lines
+from llmq.broker.file_job import OutputFile, derive_request_id, read_lines, write_record
 
 
 def test_request_ids_are_stable_and_tell_lines_apart() -> None:
@@ -59,7 +59,7 @@ def test_a_result_with_unicode_line_separators_stays_one_line() -> None:
     record = {"id": "a", "line": 1, "text": "x\u2028y\x85z\u2029"}
     out = io.StringIO()
     # When it is written as a result line
-    FileJob._write_ready({0: record}, 0, out)
+    write_record(out, record)
     # Then it is one line for str.splitlines() too, and reads back as the same answer
     (line,) = out.getvalue().splitlines()
     assert json.loads(line) == record

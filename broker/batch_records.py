@@ -1,0 +1,102 @@
+"""BatchRecords: what llmq keeps in Redis of an OpenAI-format batch, as exchanges.
+
+    <prefix>:batch:{<batch_id>}:input    string  the input file `llmq batch submit` stored, TTL
+    <prefix>:batch:{<batch_id>}:output   list    output lines in input order, TTL
+    <prefix>:batch:{<batch_id>}:errors   list    error lines in input order, TTL
+    <prefix>:batch:{<batch_id>}:cancel   string  the cancel flag the batch's job checks, TTL
+    <prefix>:batches:{<tenant>}          zset    a gateway tenant's batch ids by creation time
+
+The job itself (its status and progress) is rq's: gateway/batch_store.py. A batch's output and
+errors share the batch's slot, so a job (or its rq retry) rewrites them in one transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmq.broker.exchange import Exchange
+from llmq.broker.keys import Keys
+from llmq.protocol import as_str
+
+__all__ = ["BatchRecords"]
+
+_WRITE_CHUNK = 500  # lines per RPUSH
+_CANCEL_FLAG = b"1"
+
+
+def _none(_: list[Any]) -> None:
+    return None
+
+
+class BatchRecords:
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    # -- the input ------------------------------------------------------------------------------
+
+    def store_input(self, batch_id: str, data: bytes, ttl: int) -> Exchange[None]:
+        return Exchange(lambda pipe: pipe.set(self.keys.batch_input(batch_id), data, ex=ttl),
+                        _none)
+
+    def input(self, key: str) -> Exchange[bytes | None]:
+        """The input file at `key`: `keys.batch_input(batch_id)`, or the gateway file a
+        tenant's batch names (`keys.file(tenant, file_id)`); None once it has expired."""
+        return Exchange(lambda pipe: pipe.get(key), lambda replies: replies[0])
+
+    # -- cancelling -----------------------------------------------------------------------------
+
+    def request_cancel(self, batch_id: str, ttl: int) -> Exchange[None]:
+        return Exchange(lambda pipe: pipe.set(self.keys.batch_cancel(batch_id), _CANCEL_FLAG,
+                                              ex=ttl), _none)
+
+    def cancel_requested(self, batch_id: str) -> Exchange[bool]:
+        return Exchange(lambda pipe: pipe.exists(self.keys.batch_cancel(batch_id)),
+                        lambda replies: bool(replies[0]))
+
+    # -- the results ----------------------------------------------------------------------------
+
+    def write_results(self, batch_id: str, outputs: list[bytes], errors: list[bytes],
+                      ttl: int) -> Exchange[None]:
+        """Both lists replaced whole (an rq retry of the job rewrites them), kept `ttl` s."""
+        def queue(pipe: Any) -> None:
+            for key, lines in ((self.keys.batch_output(batch_id), outputs),
+                               (self.keys.batch_errors(batch_id), errors)):
+                pipe.delete(key)
+                for start in range(0, len(lines), _WRITE_CHUNK):
+                    pipe.rpush(key, *lines[start:start + _WRITE_CHUNK])
+                pipe.expire(key, ttl)
+
+        return Exchange(queue, _none, transaction=True)
+
+    def output(self, batch_id: str) -> Exchange[list[bytes]]:
+        return Exchange(lambda pipe: pipe.lrange(self.keys.batch_output(batch_id), 0, -1),
+                        lambda replies: list(replies[0]))
+
+    def errors(self, batch_id: str) -> Exchange[list[bytes]]:
+        return Exchange(lambda pipe: pipe.lrange(self.keys.batch_errors(batch_id), 0, -1),
+                        lambda replies: list(replies[0]))
+
+    def results(self, batch_id: str) -> Exchange[tuple[list[bytes], list[bytes]]]:
+        """(output lines, error lines) a finished batch wrote, in one round trip."""
+        output, errors = self.output(batch_id), self.errors(batch_id)
+
+        def queue(pipe: Any) -> None:
+            output.queue(pipe)
+            errors.queue(pipe)
+
+        return Exchange(queue, lambda replies: (output.parse(replies[:1]),
+                                                errors.parse(replies[1:])))
+
+    # -- a gateway tenant's index ---------------------------------------------------------------
+
+    def index(self, tenant: str, batch_id: str, created_at: int, ttl: int) -> Exchange[None]:
+        def queue(pipe: Any) -> None:
+            pipe.zadd(self.keys.tenant_batches(tenant), {batch_id: created_at})
+            pipe.expire(self.keys.tenant_batches(tenant), ttl)
+
+        return Exchange(queue, _none)
+
+    def tenant_batch_ids(self, tenant: str) -> Exchange[list[str]]:
+        """The tenant's batch ids, newest first (rq may have dropped some since)."""
+        return Exchange(lambda pipe: pipe.zrevrange(self.keys.tenant_batches(tenant), 0, -1),
+                        lambda replies: [as_str(i) for i in replies[0]])

@@ -1,0 +1,168 @@
+"""OrderedRun: a file of requests through the queue, its results handed on in input order.
+
+The one runner behind `llmq submit -f` (broker/file_job.py) and OpenAI-format batches
+(gateway/batch_job.py, for `llmq batch` and the gateway's Batch API); each of those is an
+adapter (a `RunSink`) that says what a line's record is and where records go.
+
+    run = OrderedRun(client, lines, sink, max_in_flight=1024)
+    end = run.run()          # COMPLETED, CANCELLED (sink.stop_requested) or TIMED_OUT
+
+`lines` are in input order, each a request to `Submit` or a record already `Settled` (a line
+that failed validation, a result an earlier run wrote). Requests are submitted in pipelined
+chunks, keeping at most `max_in_flight` unfinished at a time (None: all at once), and followed
+together (`Client.follow_many`: one reader for all of them). As each request ends, in whatever
+order, the sink makes its record (`finished`); records go to `sink.write` strictly in input
+order, each as soon as every line before it has one, so a run stopped half way has written a
+prefix. Request ids are the caller's, so a rerun or an rq retry queues nothing twice (the
+broker's submit is idempotent).
+
+Stopping: when `sink.stop_requested()` turns true, no more is submitted, every unfinished
+request is cancelled, their answers are awaited for `cancel_grace` s, and the lines left get
+`sink.not_run` records. At `timeout` the run just stops: the requests keep running, and a rerun
+with the same ids picks them up.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from llmq.broker.client import Client
+from llmq.broker.result_reader import FollowerGroup
+from llmq.broker.transcript import Transcript
+
+__all__ = ["OrderedRun", "RunEnd", "RunSink", "Settled", "Submit"]
+
+R = TypeVar("R")
+
+_SUBMIT_CHUNK = 1000  # requests per pipelined round trip
+_POLL_MS = 250
+CANCEL_GRACE = 3.0  # s to wait for cancelled requests' final events
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A line to run: its request (wire field names, `id` included) and that id."""
+
+    request_id: str
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Settled(Generic[R]):
+    """A line whose record is known without running it."""
+
+    record: R
+
+
+class RunEnd(enum.Enum):
+    COMPLETED = "completed"  # every line has its record
+    CANCELLED = "cancelled"  # stop requested: every line has its record, some `not_run`
+    TIMED_OUT = "timed_out"  # the records of a prefix were written; requests keep running
+
+
+class RunSink(Protocol[R]):
+    """What an adapter supplies to an `OrderedRun`."""
+
+    def finished(self, index: int, transcript: Transcript) -> R:
+        """The record of line `index`, whose request ended (any order, as they end)."""
+
+    def not_run(self, index: int, *, submitted: bool) -> R:
+        """The record of line `index` a stop left without a result (`submitted`: it was
+        queued and cancelled; else it was never queued)."""
+
+    def write(self, record: R) -> None:
+        """The next record in input order."""
+
+    def tick(self, submitted: int) -> None:
+        """Called between rounds (about every 250 ms): `submitted` requests queued so far."""
+
+    def stop_requested(self) -> bool:
+        """Whether to stop: cancel what runs, record the rest as not run."""
+
+
+class OrderedRun(Generic[R]):
+    def __init__(self, client: Client, lines: list[Submit | Settled[R]], sink: RunSink[R], *,
+                 max_in_flight: int | None = None, timeout: float | None = None,
+                 cancel_grace: float = CANCEL_GRACE) -> None:
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1 (or None), got {max_in_flight}")
+        self.client = client
+        self.lines = lines
+        self.sink = sink
+        self.max_in_flight = max_in_flight
+        self.timeout = timeout
+        self.cancel_grace = cancel_grace
+        self.written = 0  # lines whose records went to the sink, in input order
+        self.unfinished = 0  # after a timeout: requests still queued or running
+        self._ready: dict[int, R] = {i: line.record for i, line in enumerate(lines)
+                                     if isinstance(line, Settled)}
+        self._to_submit = [i for i, line in enumerate(lines) if isinstance(line, Submit)]
+        self._submitted = 0  # of _to_submit
+        self._index_of: dict[str, int] = {}  # request id -> line index
+
+    def run(self) -> RunEnd:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        gatherer = self.client.follow_many()
+        try:
+            while True:
+                self._flush()
+                if self.sink.stop_requested():
+                    self._stop(gatherer)
+                    return RunEnd.CANCELLED
+                self._submit_some(gatherer)
+                if self.written == len(self.lines) or (
+                        not gatherer and self._submitted == len(self._to_submit)):
+                    return RunEnd.COMPLETED
+                if deadline is not None and time.monotonic() > deadline:
+                    self.unfinished = len(gatherer)
+                    return RunEnd.TIMED_OUT
+                self._gather(gatherer)
+                self.sink.tick(self._submitted)
+        finally:
+            gatherer.close()
+
+    def _submit_some(self, gatherer: FollowerGroup) -> None:
+        """Submit while the window has room."""
+        while self._submitted < len(self._to_submit):
+            room = (_SUBMIT_CHUNK if self.max_in_flight is None
+                    else min(_SUBMIT_CHUNK, self.max_in_flight - len(gatherer)))
+            if room <= 0:
+                return
+            chunk = self._to_submit[self._submitted:self._submitted + room]
+            bodies = []
+            for index in chunk:
+                line = self.lines[index]
+                assert isinstance(line, Submit)
+                bodies.append(line.body)
+            request_ids = self.client.submit_many(bodies)
+            gatherer.add(request_ids)
+            self._index_of.update(zip(request_ids, chunk, strict=True))
+            self._submitted += len(chunk)
+            self.sink.tick(self._submitted)
+
+    def _gather(self, gatherer: FollowerGroup) -> None:
+        for transcript in gatherer.poll(block_ms=_POLL_MS):
+            index = self._index_of[transcript.request_id]
+            self._ready[index] = self.sink.finished(index, transcript)
+
+    def _flush(self) -> None:
+        while self.written in self._ready:
+            self.sink.write(self._ready.pop(self.written))
+            self.written += 1
+
+    def _stop(self, gatherer: FollowerGroup) -> None:
+        for request_id in gatherer.pending_ids():
+            self.client.cancel(request_id)
+        deadline = time.monotonic() + self.cancel_grace
+        while gatherer and time.monotonic() < deadline:
+            self._gather(gatherer)
+        for request_id in gatherer.pending_ids():
+            index = self._index_of[request_id]
+            self._ready[index] = self.sink.not_run(index, submitted=True)
+        for index in self._to_submit[self._submitted:]:
+            self._ready[index] = self.sink.not_run(index, submitted=False)
+        self._flush()

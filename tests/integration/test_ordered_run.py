@@ -1,0 +1,135 @@
+"""OrderedRun, the runner under `llmq submit -f` and the batch job, against real servers.
+
+No worker: a thread plays one, reading the group and answering the requests it holds in reverse
+order, so the records can only come out in input order if the runner puts them there.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from llmq.broker import Client
+from llmq.broker.keys import GROUP, Keys
+from llmq.broker.ordered_run import OrderedRun, RunEnd, Settled, Submit
+from llmq.broker.transcript import Transcript
+from llmq.protocol import Done, Start, Timings, Usage
+from tests.integration.test_producer import write_events
+
+pytestmark = pytest.mark.redis
+
+KEYS = Keys()
+
+
+class Sink:
+    """Records as strings: `ok:<id>`, `not_run:<index>:<submitted>`, or a settled one."""
+
+    def __init__(self, *, stop_once_submitted: bool = False) -> None:
+        self.written: list[str] = []
+        self.finished_order: list[int] = []
+        self.submitted = 0
+        self.stop_once_submitted = stop_once_submitted
+
+    def finished(self, index: int, transcript: Transcript) -> str:
+        self.finished_order.append(index)
+        return f"ok:{transcript.request_id}"
+
+    def not_run(self, index: int, *, submitted: bool) -> str:
+        return f"not_run:{index}:{submitted}"
+
+    def write(self, record: str) -> None:
+        self.written.append(record)
+
+    def tick(self, submitted: int) -> None:
+        self.submitted = submitted
+
+    def stop_requested(self) -> bool:
+        return self.stop_once_submitted and self.submitted > 0
+
+
+class FakeWorker(threading.Thread):
+    """Reads what the group delivers and answers each batch newest first; notes how many
+    requests were waiting unanswered at most."""
+
+    def __init__(self, url: str, *, batch: int = 100) -> None:
+        super().__init__(daemon=True)
+        self.redis = redis.Redis.from_url(url)
+        self.batch = batch
+        self.stop = threading.Event()
+        self.most_waiting = 0
+        self.answered = 0
+
+    def run(self) -> None:
+        with Client(connection=self.redis) as client:
+            client.ensure_group()  # a real worker creates it too, before its first read
+        while not self.stop.is_set():
+            reply = self.redis.xreadgroup(GROUP, "fake", {KEYS.queue("default"): ">"},
+                                          count=self.batch, block=100)
+            if not reply:
+                continue
+            entries = reply[0][1]
+            waiting = self.redis.xlen(KEYS.queue("default")) - self.answered
+            self.most_waiting = max(self.most_waiting, waiting)
+            for entry_id, fields in reversed(entries):
+                request_id = json.loads(fields[b"json"]).get("id") or entry_id.decode()
+                write_events(self.redis, [
+                    Start(request_id, 1, "w", 1, "tiny"),
+                    Done(request_id, 1, "stop", "hi", Usage(1, 1), Timings(0, 0, 0, None))])
+                self.redis.xack(KEYS.queue("default"), GROUP, entry_id)
+                self.answered += 1
+
+
+def _lines(n: int, *, settled: tuple[int, ...] = ()) -> list[Submit | Settled[str]]:
+    return [Settled(f"settled:{i}") if i in settled
+            else Submit(f"r-{i}", {"id": f"r-{i}", "prompt": "Hi", "max_tokens": 2})
+            for i in range(n)]
+
+
+@pytest.fixture
+def worker(redis_server: Any, redis_client: redis.Redis) -> Any:
+    fake = FakeWorker(redis_server.url, batch=3)
+    fake.start()
+    yield fake
+    fake.stop.set()
+    fake.join(5)
+
+
+def test_records_come_in_input_order_whatever_order_requests_end(
+        redis_server: Any, worker: FakeWorker) -> None:
+    # Given 10 lines, two of them settled before the run (say, invalid), answered newest first
+    sink = Sink()
+    with Client(redis_server.url) as client:
+        run = OrderedRun(client, _lines(10, settled=(0, 4)), sink)
+        # When they run
+        assert run.run() is RunEnd.COMPLETED
+    # Then they ended out of order, and the sink got every record in input order
+    assert sink.finished_order != sorted(sink.finished_order)
+    assert sink.written == [f"settled:{i}" if i in (0, 4) else f"ok:r-{i}" for i in range(10)]
+
+
+def test_at_most_max_in_flight_requests_wait_at_a_time(redis_server: Any,
+                                                       worker: FakeWorker) -> None:
+    sink = Sink()
+    with Client(redis_server.url) as client:
+        assert OrderedRun(client, _lines(12), sink, max_in_flight=2).run() is RunEnd.COMPLETED
+    assert len(sink.written) == 12
+    assert worker.most_waiting <= 2
+
+
+def test_a_stop_cancels_and_records_the_rest_as_not_run(redis_server: Any,
+                                                        redis_client: redis.Redis) -> None:
+    # Given 3 lines, 2 at a time, no worker answering, and a stop asked once the first 2 are
+    # queued
+    sink = Sink(stop_once_submitted=True)
+    with Client(redis_server.url) as client:
+        # When they run
+        end = OrderedRun(client, _lines(3), sink, max_in_flight=2, cancel_grace=0.2).run()
+    # Then the run says so, the queued requests were cancelled, the rest never queued
+    assert end is RunEnd.CANCELLED
+    assert sink.written == ["not_run:0:True", "not_run:1:True", "not_run:2:False"]
+    assert redis_client.exists(KEYS.cancel_flag("r-0"), KEYS.cancel_flag("r-1")) == 2
+    assert not redis_client.exists(KEYS.cancel_flag("r-2"))
