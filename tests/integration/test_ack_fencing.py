@@ -1,4 +1,5 @@
-"""The writer's ack only releases entries this worker still owns (RELIABILITY.md #14)."""
+"""The writer's ack only releases entries this worker still owns (docs/reliability.md, scenario
+14)."""
 
 from __future__ import annotations
 
