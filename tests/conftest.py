@@ -1,4 +1,14 @@
-"""Shared fixtures: real Redis-compatible servers and model files, each in its own module."""
+"""Shared fixtures: real Redis-compatible servers and model files, each in its own module.
+
+Also the per-test time limits: pyproject.toml's `timeout` (120 s) fails a hung test; the modules
+below take longer by design and get their own limit (a test's own `@pytest.mark.timeout` still
+wins). A limit covers the test with its fixtures, so a module's first test also pays for starting
+its servers and workers.
+"""
+
+from __future__ import annotations
+
+import pytest
 
 pytest_plugins = [
     "tests.fixtures.redis_servers",
@@ -6,3 +16,29 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.acl_server",
 ]
+
+# module -> seconds, each about twice the longest wait the module allows itself
+LONG_TIMEOUTS = {
+    "tests/e2e/test_chaos.py": 600,  # a 120 s soak, then every request settled and checked
+    "tests/e2e/test_worker_e2e.py": 900,  # the real model, 16 requests against generate()
+    "tests/e2e/test_readme.py": 480,  # the whole tour, `llmq up` to `llmq down` (waits 240 s)
+    "tests/e2e/test_gateway_load.py": 600,  # a thousand streams at once (waits 300 s)
+    "tests/e2e/test_cli_up.py": 360,  # `make run` end to end (waits 180 s)
+    "tests/e2e/test_worker_observability.py": 400,  # the real model loading, seen by /readyz
+    "tests/e2e/test_dashboard_browser.py": 240,  # Chromium, a pool and a gateway per module
+    "tests/cluster/test_cluster.py": 300,  # six servers, failover and slot migration
+    "tests/cluster/test_cluster_frontends.py": 240,
+    "tests/cluster/test_sentinel.py": 240,  # a promotion under load (waits 60 s per step)
+    "tests/integration/test_worker_reliability.py": 240,  # worker processes killed and restarted
+    "tests/integration/test_recovery.py": 240,
+    "tests/integration/test_worker_control.py": 300,  # waits up to 150 s for RSS to drop
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if stale := sorted(p for p in LONG_TIMEOUTS if not (config.rootpath / p).is_file()):
+        raise pytest.UsageError(f"LONG_TIMEOUTS names missing test modules: {stale}")
+    for item in items:
+        seconds = LONG_TIMEOUTS.get(item.path.relative_to(config.rootpath).as_posix())
+        if seconds is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(seconds))
