@@ -10,7 +10,8 @@ PROMPT ?= Write one sentence about the sea.
 
 # What ruff checks; mypy's files are in pyproject.toml ([tool.mypy]).
 LINTED := protocol broker worker cli gateway tests bench llmq
-# `make check`'s tests: no Redis, no browser, no processes; `slow` ones are left to `make test`.
+# `make check`'s tests: no Redis, no browser, no processes; those marked `slow` (among them every
+# test that runs the real default model in torch: tests/conftest.py) are left to `make test`.
 CHECK_TESTS := tests/unit tests/engine tests/model
 
 .PHONY: run check test install model redis-server browser cxx lint typecheck bench clean

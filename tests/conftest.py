@@ -1,5 +1,9 @@
 """Shared fixtures: real Redis-compatible servers and model files, each in its own module.
 
+Tests that run the real default model in torch are marked `slow` here, from the fixture they use
+(seconds to a minute each): `make check` leaves them to `make test`, and keeps the `model` tests
+that only read the default model's GGUF (its tokenizer and template).
+
 Also the per-test time limits: pyproject.toml's `timeout` (120 s) fails a hung test; the modules
 below take longer by design and get their own limit (a test's own `@pytest.mark.timeout` still
 wins). A limit covers the test with its fixtures, so a module's first test also pays for starting
@@ -16,6 +20,9 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.acl_server",
 ]
+
+# Fixtures that load SmolLM2's weights into torch.
+REAL_MODEL_FIXTURES = ("default_model_f32",)
 
 # module -> seconds, each about twice the longest wait the module allows itself
 LONG_TIMEOUTS = {
@@ -39,6 +46,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if stale := sorted(p for p in LONG_TIMEOUTS if not (config.rootpath / p).is_file()):
         raise pytest.UsageError(f"LONG_TIMEOUTS names missing test modules: {stale}")
     for item in items:
+        if any(name in REAL_MODEL_FIXTURES for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
         seconds = LONG_TIMEOUTS.get(item.path.relative_to(config.rootpath).as_posix())
         if seconds is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(seconds))
