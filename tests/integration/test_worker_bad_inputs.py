@@ -1,9 +1,10 @@
-"""Bad inputs never hurt the worker (docs/reliability.md, scenarios 16-22, invariant I5): each
-gets its error, then the same worker process (same PID) serves a good request.
+"""Bad inputs never hurt the worker (docs/reliability.md, scenarios 16-22, invariant I5):
+each gets its error, then the
+same worker process (same PID) serves a good request.
 
 One `llmq worker` process (on valkey: tests/fixtures/redis_servers.py) serves the whole table.
-Every test flushes the server under it, so the worker also recovers from its consumer group
-vanishing each time.
+Every test flushes the server
+under it, so the worker also recovers from its consumer group vanishing each time.
 """
 
 from __future__ import annotations
