@@ -7,6 +7,8 @@ What counts is what runs **at import time**, as a fresh interpreter would load i
   CLI imports the worker only inside its commands) nor under `if TYPE_CHECKING:`;
 - transitively: a module loads everything the llmq modules it imports load, and importing
   `llmq.a.b` runs `llmq/__init__.py` and `llmq/a/__init__.py` first;
+- `from package import Name`, where the package exports Name lazily (PEP 562 `__getattr__` over
+  `_EXPORTS`), loads the submodule Name comes from;
 - a third-party import counts as its dotted name (`torch`, `torch.nn`); what that package imports
   in turn is not followed (as import-linter's forbidden contracts).
 
@@ -88,6 +90,10 @@ class ImportGraph:
     package: str
     files: dict[str, Path] = field(default_factory=dict)  # module name -> source file
     direct: dict[str, set[str]] = field(default_factory=dict)
+    # package -> {name: submodule} of its PEP 562 lazy exports (a module-level `__getattr__`
+    # over an `_EXPORTS` dict, as llmq.worker.engine.model has): `from package import name`
+    # runs that submodule at import time
+    lazy: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def scan(cls, package_dir: Path) -> ImportGraph:
@@ -99,15 +105,19 @@ class ImportGraph:
                 if name.endswith(".py"):
                     parts = rel.parts if name == "__init__.py" else (*rel.parts, name[:-3])
                     graph.files[".".join(parts)] = Path(folder) / name
-        for module, path in graph.files.items():
-            graph.direct[module] = graph._imports_of(module, path)
+        trees = {module: ast.parse(path.read_text(encoding="utf-8"), str(path))
+                 for module, path in graph.files.items()}
+        for module, tree in trees.items():
+            if graph.is_package(module) and (exports := _lazy_exports(tree)):
+                graph.lazy[module] = {name: f"{module}.{sub}" for name, sub in exports.items()}
+        for module, tree in trees.items():
+            graph.direct[module] = graph._imports_of(module, tree)
         return graph
 
     def is_package(self, module: str) -> bool:
         return self.files.get(module, Path()).name == "__init__.py"
 
-    def _imports_of(self, module: str, path: Path) -> set[str]:
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    def _imports_of(self, module: str, tree: ast.Module) -> set[str]:
         found: set[str] = set()
         for node in _import_time_nodes(tree.body):
             if isinstance(node, ast.Import):
@@ -118,6 +128,8 @@ class ImportGraph:
                 # `from pkg import name`: name may be a submodule, which is then loaded too
                 found.update(f"{base}.{a.name}" for a in node.names
                              if f"{base}.{a.name}" in self.files)
+                found.update(self.lazy[base][a.name] for a in node.names
+                             if a.name in self.lazy.get(base, {}))
         return found
 
     def _absolute(self, module: str, name: str | None, level: int) -> str:
@@ -163,6 +175,19 @@ def _import_time_nodes(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom
                 elif isinstance(child, ast.excepthandler | ast.match_case):
                     out.extend(_import_time_nodes(child.body))
     return out
+
+
+def _lazy_exports(tree: ast.Module) -> dict[str, str]:
+    """A package's `_EXPORTS = {"Name": "submodule"}`, if a module-level `__getattr__` serves it."""
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+        return {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)):
+            return {k.value: v.value for k, v in zip(node.value.keys, node.value.values,
+                                                      strict=True)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    return {}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -226,22 +251,26 @@ def test_every_file_of_the_layer_folders_is_seen_through_the_links() -> None:
 
 def test_an_indirect_import_through_a_linked_folder_is_caught(tmp_path: Path) -> None:
     # Given a package whose layers are links, where `low.a` reaches `heavy` only through
-    # `high.b`, imported inside a try block, and `low.c` imports it only inside a function
+    # `high.b`, imported inside a try block, `low.d` through `high`'s lazy export of `b`, and
+    # `low.c` imports it only inside a function
     (tmp_path / "src" / "low").mkdir(parents=True)
     (tmp_path / "src" / "high").mkdir()
     (tmp_path / "src" / "low" / "__init__.py").write_text("")
-    (tmp_path / "src" / "high" / "__init__.py").write_text("")
+    (tmp_path / "src" / "high" / "__init__.py").write_text(
+        '_EXPORTS = {"Heavy": "b"}\n\ndef __getattr__(name):\n    pass\n')
     (tmp_path / "src" / "low" / "a.py").write_text("try:\n    from ..high import b\nexcept "
                                                    "ImportError:\n    b = None\n")
     (tmp_path / "src" / "low" / "c.py").write_text("def f():\n    import heavy\n")
     (tmp_path / "src" / "high" / "b.py").write_text("import heavy.sub\n")
+    (tmp_path / "src" / "low" / "d.py").write_text("from ..high import Heavy\n")
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     for name in ("low", "high"):
         (tmp_path / "pkg" / name).symlink_to(tmp_path / "src" / name)
     # When the graph of pkg is built
     graph = ImportGraph.scan(tmp_path / "pkg")
-    # Then the indirect import counts, and the one inside a function does not
+    # Then the indirect import counts (also through a lazy export), one inside a function does not
     assert violations(graph, "pkg.low.a", ("heavy",)) == ["heavy", "heavy.sub"]
     assert violations(graph, "pkg.low.a", ("pkg.high",)) == ["pkg.high", "pkg.high.b"]
     assert violations(graph, "pkg.low.c", ("heavy",)) == []
+    assert violations(graph, "pkg.low.d", ("heavy",)) == ["heavy", "heavy.sub"]
