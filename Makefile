@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make run`  and  `make test`.
+# On a fresh machine:  `make run` (one streamed answer),  `make check` (the inner loop: lint, types,
+# import rules, unit/engine/model tests, a few minutes)  and  `make test` (everything, for CI).
 # Everything they need (venv, the package, the default model, a Redis and a headless Chromium for
 # the tests) is installed here.
 PYTHON ?= python3
@@ -7,7 +8,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: run test install model redis-server browser cxx lint bench clean
+# What ruff checks; mypy's files are in pyproject.toml ([tool.mypy]).
+LINTED := protocol broker worker cli gateway tests bench llmq
+# `make check`'s tests: no Redis, no browser, no processes; those marked `slow` (among them every
+# test that runs the real default model in torch: tests/conftest.py) are left to `make test`.
+CHECK_TESTS := tests/unit tests/engine tests/model
+
+.PHONY: run check test install model redis-server browser cxx lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,12 +58,30 @@ run: install model
 	@$(BIN)/llmq up --detach --workers 1 && trap '$(BIN)/llmq down' EXIT && trap 'exit 130' INT TERM && \
 	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
+# The inner loop. Every step runs even when an earlier one fails (a type error should not hide a
+# failing test); the exit status is non-zero if any failed.
+check: install model cxx
+	@status=0; \
+	echo "== ruff"; $(BIN)/ruff check $(LINTED) || status=1; \
+	echo "== mypy"; $(BIN)/python -m mypy || status=1; \
+	echo "== pytest $(CHECK_TESTS)"; $(BIN)/python -m pytest -q -m "not slow" $(CHECK_TESTS) \
+	  || status=1; \
+	exit $$status
+
+# The whole suite (CI runs this: .ci/run): lint, types, the import rules and every test, with the
+# integration and cluster tests on real servers and the two-minute chaos soak.
 test: install model redis-server browser cxx
-	$(BIN)/ruff check broker worker cli gateway tests bench
-	$(BIN)/python -m pytest -q
+	@status=0; \
+	echo "== ruff"; $(BIN)/ruff check $(LINTED) || status=1; \
+	echo "== mypy"; $(BIN)/python -m mypy || status=1; \
+	echo "== pytest"; $(BIN)/python -m pytest -q || status=1; \
+	exit $$status
 
 lint: install
-	$(BIN)/ruff check broker worker cli gateway tests bench
+	$(BIN)/ruff check $(LINTED)
+
+typecheck: install
+	$(BIN)/python -m mypy
 
 bench: install model
 	$(BIN)/python bench/model.py

@@ -12,7 +12,7 @@ injected one at a time at random, in shuffled rounds so every kind comes up:
     sigterm      SIGTERM a worker (it drains)       redis_kill9  kill -9 Redis, restart it
     client_pause CLIENT PAUSE 1-12 s (WRITE|ALL)    client_kill  CLIENT KILL TYPE normal
 
-Then everything is let to settle and the invariants are checked (RELIABILITY.md 6.1):
+Then everything is let to settle and the invariants are checked (docs/reliability.md, I1-I3):
 
 - every accepted request has exactly one terminal event for its final (highest) attempt;
 - the deltas of that attempt are numbered 0..n-1 and concatenate to its text;

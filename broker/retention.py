@@ -1,8 +1,8 @@
 """Trimming the request stream: entries every worker is done with are removed.
 
 A request entry must stay while it is undelivered (a worker will read it) or pending (a reclaim
-needs its payload, RELIABILITY.md #13). Everything older than both the group's last-delivered
-id and its oldest pending entry has been acked, so it goes. Trimming only below the
+needs its payload: docs/reliability.md, scenario 13). Everything older than both the group's
+last-delivered id and its oldest pending entry has been acked, so it goes. Trimming only below the
 last-delivered id also keeps `XINFO GROUPS` `lag` computable (an XDEL past it makes Redis
 report lag as NULL, which would blind KEDA's scaler).
 """

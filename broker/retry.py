@@ -1,7 +1,8 @@
 """RetryPolicy: which Redis failures a client waits out, and for how long it waits between tries.
 
 A server that was never reached is a configuration problem: fail at once with a message that says
-how to fix it (RELIABILITY.md scenario 9). A server that answered before and then went away is an
+how to fix it (docs/reliability.md, scenario 9).
+A server that answered before and then went away is an
 outage: a reset, a timeout, a failover (`LOADING`, `MASTERDOWN`, `READONLY`...), a full pool or a
 server at `maxclients` passes, so the client retries — submitting with the same request id (the
 submit script makes that idempotent), following from the last entry id it handed over — until the

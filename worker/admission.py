@@ -11,7 +11,8 @@ validates off the busy loop. Per entry, in order:
    own gets `error{invalid_request}` on its result stream; one without (none given, or none
    readable) gets it on llmq:r:{<entry id>} and goes to the dead-letter stream too;
 3. deadline: `deadline_ms` counts from the entry id's millisecond time, compared with Redis
-   `TIME` (the server's clock, never the producer's or this worker's: RELIABILITY.md #27);
+   `TIME` (the server's clock, never the producer's or this worker's: docs/reliability.md,
+   scenario 27);
 4. ownership of the request id: `SET llmq:id:{<queue>}:<request_id> <entry id> NX GET` (the
    marker the producer's submit function sets, or the first worker to admit an entry of that
    id): an entry whose id another entry owns is a duplicate, dead-lettered as `duplicate_id` and

@@ -2,7 +2,7 @@
 
 Every IO thread of the worker (stream reader, result writer, lease keeper, cancel listener) loops
 forever; when Redis goes away each of them keeps its state, waits, and tries again, so a Redis
-restart never crash-loops the worker (RELIABILITY.md scenarios 7-9). The pattern is rq's and
+restart never crash-loops the worker (docs/reliability.md, scenarios 7-9). The pattern is rq's and
 redis-py's `Retry(ExponentialBackoff(cap=...))`, moved up one level so the *thread* decides what
 is safe to repeat (redis-py's own retries are switched off: the threads' clients come from
 `llmq.broker.connection.connect_at_most_once`, as a blindly repeated XADD would duplicate an

@@ -11,8 +11,8 @@ Every `heartbeat_interval` (heartbeat_timeout / 5, one second by default):
    those (XCLAIM to itself, min-idle 0, JUSTID: idle back to 0, delivery count unchanged). An
    entry it no longer owns was taken by a peer (this worker's heartbeat lapsed, or its lease:
    a stall, a partition, a paused process): the engine aborts it and nothing more is written for
-   it, so the stale owner stops within one renewal (RELIABILITY.md #14). Check and claim are
-   one atomic script, so the keeper never steals an entry back from the peer that took it.
+   it, so the stale owner stops within one renewal (docs/reliability.md, scenario 14). Check and
+   claim are one atomic script, so the keeper never steals an entry back from the peer that took it.
 
 Beats and renewals share this one light thread and nothing heavy ever runs on it (reclaims,
 which tokenize, are the reclaimer's), so a live worker's heartbeat never lapses behind work.

