@@ -172,6 +172,7 @@ class Admission:
             self._fail(entry, e.code, e.message, e.details)
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
+        self.ctx.intake.note_prompt(entry.prompt_tokens)
         entry.admitted_ms = now_ms
         start = protocol.Start(request_id=entry.request_id, attempt=entry.attempt,
                                worker=self.ctx.worker_id, prompt_tokens=entry.prompt_tokens,

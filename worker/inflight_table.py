@@ -43,6 +43,9 @@ class InFlight:
     solo: bool = False
     # Set by the busy loop once the engine has it: what an engine failure makes suspect.
     in_engine: bool = False
+    # Set once the engine produced its first token: it runs, no longer waits to start (what the
+    # stream reader's intake window counts, worker/intake_window.py).
+    started: bool = False
     n: int = 1  # completions asked for; the terminal event waits for all of them
     finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
 
@@ -50,7 +53,8 @@ class InFlight:
 class InFlightTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)  # notified whenever an entry leaves
+        # Notified whenever an entry leaves or starts: either may make room for a read.
+        self._room = threading.Condition(self._lock)
         self._entries: dict[str, InFlight] = {}
 
     def __len__(self) -> int:
@@ -75,10 +79,27 @@ class InFlightTable:
             self._room.notify_all()
             return entry
 
-    def wait_for_room(self, limit: int, timeout: float) -> bool:
-        """Block until fewer than `limit` entries are held (or `timeout` s pass)."""
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until an entry leaves or starts (or `timeout` s pass)."""
         with self._lock:
-            return self._room.wait_for(lambda: len(self._entries) < limit, timeout)
+            self._room.wait(timeout)
+
+    def mark_started(self, entry_ids: list[str]) -> None:
+        """The engine produced these entries' first tokens (busy loop, once per step)."""
+        with self._lock:
+            changed = False
+            for entry_id in entry_ids:
+                e = self._entries.get(entry_id)
+                if e is not None and not e.started:
+                    e.started = changed = True
+            if changed:
+                self._room.notify_all()
+
+    def num_not_started(self) -> int:
+        """Entries held that the engine has not started yet: being admitted, or waiting in it."""
+        with self._lock:
+            return sum(1 for e in self._entries.values()
+                       if not e.started and not e.terminal and not e.fenced)
 
     def entry_ids(self) -> list[str]:
         with self._lock:

@@ -5,9 +5,11 @@ Redis consumer group:
 
     XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:{<queue>} >
 
-where room = max_num_seqs - entries in flight. With no room it reads nothing, so unread work
-stays with the group for other workers and the group's lag is a true scaling signal (KEDA's
-redis-streams scaler reads it). What it reads goes through `Admission`.
+where room is what the engine can start within a step or two, less what it holds that has not
+started, and never more than max_num_seqs - entries in flight (worker/intake_window.py). With no
+room it reads nothing, so unread work stays with the group for idle peers and the group's lag is
+a true scaling signal (KEDA's redis-streams scaler reads it). What it reads goes through
+`Admission`.
 
 On NOGROUP (a fresh queue, or Redis restarted without persistence) it creates the group with
 MKSTREAM at id 0 (so entries a producer added before any worker existed are delivered) and goes
@@ -46,7 +48,7 @@ class StreamReader:
         self.worker_id = ctx.worker_id
         self.table = ctx.table
         self.admission = admission
-        self.max_num_seqs = ctx.max_num_seqs
+        self.intake = ctx.intake
         self.block_ms = ctx.config.read_block_ms
         self.ensure_group = ensure_group
         self.hand_back = hand_back
@@ -96,9 +98,9 @@ class StreamReader:
             if not self.awake.is_set():
                 self.awake.wait(0.5)
                 continue
-            room = self.max_num_seqs - len(self.table)
+            room = self.intake.room(len(self.table), self.table.num_not_started())
             if room <= 0:
-                self.table.wait_for_room(self.max_num_seqs, timeout=0.5)
+                self.table.wait_for_change(timeout=0.5)
                 continue
             try:
                 if self._client_id is None:

@@ -89,7 +89,7 @@ class Worker:
         self.metrics, self.health = observability or start_observability(
             config.metrics_port, model_name, config.queue)
         self.ctx = ctx = WorkerContext(config, model_name, engine.config.max_num_seqs,
-                                       self.metrics)
+                                       self.metrics, engine.config.max_num_batched_tokens)
         self.keys, self.table, self.inbox, self.state = ctx.keys, ctx.table, ctx.inbox, ctx.state
         self.queue_key = ctx.queue_key
         self.writer = ResultWriter(ctx)
@@ -313,6 +313,9 @@ class Worker:
         if not outputs:
             return
         num_tokens = sum(len(output.new_token_ids) for output in outputs)
+        # NOTE: a child of an n > 1 request is `<entry id>#<index>`; its entry has started.
+        self.table.mark_started([output.request_id.partition("#")[0] for output in outputs
+                                 if output.new_token_ids])
         self._num_generated += num_tokens
         self.writer.put_step(outputs)
         if self.metrics is not None:

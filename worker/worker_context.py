@@ -22,6 +22,7 @@ from llmq.worker.connection_state import ConnectionState
 from llmq.worker.heartbeat_counters import HeartbeatCounters
 from llmq.worker.inbox import Inbox
 from llmq.worker.inflight_table import InFlightTable
+from llmq.worker.intake_window import IntakeWindow
 from llmq.worker.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class WorkerContext:
     model_name: str  # reported in `start` events and heartbeats
     max_num_seqs: int  # the engine's seats: a worker holds at most this many entries
     metrics: WorkerMetrics | None = None  # None: no metrics port
+    max_num_batched_tokens: int = 1024  # the engine's tokens per step: what it can start
     keys: Keys = field(init=False)
     table: InFlightTable = field(default_factory=InFlightTable)
     inbox: Inbox = field(default_factory=Inbox)
@@ -45,9 +47,11 @@ class WorkerContext:
     state: ConnectionState = field(
         default_factory=lambda: ConnectionState(pending=("stream reader",)))
     connect: Callable[[], redis.Redis] = field(init=False)
+    intake: IntakeWindow = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.config.prefix)
+        self.intake = IntakeWindow(self.max_num_seqs, self.max_num_batched_tokens)
         # NOTE: socket timeouts well above the blocking reads' BLOCK slice, so only a server that
         # stopped answering times out.
         timeout = self.config.read_block_ms / 1000.0 + 10.0
