@@ -35,6 +35,7 @@ WORKER_IO = {
     "worker/lease_keeper.py": "heartbeats, lease renewal and fencing, hand-backs",
     "worker/reclaimer.py": "XAUTOCLAIM / XCLAIM of dead workers' entries, dead-lettering",
     "worker/result_writer.py": "result events and XACK in one MULTI per batch",
+    "worker/cluster_pipelines.py": "the result writer's MULTI per cluster node (slot by slot)",
     "worker/stream_follower.py": "XREAD of the cancel and control streams every worker follows",
     "worker/control_listener.py": "the answers to utility calls (`llmq admin`)",
     "worker/worker.py": "the consumer group, the function library, deregistering on exit",
