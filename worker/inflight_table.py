@@ -15,13 +15,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmq.protocol import Encoding
+
 
 @dataclass
 class InFlight:
     entry_id: str  # stream entry id = engine request id
     request_id: str  # the wire id: names the result stream llmq:r:{<request_id>}
     attempt: int  # = the entry's delivery count
-    encoding: str  # "json" | "msgpack": events go out in the request's encoding
+    encoding: Encoding  # events go out in the request's encoding
     metadata: Any = None  # echoed back on the terminal event
     forgiven: int = 0  # deliveries that ended in a hand-back by a draining worker, not a crash
     stream: bool = True  # delta events wanted
