@@ -30,6 +30,7 @@ __all__ = [
     "PendingEntry",
     "PendingSummary",
     "StreamEntry",
+    "array",
     "consumers",
     "entries",
     "groups",
@@ -125,17 +126,17 @@ def _optional_integer(reply: object, command: str) -> int | None:
 
 def texts(reply: object, command: str = "reply") -> list[str]:
     """An array or set of strings (SMEMBERS, ZRANGE, SCAN's keys) as a list of text."""
-    return [text(item, command) for item in _array(reply, command)]
+    return [text(item, command) for item in array(reply, command)]
 
 
 def optional_texts(reply: object, command: str = "reply") -> list[str | None]:
     """An array of strings with nils (HMGET, MGET), in order."""
-    return [optional_text(item, command) for item in _array(reply, command)]
+    return [optional_text(item, command) for item in array(reply, command)]
 
 
 def server_time_ms(reply: object) -> int:
     """TIME's (seconds, microseconds) as unix milliseconds of the server's clock."""
-    items = _array(reply, "TIME")
+    items = array(reply, "TIME")
     if len(items) != 2:
         raise _unexpected("TIME", "(seconds, microseconds)", reply)
     seconds, micros = (integer(item, "TIME") for item in items)
@@ -159,7 +160,7 @@ def entries(reply: object, command: str = "XRANGE") -> list[StreamEntry]:
     if reply is None:
         return []
     out = []
-    for raw in _array(reply, command):
+    for raw in array(reply, command):
         entry = _entry(raw, command)
         if entry is not None:
             out.append(entry)
@@ -188,16 +189,16 @@ def read_streams(reply: object, command: str = "XREAD") -> list[tuple[str, list[
         pairs: list[tuple[object, object]] = list(reply.items())
     else:
         pairs = []
-        for item in _array(reply, command):
-            pair = _array(item, command)
+        for item in array(reply, command):
+            pair = array(item, command)
             if len(pair) != 2:
                 raise _unexpected(command, "[key, entries]", item)
             pairs.append((pair[0], pair[1]))
     out = []
     for key, raw_entries in pairs:
-        batch = _array(raw_entries, command) if raw_entries is not None else []
+        batch = array(raw_entries, command) if raw_entries is not None else []
         if len(batch) == 1 and _is_entry_list(batch[0]):
-            batch = _array(batch[0], command)  # RESP3, as redis-py wraps it: [[entries]]
+            batch = array(batch[0], command)  # RESP3, as redis-py wraps it: [[entries]]
         out.append((text(key, command), entries(batch, command)))
     return out
 
@@ -208,7 +209,7 @@ def _is_entry_list(value: object) -> bool:
 
 
 def _entry(raw: object, command: str) -> StreamEntry | None:
-    pair = _array(raw, command) if raw is not None else None
+    pair = array(raw, command) if raw is not None else None
     if pair is None or pair[0] is None:
         return None
     if len(pair) < 2:
@@ -234,7 +235,7 @@ def _value(value: object, command: str) -> bytes:
 def groups(reply: object) -> list[GroupInfo]:
     """The rows of XINFO GROUPS."""
     out = []
-    for row in _array(reply, "XINFO GROUPS"):
+    for row in array(reply, "XINFO GROUPS"):
         info = _mapping(row, "XINFO GROUPS")
         out.append(GroupInfo(
             name=text(info.get("name"), "XINFO GROUPS"),
@@ -248,7 +249,7 @@ def groups(reply: object) -> list[GroupInfo]:
 def consumers(reply: object) -> list[ConsumerInfo]:
     """The rows of XINFO CONSUMERS."""
     out = []
-    for row in _array(reply, "XINFO CONSUMERS"):
+    for row in array(reply, "XINFO CONSUMERS"):
         info = _mapping(row, "XINFO CONSUMERS")
         out.append(ConsumerInfo(name=text(info.get("name"), "XINFO CONSUMERS"),
                                 pending=integer(info.get("pending", 0), "XINFO CONSUMERS"),
@@ -265,12 +266,12 @@ def last_generated_id(reply: object) -> str | None:
 def pending_entries(reply: object) -> list[PendingEntry]:
     """The rows of XPENDING with a range, parsed by redis-py (dicts) or raw (arrays)."""
     out = []
-    for row in _array(reply, "XPENDING"):
+    for row in array(reply, "XPENDING"):
         if isinstance(row, Mapping):
             values: list[object] = [row.get("message_id"), row.get("consumer"),
                                     row.get("time_since_delivered"), row.get("times_delivered")]
         else:
-            values = _array(row, "XPENDING")
+            values = array(row, "XPENDING")
         if len(values) != 4:
             raise _unexpected("XPENDING", "[id, consumer, idle, deliveries]", row)
         entry_id, consumer, idle, delivered = values
@@ -284,7 +285,7 @@ def pending_summary(reply: object) -> PendingSummary:
     if isinstance(reply, Mapping):
         values: list[object] = [reply.get("pending"), reply.get("min"), reply.get("max")]
     else:
-        values = _array(reply, "XPENDING")[:3]
+        values = array(reply, "XPENDING")[:3]
     if len(values) != 3:
         raise _unexpected("XPENDING", "[count, min, max, consumers]", reply)
     count, min_id, max_id = values
@@ -295,7 +296,8 @@ def pending_summary(reply: object) -> PendingSummary:
 # -- shapes ---------------------------------------------------------------------------------------
 
 
-def _array(reply: object, command: str) -> list[object]:
+def array(reply: object, command: str = "reply") -> list[object]:
+    """An array reply (a script's table, a pipeline's replies) as a list of replies to read."""
     if isinstance(reply, list):
         return reply
     if isinstance(reply, tuple | set):
@@ -310,7 +312,7 @@ def _mapping(reply: object, command: str) -> dict[str, object]:
         return {}
     if isinstance(reply, Mapping):
         return {text(k, command): v for k, v in reply.items()}
-    flat = _array(reply, command)
+    flat = array(reply, command)
     if len(flat) % 2:
         raise _unexpected(command, "[name, value, ...] pairs", reply)
     return {text(k, command): v for k, v in zip(flat[0::2], flat[1::2], strict=True)}

@@ -210,7 +210,7 @@ class LeaseKeeper(IOThread):
             ids = entry_ids[i:i + _SLICE]
             result = self._script(keys=[self.queue_key],
                                   args=[GROUP, self.worker_id, idle_ms, *ids])
-            lost_reply, orphaned_reply = result
+            lost_reply, orphaned_reply = replies.array(result, "the claim script")
             lost.extend(replies.texts(lost_reply, "the claim script"))
             orphaned.extend(replies.texts(orphaned_reply, "the claim script"))
         return lost, orphaned
