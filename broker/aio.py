@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import redis
@@ -189,12 +189,12 @@ class AsyncClient(_ClientBase):
             await self.ensure_group(queue)
 
     async def events(self, request_id: str, *, timeout: float | None = None
-                     ) -> AsyncIterator[Event]:
+                     ) -> AsyncGenerator[Event, None]:
         async for followed in self.follow(request_id, timeout=timeout):
             yield followed.event
 
     async def follow(self, request_id: str, *, timeout: float | None = None,
-                     after: str | None = None) -> AsyncIterator[Followed]:
+                     after: str | None = None) -> AsyncGenerator[Followed, None]:
         follower = ResultFollower(self.keys, request_id, timeout, after=after)
         async for followed in self.reader.follow(follower):
             yield followed

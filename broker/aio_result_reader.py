@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import redis
@@ -54,7 +54,7 @@ class AsyncResultReader(ReaderBase):
         self._redis = client
         self._background: set[asyncio.Task] = set()
 
-    async def follow(self, follower: ResultFollower) -> AsyncIterator[Followed]:
+    async def follow(self, follower: ResultFollower) -> AsyncGenerator[Followed, None]:
         """The follower's events as they arrive; ResultTimeout at its deadline."""
         sink: asyncio.Queue[Any] = asyncio.Queue()
         subscription, wake = self._mux.subscribe(follower.key, sink)
