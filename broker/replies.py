@@ -31,11 +31,14 @@ __all__ = [
     "PendingSummary",
     "StreamEntry",
     "array",
+    "blob",
+    "blobs",
     "consumers",
     "entries",
     "groups",
     "integer",
     "last_generated_id",
+    "optional_blob",
     "optional_text",
     "optional_texts",
     "pending_entries",
@@ -106,6 +109,25 @@ def text(reply: object, command: str = "reply") -> str:
 def optional_text(reply: object, command: str = "reply") -> str | None:
     """A bulk string reply that may be nil (GET, HGET of a missing key or field)."""
     return None if reply is None else text(reply, command)
+
+
+def blob(reply: object, command: str = "reply") -> bytes:
+    """A bulk string reply as the bytes Redis holds (a payload, a file's content, a JSON line)."""
+    if isinstance(reply, bytes):
+        return reply
+    if isinstance(reply, str):
+        return reply.encode()  # a client that decodes responses: back to the bytes Redis holds
+    raise _unexpected(command, "a string", reply)
+
+
+def optional_blob(reply: object, command: str = "reply") -> bytes | None:
+    """A bulk string reply that may be nil (GET of a missing key), as bytes."""
+    return None if reply is None else blob(reply, command)
+
+
+def blobs(reply: object, command: str = "reply") -> list[bytes]:
+    """An array of strings (LRANGE) as bytes, in order."""
+    return [blob(item, command) for item in array(reply, command)]
 
 
 def integer(reply: object, command: str = "reply") -> int:
@@ -218,15 +240,7 @@ def _entry(raw: object, command: str) -> StreamEntry | None:
 
 
 def _fields(raw: object, command: str) -> Fields:
-    return {name: _value(value, command) for name, value in _mapping(raw, command).items()}
-
-
-def _value(value: object, command: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()  # a client that decodes responses: back to the bytes Redis holds
-    raise _unexpected(command, "a field value", value)
+    return {name: blob(value, command) for name, value in _mapping(raw, command).items()}
 
 
 # -- XINFO and XPENDING ---------------------------------------------------------------------------

@@ -80,9 +80,11 @@ def test_group_consumer_and_pending_rows_are_typed(client):
     assert replies.last_generated_id(client.xinfo_stream("s")) == last
 
 
-def test_scalars_hashes_and_sets_read_as_text_and_ints(client):
+def test_scalars_hashes_lists_and_sets_read_as_text_bytes_and_ints(client):
     client.hset("h", mapping={"a": "1", "b": "2"})
     client.sadd("members", "x", "y")
+    client.rpush("lines", b'{"a": 1}', b"\xff")
+    client.set("payload", b"\x00\xff")
     assert replies.string_hash(client.hgetall("h")) == {"a": "1", "b": "2"}
     assert replies.string_hash(client.hgetall("missing")) == {}
     assert replies.string_hash(client.hscan("h", 0)[1], "HSCAN") == {"a": "1", "b": "2"}
@@ -91,6 +93,9 @@ def test_scalars_hashes_and_sets_read_as_text_and_ints(client):
     assert replies.optional_text(client.set("k", "v", nx=True, get=True)) is None
     assert replies.optional_text(client.set("k", "w", nx=True, get=True)) == "v"
     assert replies.integer(client.exists("k"), "EXISTS") == 1
+    assert replies.blobs(client.lrange("lines", 0, -1), "LRANGE") == [b'{"a": 1}', b"\xff"]
+    assert replies.optional_blob(client.get("payload"), "GET") == b"\x00\xff"
+    assert replies.optional_blob(client.get("missing"), "GET") is None
     seconds, micros = client.time()
     assert replies.server_time_ms((seconds, micros)) == seconds * 1000 + micros // 1000
 
