@@ -18,7 +18,7 @@ Both RESP2 and RESP3 (`?protocol=3` URLs) shapes are read, parsed by redis-py or
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from llmq.protocol.errors import ProtocolError
@@ -167,7 +167,7 @@ def server_time_ms(reply: object) -> int:
 
 def string_hash(reply: object, command: str = "HGETALL") -> dict[str, str]:
     """A hash (HGETALL, HSCAN's page) with text values; {} for a missing key."""
-    return {name: text(value, command) for name, value in _mapping(reply, command).items()}
+    return {text(name, command): text(value, command) for name, value in _pairs(reply, command)}
 
 
 # -- streams --------------------------------------------------------------------------------------
@@ -232,15 +232,32 @@ def _is_entry_list(value: object) -> bool:
 
 def _entry(raw: object, command: str) -> StreamEntry | None:
     pair = array(raw, command) if raw is not None else None
-    if pair is None or pair[0] is None:
+    if not pair or pair[0] is None:
         return None
     if len(pair) < 2:
         raise _unexpected(command, "an entry [id, fields]", raw)
-    return StreamEntry(text(pair[0], command), _fields(pair[1], command))
+    entry_id, fields = pair[0], pair[1]
+    if isinstance(entry_id, bytes) and (one := _one_field(fields)) is not None:
+        return StreamEntry(entry_id.decode("utf-8", "replace"), one)
+    return StreamEntry(text(entry_id, command), _fields(fields, command))
+
+
+def _one_field(raw: object) -> Fields | None:
+    """The usual entry's fields, one name and its bytes (an llmq record's json or msgpack),
+    read without the general path's calls: a follower reads one per token. None otherwise."""
+    if isinstance(raw, list) and len(raw) == 2:
+        name, value = raw
+    elif isinstance(raw, dict) and len(raw) == 1:
+        ((name, value),) = raw.items()
+    else:
+        return None
+    if isinstance(name, bytes) and isinstance(value, bytes):
+        return {name.decode("utf-8", "replace"): value}
+    return None
 
 
 def _fields(raw: object, command: str) -> Fields:
-    return {name: blob(value, command) for name, value in _mapping(raw, command).items()}
+    return {text(name, command): blob(value, command) for name, value in _pairs(raw, command)}
 
 
 # -- XINFO and XPENDING ---------------------------------------------------------------------------
@@ -319,17 +336,22 @@ def array(reply: object, command: str = "reply") -> list[object]:
     raise _unexpected(command, "an array", reply)
 
 
-def _mapping(reply: object, command: str) -> dict[str, object]:
-    """A map reply with its keys as text: a dict (RESP3, or parsed by redis-py), or a flat
-    [key, value, ...] array (RESP2 raw); nil is {}."""
+def _pairs(reply: object, command: str) -> Iterable[tuple[object, object]]:
+    """The (name, value) pairs of a map reply: a dict (RESP3, or parsed by redis-py) or a flat
+    [name, value, ...] array (RESP2 raw); nil has none."""
     if reply is None:
-        return {}
+        return ()
     if isinstance(reply, Mapping):
-        return {text(k, command): v for k, v in reply.items()}
+        return reply.items()
     flat = array(reply, command)
     if len(flat) % 2:
         raise _unexpected(command, "[name, value, ...] pairs", reply)
-    return {text(k, command): v for k, v in zip(flat[0::2], flat[1::2], strict=True)}
+    return zip(flat[0::2], flat[1::2], strict=True)
+
+
+def _mapping(reply: object, command: str) -> dict[str, object]:
+    """A map reply with its names as text."""
+    return {text(name, command): value for name, value in _pairs(reply, command)}
 
 
 def _unexpected(command: str, wanted: str, reply: object) -> ProtocolError:
