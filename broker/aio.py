@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
 
+from llmq.broker import replies
 from llmq.broker.aio_result_reader import AsyncResultReader
 from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
@@ -30,7 +31,6 @@ from llmq.broker.commands import (
     Followed,
     QueueStats,
     ResultFollower,
-    as_str,
     dead_letter_to_retry,
     group_created,
     parse_dead_letters,
@@ -189,12 +189,12 @@ class AsyncClient(ClientBase):
             await self.ensure_group(queue)
 
     async def events(self, request_id: str, *, timeout: float | None = None
-                     ) -> AsyncIterator[Event]:
+                     ) -> AsyncGenerator[Event, None]:
         async for followed in self.follow(request_id, timeout=timeout):
             yield followed.event
 
     async def follow(self, request_id: str, *, timeout: float | None = None,
-                     after: str | None = None) -> AsyncIterator[Followed]:
+                     after: str | None = None) -> AsyncGenerator[Followed, None]:
         follower = ResultFollower(self.keys, request_id, timeout, after=after)
         async for followed in self.reader.follow(follower):
             yield followed
@@ -229,11 +229,12 @@ class AsyncClient(ClientBase):
 
     async def queues(self) -> list[str]:
         members = await self.call(lambda: self.redis.smembers(self.keys.queues()))
-        return sorted(as_str(m) for m in members)
+        return sorted(replies.texts(members, "SMEMBERS"))
 
     async def workers(self) -> list[WorkerHeartbeat]:
         async def read() -> list[WorkerHeartbeat]:
-            worker_ids = [as_str(m) for m in await self.redis.zrange(self.keys.workers(), 0, -1)]
+            worker_ids = replies.texts(await self.redis.zrange(self.keys.workers(), 0, -1),
+                                       "ZRANGE")
             pipe = self.redis.pipeline(transaction=False)
             for worker_id in worker_ids:
                 pipe.hgetall(self.keys.worker(worker_id))
@@ -261,7 +262,8 @@ class AsyncClient(ClientBase):
         old_result, keys, args = self._retry_args(entry, queue)
         if old_result is not None:  # first, as in Client.retry_dead_letter
             await self.call(lambda: self.redis.delete(old_result))
-        return as_str(await self.call(lambda: self._retry_script(keys=keys, args=args)))
+        return replies.text(await self.call(lambda: self._retry_script(keys=keys, args=args)),
+                            "the retry script")
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:
         queue = self._queue(queue)
@@ -270,6 +272,6 @@ class AsyncClient(ClientBase):
             pipe = self.redis.pipeline(transaction=True)
             pipe.xlen(self.keys.dlq(queue))
             pipe.delete(self.keys.dlq(queue))
-            return int((await pipe.execute())[0])
+            return replies.integer((await pipe.execute())[0], "XLEN")
 
         return await self.call(purge)

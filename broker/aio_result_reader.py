@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import redis
 import redis.asyncio
 
-from llmq.broker.commands import Followed, ResultFollower, stream_entries
+from llmq.broker import replies
+from llmq.broker.commands import Followed, ResultFollower
 from llmq.broker.connection import dedicated_connection, is_cluster, translate
 from llmq.broker.multiplex import (
     FALLBACK_SLICE_MS,
@@ -36,6 +37,7 @@ from llmq.broker.multiplex import (
     merge_replies,
     single_key_reads,
 )
+from llmq.broker.replies import StreamEntry
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.protocol.errors import ResultTimeout
 
@@ -52,7 +54,7 @@ class AsyncResultReader(ReaderBase):
         self._redis = client
         self._background: set[asyncio.Task] = set()
 
-    async def follow(self, follower: ResultFollower) -> AsyncIterator[Followed]:
+    async def follow(self, follower: ResultFollower) -> AsyncGenerator[Followed, None]:
         """The follower's events as they arrive; ResultTimeout at its deadline."""
         sink: asyncio.Queue[Any] = asyncio.Queue()
         subscription, wake = self._mux.subscribe(follower.key, sink)
@@ -89,7 +91,7 @@ class AsyncResultReader(ReaderBase):
 
         So a timeout of 0 still reads what is already there, as one XREAD without BLOCK would.
         """
-        entries: list[Any] = []
+        entries: list[StreamEntry] = []
         while not sink.empty():
             item = sink.get_nowait()
             if isinstance(item, BaseException):
@@ -99,7 +101,7 @@ class AsyncResultReader(ReaderBase):
             reply = await self._redis.xread({follower.key: format_entry_id(position)}, count=512)
         except redis.RedisError:
             reply = None
-        return follower.feed(entries + stream_entries(reply))
+        return follower.feed(entries + replies.read_entries(reply))
 
     async def aclose(self) -> None:
         self._closed = True
@@ -165,7 +167,7 @@ class AsyncResultReader(ReaderBase):
             if self._polled:
                 await asyncio.sleep(state.pace.after(bool(reply)))
 
-    async def _poll(self, command: list[Any]) -> list[Any]:
+    async def _poll(self, command: list[Any]) -> list[list[object]]:
         """One polled round on a cluster: an XREAD per stream, pipelined per node."""
         pipe = self._redis.pipeline(transaction=False)
         for key, after, count in single_key_reads(command):

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
+from redis.typing import EncodableT, FieldT
 
+from llmq.broker import replies
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.multiplex import parse_entry_id
+from llmq.broker.replies import StreamEntry
 from llmq.broker.transcript import Fold, Transcript
 from llmq.protocol import (
     DeadLetter,
@@ -42,9 +45,6 @@ from llmq.protocol.errors import (
 )
 from llmq.protocol.requests import ENTRY_ID_RE
 
-if TYPE_CHECKING:
-    from redis.typing import StreamRangeResponse  # XRANGE's reply, as redis-py types it
-
 __all__ = [
     "CANCEL_STREAM_MAXLEN",
     "MARKER_CHECK_REPLIES",
@@ -55,6 +55,7 @@ __all__ = [
     "QueueStats",
     "ResultFollower",
     "Submission",
+    "as_fields",
     "as_str",
     "build_submission",
     "check_marker",
@@ -71,7 +72,6 @@ __all__ = [
     "queue_events",
     "queue_group_creation",
     "queue_marker_check",
-    "stream_entries",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,17 +127,7 @@ def build_submission(params: Mapping[str, Any], encoding: Encoding = "json") -> 
     return Submission(request.id, encoding, payload)
 
 
-def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
-    """The entries of an XREAD reply for one stream, in RESP2 (list) or RESP3 (dict) shape."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        (batches,) = reply.values()
-        return list(batches[0]) if batches and isinstance(batches[0], list) else list(batches)
-    return list(reply[0][1])
-
-
-def decode_result_entry(request_id: str, entry_id: bytes, fields: Any) -> Event | None:
+def decode_result_entry(request_id: str, entry_id: str, fields: replies.Fields) -> Event | None:
     """The event of one result stream entry; None (logged) for an entry this reader cannot read."""
     try:
         return decode_event(fields)
@@ -193,7 +183,7 @@ class ResultFollower:
             raise ResultTimeout(self.request_id, self.timeout or 0.0)
         return remaining
 
-    def feed(self, entries: Iterable[tuple[bytes | str, Any]]) -> list[Followed]:
+    def feed(self, entries: Iterable[StreamEntry]) -> list[Followed]:
         """The events of these entries the reader should see; stops after the terminal one."""
         out: list[Followed] = []
         for entry_id, fields in entries:
@@ -204,10 +194,17 @@ class ResultFollower:
             if fold is Fold.IGNORED:
                 continue
             replayed = self._after is not None and parse_entry_id(entry_id) <= self._after
-            out.append(Followed(as_str(entry_id), event, fold, replayed))
+            out.append(Followed(entry_id, event, fold, replayed))
             if self.transcript.finished:
                 break
         return out
+
+
+def as_fields(mapping: Mapping[str, bytes | str | int | float]) -> dict[FieldT, EncodableT]:
+    """`mapping` as redis-py's XADD and HSET take an entry's or a hash's fields: a new dict,
+    typed as their dict of any encodable names and values (a dict is invariant, so to a type
+    checker a dict[str, bytes] is no such dict)."""
+    return dict(mapping.items())
 
 
 def queue_event(pipe: Any, keys: Keys, event: Event, encoding: Encoding, *,
@@ -245,33 +242,33 @@ def queue_marker_check(pipe: Any, keys: Keys, queue: str, request_id: str,
     pipe.xinfo_groups(keys.queue(queue))
 
 
-def check_marker(request_id: str, entry_id: str, replies: list[Any] | None) -> None:
+def check_marker(request_id: str, entry_id: str, marker_replies: Sequence[object] | None
+                 ) -> None:
     """RequestIdConflict when the entry a request id's marker names cannot be this request:
     the marker is no entry id, names an entry from the future, or one that was delivered, is
     not running and left no result (trimmed or deleted, its result expired, or the marker was
     set by someone else). Otherwise the request is running, finished or still queued.
 
-    `replies` are `queue_marker_check`'s (None: there is no entry id to check). A read this
-    user may not make (NOPERM, an older ACL) leaves the answer open: no error then."""
-    if replies is None or not ENTRY_ID_RE.fullmatch(entry_id):
+    `marker_replies` are `queue_marker_check`'s (None: there is no entry id to check). A read
+    this user may not make (NOPERM, an older ACL) leaves the answer open: no error then."""
+    if marker_replies is None or not ENTRY_ID_RE.fullmatch(entry_id):
         raise RequestIdConflict(
             f"request id {request_id!r} is marked as submitted, but its marker holds "
             f"{entry_id[:40]!r}, which is no entry id: someone else set it; use another id")
-    now, has_result, pending, groups = replies
-    if any(isinstance(r, Exception) for r in replies):
-        logger.debug("cannot check the marker of %s: %s", request_id, replies)
+    now, has_result, pending, groups = marker_replies
+    if any(isinstance(r, Exception) for r in marker_replies):
+        logger.debug("cannot check the marker of %s: %s", request_id, marker_replies)
         return
-    if has_result or pending:
+    if replies.integer(has_result, "XLEN") or replies.pending_entries(pending):
         return  # finished, or running
-    seconds, micros = now
     marked = parse_entry_id(entry_id)
-    if marked[0] > int(seconds) * 1000 + int(micros) // 1000 + 1000:
+    if marked[0] > replies.server_time_ms(now) + 1000:
         raise RequestIdConflict(
             f"request id {request_id!r} is marked as entry {entry_id}, which is in the future: "
             "someone else set the marker; use another id")
-    for info in groups:
-        if as_str(_field(info, "name")) == GROUP:
-            if marked > parse_entry_id(as_str(_field(info, "last-delivered-id"))):
+    for group in replies.groups(groups):
+        if group.name == GROUP:
+            if marked > parse_entry_id(group.last_delivered_id):
                 return  # not read yet: it waits in the queue
             break
     else:
@@ -294,16 +291,17 @@ def queue_group_creation(pipe: Any, keys: Keys, queue: str) -> None:
     pipe.xinfo_stream(keys.queue(queue))
 
 
-def group_created(replies: list[Any], keys: Keys, queue: str) -> bool:
+def group_created(creation_replies: Sequence[object], keys: Keys, queue: str) -> bool:
     """True when `queue_group_creation` created the group, False when it existed (BUSYGROUP);
     SchemaMismatch beside a v1 stream, StreamExhausted on a stream at the last entry id; any
     other error is raised."""
-    created, registered, legacy, info = replies
+    created, registered, legacy, info = creation_replies
     if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
         raise created
     if isinstance(registered, Exception):
         raise registered
-    if legacy is True or (isinstance(legacy, int) and not isinstance(legacy, bool) and legacy):
+    # NOTE: a look at the v1 name this user may not take (NOPERM) finds nothing.
+    if not isinstance(legacy, Exception) and replies.integer(legacy, "EXISTS"):
         raise SchemaMismatch(legacy_stream_message(keys, queue))
     if not isinstance(info, Exception) and stream_exhausted(info):
         raise StreamExhausted(exhausted_message(keys, queue))
@@ -322,11 +320,9 @@ def legacy_stream_message(keys: Keys, queue: str) -> str:
 LAST_ENTRY_ID = "18446744073709551615-18446744073709551615"
 
 
-def stream_exhausted(info: Any) -> bool:
+def stream_exhausted(info: object) -> bool:
     """Whether XINFO STREAM's reply shows a stream whose last id is the last possible one."""
-    last = info.get("last-generated-id", info.get(b"last-generated-id")) if isinstance(
-        info, Mapping) else None
-    return last is not None and as_str(last) == LAST_ENTRY_ID
+    return replies.last_generated_id(info) == LAST_ENTRY_ID
 
 
 def exhausted_message(keys: Keys, queue: str) -> str:
@@ -350,28 +346,23 @@ class QueueStats:
     exhausted: bool = False  # the stream reached the last possible entry id: XADD fails
 
 
-def _field(info: Mapping[Any, Any], name: str) -> Any:
-    return info.get(name, info.get(name.encode()))
-
-
-def parse_queue_stats(queue: str, length: int, groups: Any, dead_letters: int,
-                      info: Any = None) -> QueueStats:
+def parse_queue_stats(queue: str, length: object, groups: object, dead_letters: object,
+                      info: object = None) -> QueueStats:
     """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN and
     XINFO STREAM (its reply, or an error when the stream is missing or the user may not)."""
     exhausted = not isinstance(info, Exception | None) and stream_exhausted(info)
+    num_entries = replies.integer(length, "XLEN")
+    num_dead = replies.integer(dead_letters, "XLEN")
     if isinstance(groups, Exception):
         if "no such key" not in str(groups).lower():
             raise groups
         groups = []
-    for info in groups:
-        if as_str(_field(info, "name")) == GROUP:
-            lag = _field(info, "lag")
-            return QueueStats(queue, int(length), None if lag is None else int(lag),
-                              int(_field(info, "pending") or 0), int(dead_letters),
-                              int(_field(info, "consumers") or 0), True, exhausted)
+    for group in replies.groups(groups):
+        if group.name == GROUP:
+            return QueueStats(queue, num_entries, group.lag, group.pending, num_dead,
+                              group.consumers, True, exhausted)
     # NOTE: without a group every entry is unread, so the lag is the length.
-    return QueueStats(queue, int(length), int(length), 0, int(dead_letters), 0, False,
-                      exhausted)
+    return QueueStats(queue, num_entries, num_entries, 0, num_dead, 0, False, exhausted)
 
 
 @dataclass(frozen=True)
@@ -381,32 +372,34 @@ class DeadLetterEntry:
     payload: dict[str, bytes]  # the original request fields ({} when not kept)
 
 
-def parse_dead_letters(entries: StreamRangeResponse | None) -> list[DeadLetterEntry]:
-    """DLQ entries from XRANGE; ProtocolError for an entry that is not a dead letter."""
+def parse_dead_letters(reply: object) -> list[DeadLetterEntry]:
+    """DLQ entries from an XRANGE reply; ProtocolError for an entry that is not a dead letter."""
     parsed = []
-    for entry_id, fields in entries or []:
-        dead_letter, payload = decode_dead_letter(fields or {})
-        parsed.append(DeadLetterEntry(as_str(entry_id), dead_letter, payload))
+    for entry_id, fields in replies.entries(reply, "XRANGE"):
+        dead_letter, payload = decode_dead_letter(fields)
+        parsed.append(DeadLetterEntry(entry_id, dead_letter, payload))
     return parsed
 
 
-def dead_letter_to_retry(entries: StreamRangeResponse | None, dlq_entry_id: str,
-                         queue: str) -> DeadLetterEntry:
-    """The one dead letter XRANGE found for a retry; LLMQError when missing or without payload."""
-    if not entries:
+def dead_letter_to_retry(reply: object, dlq_entry_id: str, queue: str) -> DeadLetterEntry:
+    """The one dead letter an XRANGE from and to `dlq_entry_id` found, for a retry; LLMQError
+    when missing or without payload."""
+    found = parse_dead_letters(reply)
+    if not found:
         raise LLMQError(f"no dead letter {dlq_entry_id} in queue {queue}")
-    (entry,) = parse_dead_letters(entries)
+    (entry,) = found
     if not entry.payload:
         raise LLMQError(f"dead letter {dlq_entry_id} kept no payload to retry "
                         f"({entry.dead_letter.code}: {entry.dead_letter.message})")
     return entry
 
 
-def parse_heartbeats(worker_ids: list[str], hashes: list[dict[bytes, bytes]]
+def parse_heartbeats(worker_ids: list[str], hashes: Sequence[object]
                      ) -> tuple[list[WorkerHeartbeat], list[str]]:
     """(live heartbeats, ids whose hash has expired) from the registry and HGETALL replies."""
     live, dead = [], []
-    for worker_id, fields in zip(worker_ids, hashes, strict=True):
+    for worker_id, reply in zip(worker_ids, hashes, strict=True):
+        fields = replies.string_hash(reply)
         if not fields:
             dead.append(worker_id)
             continue

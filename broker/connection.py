@@ -115,7 +115,10 @@ def connect(url: str | None = None, *, max_connections: int | None = None,
     target = RedisURL.parse(url)
     try:
         if target.kind != "single":
-            return target.client(_client_options(options), max_connections)  # type: ignore[return-value]
+            # NOTE: typed as the Redis it stands in for: a RedisCluster takes the same commands
+            # (not a subclass, hence the ignore); code that needs its own API checks is_cluster().
+            return target.client(  # type: ignore[return-value]
+                _client_options(options), max_connections)
         if max_connections is None:
             return redis.Redis.from_url(url, **_client_options(options))
         pool = redis.BlockingConnectionPool.from_url(

@@ -14,13 +14,14 @@ import time
 import uuid
 from typing import Any
 
-from llmq.broker.commands import stream_entries
+from llmq.broker import replies
+from llmq.broker.client import Client
+from llmq.broker.commands import as_fields
 from llmq.broker.connection import translate_errors
 from llmq.broker.keys import Keys
 from llmq.protocol import (
     ControlCall,
     ControlReply,
-    as_str,
     decode_reply,
     encode_call,
     encode_reply,
@@ -39,16 +40,16 @@ def queue_reply(pipe: Any, keys: Keys, reply: ControlReply) -> None:
     pipe.expire(key, REPLY_TTL_S)
 
 
-def call_workers(client: Any, method: str, args: dict[str, Any] | None = None, *,
+def call_workers(client: Client, method: str, args: dict[str, Any] | None = None, *,
                  queue: str | None = None, worker: str | None = None,
                  expected: set[str] | None = None, timeout: float = 10.0) -> list[ControlReply]:
     """Send one call to the workers of `queue` (or just `worker`) and gather their answers.
 
-    `client` is an `llmq.broker.Client`. Waits until every worker in `expected` answered (by
-    default: the named worker, or the live workers of the queue by their heartbeats) or
-    `timeout` seconds passed; returns the answers in arrival order.
+    Waits until every worker in `expected` answered (by default: the named worker, or the live
+    workers of the queue by their heartbeats) or `timeout` seconds passed; returns the answers
+    in arrival order.
     """
-    keys: Keys = client.keys
+    keys = client.keys
     queue = queue or client.settings.queue
     if expected is None:
         expected = {worker} if worker else {w.worker_id for w in client.workers()
@@ -56,22 +57,22 @@ def call_workers(client: Any, method: str, args: dict[str, Any] | None = None, *
     call = ControlCall(call_id=f"call-{uuid.uuid4().hex[:16]}", method=method, args=args or {},
                        worker=worker)
     reply_key = keys.control_reply(call.call_id)
-    replies: list[ControlReply] = []
+    answers: list[ControlReply] = []
     last_id = "0-0"
     deadline = time.monotonic() + timeout
     # NOTE: not retried through outages: a call sent twice would run twice.
     with translate_errors(client.url):
-        client.redis.xadd(keys.control(queue), encode_call(call),
+        client.redis.xadd(keys.control(queue), as_fields(encode_call(call)),
                           maxlen=CONTROL_STREAM_MAXLEN, approximate=True)
         # NOTE: with nobody expected (no heartbeat yet) it listens for the whole timeout.
-        while not expected or not expected <= {r.worker for r in replies}:
+        while not expected or not expected <= {a.worker for a in answers}:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             reply = client.redis.xread({reply_key: last_id},
                                        block=max(1, int(min(left, 1.0) * 1000)))
-            for entry_id, fields in stream_entries(reply):
-                last_id = as_str(entry_id)
+            for entry_id, fields in replies.read_entries(reply):
+                last_id = entry_id
                 if (answer := decode_reply(fields)) is not None:
-                    replies.append(answer)
-    return replies
+                    answers.append(answer)
+    return answers

@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from llmq.broker import replies
 from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
 __all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "SUBMIT_FUNCTION",
@@ -100,10 +101,10 @@ def _targets(client: Any) -> list[dict[str, Any]]:
     return [{}]
 
 
-def _version_reply(reply: Any) -> int:
+def _version_reply(reply: object) -> int:
     if isinstance(reply, dict):  # a cluster client answers per node when given a node
         (reply,) = reply.values()
-    return int(reply)
+    return replies.integer(reply, "FCALL_RO llmq_version")
 
 
 def _loaded_version(client: Any, target: dict[str, Any]) -> int:

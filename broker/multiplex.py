@@ -11,7 +11,7 @@ followers need a handful of connections:
     subscription, wake = mux.subscribe(key, sink)       # wake: the lane's read must be cut short
     args = mux.read_command(lane, block_ms)             # XREAD COUNT .. BLOCK .. STREAMS ..
     for sink, entries in mux.dispatch(lane, reply):     # the raw reply, RESP2 or RESP3
-        deliver(sink, entries)                          # [(entry id, {field: value})]
+        deliver(sink, entries)                          # [StreamEntry(entry_id, fields)]
 
 A lane's read covers the keys it had when it was sent; a key subscribed after that is `uncovered`
 until the next read, which is why `subscribe` says when the read in flight should be woken
@@ -23,9 +23,11 @@ entry once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from llmq.broker import replies
+from llmq.broker.replies import StreamEntry
 
 __all__ = ["FALLBACK_SLICE_MS", "KEYS_PER_LANE", "READ_SLICE_MS", "UNBLOCK_TRIES", "Lane",
            "LaneIO", "PollPace", "ReadMux", "ReaderBase", "Subscription", "format_entry_id",
@@ -153,23 +155,23 @@ class ReadMux:
         lane.reading = False
         lane.covered = set()
 
-    def dispatch(self, lane: Lane, reply: Any) -> list[tuple[Any, list[tuple[bytes, dict]]]]:
-        """Hand a read's entries to the followers that have not seen them yet.
+    def dispatch(self, lane: Lane, reply: object) -> list[tuple[Any, list[StreamEntry]]]:
+        """Hand a read's entries to the followers that have not seen them yet: (sink, entries).
 
-        `reply` is the raw XREAD reply: None (nothing arrived, or the read was woken), a RESP2
-        list of [key, entries] or a RESP3 map key -> entries.
+        `reply` is the XREAD reply (`replies.read_streams`): None (nothing arrived, or the read
+        was woken), a RESP2 list of [key, entries] or a RESP3 map key -> entries.
         """
         self.read_failed(lane)
-        out: list[tuple[Any, list[tuple[bytes, dict]]]] = []
-        for key, entries in _streams(reply):
+        out: list[tuple[Any, list[StreamEntry]]] = []
+        for key, entries in replies.read_streams(reply):
             subs = lane.subscriptions.get(key)
             if not subs:
                 continue  # unsubscribed while the read was in flight
-            parsed = [(parse_entry_id(entry_id), entry_id, _fields(raw))
-                      for entry_id, raw in entries]
+            parsed = [(parse_entry_id(entry.entry_id), entry) for entry in entries]
+            if not parsed:
+                continue
             for sub in subs:
-                fresh = [(entry_id, fields) for position, entry_id, fields in parsed
-                         if position > sub.position]
+                fresh = [entry for position, entry in parsed if position > sub.position]
                 if fresh:
                     sub.position = parsed[-1][0]
                     out.append((sub.sink, fresh))
@@ -193,14 +195,14 @@ def single_key_reads(command: list[Any]) -> list[tuple[str, str, int]]:
     return [(streams[i], streams[half + i], count) for i in range(half)]
 
 
-def merge_replies(replies: list[Any]) -> list[Any]:
+def merge_replies(single_key_replies: list[Any]) -> list[list[object]]:
     """Single-key XREAD replies (redis-py's parsed shape) as one multi-key reply for dispatch."""
-    merged: list[Any] = []
-    for reply in replies:
+    merged: list[list[object]] = []
+    for reply in single_key_replies:
         if isinstance(reply, dict):
             merged.extend([key, entries] for key, entries in reply.items())
         elif reply:
-            merged.extend(reply)
+            merged.extend(list(pair) for pair in reply)
     return merged
 
 
@@ -250,20 +252,3 @@ class ReaderBase:
     def _block_ms(self, io: LaneIO) -> int:
         return READ_SLICE_MS if io.client_id is not None else FALLBACK_SLICE_MS
 
-
-def _streams(reply: Any) -> Iterator[tuple[str, list[Any]]]:
-    if not reply:
-        return
-    pairs = reply.items() if isinstance(reply, dict) else reply
-    for key, entries in pairs:
-        if entries and isinstance(entries[0], list) and entries[0] and \
-                isinstance(entries[0][0], list):
-            entries = entries[0]  # some RESP3 parsers wrap a stream's entries once more
-        yield (key.decode() if isinstance(key, bytes) else key), entries or []
-
-
-def _fields(raw: Any) -> dict[Any, Any]:
-    """An entry's fields: a flat [field, value, ...] list (raw reply) or a dict already."""
-    if raw is None or isinstance(raw, dict):
-        return raw or {}
-    return dict(zip(raw[0::2], raw[1::2], strict=True))

@@ -17,7 +17,7 @@ The key schema is the same for all three (broker/keys.py): nothing else changes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeGuard
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
@@ -29,10 +29,12 @@ import redis.sentinel
 
 from llmq.protocol.errors import BrokerUnavailable
 
-__all__ = ["CLUSTER_SCHEMES", "SENTINEL_SCHEMES", "RedisURL", "is_cluster", "primary_address"]
+__all__ = ["CLUSTER_SCHEMES", "SENTINEL_SCHEMES", "RedisURL", "cluster_client", "is_cluster",
+           "primary_address"]
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+Kind = Literal["single", "cluster", "sentinel"]
 _DEFAULT_PORTS = {"cluster": 6379, "sentinel": 26379}
 # redis-py's default for a cluster client's per-node pool.
 CLUSTER_MAX_CONNECTIONS = 100
@@ -41,7 +43,7 @@ CLUSTER_MAX_CONNECTIONS = 100
 @dataclass(frozen=True)
 class RedisURL:
     url: str
-    kind: str  # "single", "cluster" or "sentinel"
+    kind: Kind
     nodes: list[tuple[str, int]] = field(default_factory=list)
     username: str | None = None
     password: str | None = None
@@ -56,6 +58,7 @@ class RedisURL:
         if not sep:
             raise _invalid(url, "no scheme (redis://, redis+cluster://, redis+sentinel://...)")
         scheme = scheme.lower()
+        kind: Kind
         if scheme in CLUSTER_SCHEMES:
             kind = "cluster"
         elif scheme in SENTINEL_SCHEMES:
@@ -83,17 +86,17 @@ class RedisURL:
                  if part.strip()]
         if not nodes:
             raise _invalid(url, "no host:port")
-        parts = [p for p in path.split("/") if p]
+        segments = [p for p in path.split("/") if p]
         master_name, db = None, 0
         if kind == "sentinel":
-            if not parts:
+            if not segments:
                 raise _invalid(url, "no master name: redis+sentinel://host:port,.../mymaster")
-            master_name = unquote(parts.pop(0))
-        if parts:
+            master_name = unquote(segments.pop(0))
+        if segments:
             try:
-                db = int(parts[0])
+                db = int(segments[0])
             except ValueError:
-                raise _invalid(url, f"{parts[0]!r} is not a database number") from None
+                raise _invalid(url, f"{segments[0]!r} is not a database number") from None
             if kind == "cluster" and db:
                 raise _invalid(url, "a Redis Cluster has only database 0")
         params = {k: v[-1] for k, v in parse_qs(query).items()}
@@ -129,7 +132,7 @@ class RedisURL:
             self.nodes, sentinel_kwargs={**self._sentinel_options(options)}, **self._ssl())
         if max_connections:
             options["max_connections"] = max_connections
-        return sentinel.master_for(self.master_name, db=self.db, **self._auth(), **options)
+        return sentinel.master_for(self._master(), db=self.db, **self._auth(), **options)
 
     def async_client(self, options: dict[str, Any], max_connections: int | None) -> Any:
         """The asyncio counterpart of `client()`."""
@@ -145,20 +148,37 @@ class RedisURL:
             self.nodes, sentinel_kwargs={**self._sentinel_options(options)}, **self._ssl())
         if max_connections:
             options["max_connections"] = max_connections
-        return sentinel.master_for(self.master_name, db=self.db, **self._auth(), **options)
+        return sentinel.master_for(self._master(), db=self.db, **self._auth(), **options)
+
+    def _master(self) -> str:
+        if self.master_name is None:  # parse() makes no sentinel URL without one
+            raise _invalid(self.url, "no master name")
+        return self.master_name
 
     def _ssl(self) -> dict[str, Any]:
         return {"ssl": True} if self.tls else {}
 
     def _sentinel_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        timeouts = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout")
-                    if k in options}
+        timeouts: dict[str, Any] = {
+            k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
         return {**timeouts, **self._ssl(), **self.sentinel_auth}
 
 
-def is_cluster(client: Any) -> bool:
+def is_cluster(client: object
+               ) -> TypeGuard[redis.cluster.RedisCluster | redis.asyncio.cluster.RedisCluster]:
     """Whether `client` talks to a Redis Cluster (sync or asyncio)."""
     return isinstance(client, redis.cluster.RedisCluster | redis.asyncio.cluster.RedisCluster)
+
+
+def cluster_client(client: object) -> redis.cluster.RedisCluster | None:
+    """`client` as the sync Redis Cluster client it is, for the cluster's own API (nodes, slots);
+    None for any other client.
+
+    NOTE: `connect()` types every client as `redis.Redis`, which a RedisCluster is not a subclass
+    of: an isinstance check on such a variable reads to a type checker as a branch that cannot
+    run (and is then not checked). This one takes `object`, so the branch is checked.
+    """
+    return client if isinstance(client, redis.cluster.RedisCluster) else None
 
 
 def primary_address(client: Any) -> str | None:

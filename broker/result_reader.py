@@ -20,7 +20,8 @@ from typing import Any
 
 import redis
 
-from llmq.broker.commands import Followed, ResultFollower, stream_entries
+from llmq.broker import replies
+from llmq.broker.commands import Followed, ResultFollower
 from llmq.broker.connection import dedicated_connection, is_cluster, translate
 from llmq.broker.keys import Keys
 from llmq.broker.multiplex import (
@@ -35,6 +36,7 @@ from llmq.broker.multiplex import (
     merge_replies,
     single_key_reads,
 )
+from llmq.broker.replies import StreamEntry
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.broker.transcript import Transcript
 from llmq.protocol.errors import ResultTimeout
@@ -92,7 +94,7 @@ class ResultReader(ReaderBase):
     def _last_look(self, follower: ResultFollower, sink: queue.SimpleQueue[Any],
                    subscription: Subscription) -> list[Followed]:
         """At the deadline: what was delivered but not taken, then what the stream holds now."""
-        entries: list[Any] = []
+        entries: list[StreamEntry] = []
         with self._lock:
             position = subscription.position
             while not sink.empty():
@@ -104,7 +106,7 @@ class ResultReader(ReaderBase):
             reply = self._redis.xread({follower.key: format_entry_id(position)}, count=512)
         except redis.RedisError:
             reply = None
-        return follower.feed(entries + stream_entries(reply))
+        return follower.feed(entries + replies.read_entries(reply))
 
     def close(self) -> None:
         self._closed = True
@@ -180,7 +182,7 @@ class ResultReader(ReaderBase):
             if self._polled:
                 time.sleep(state.pace.after(bool(reply)))
 
-    def _poll(self, command: list[Any]) -> list[Any]:
+    def _poll(self, command: list[Any]) -> list[list[object]]:
         """One polled round on a cluster: an XREAD per stream, pipelined per node."""
         pipe = self._redis.pipeline(transaction=False)
         for key, after, count in single_key_reads(command):

@@ -13,8 +13,9 @@ import logging
 
 import redis
 
+from llmq.broker import replies
 from llmq.broker.keys import GROUP, Keys
-from llmq.protocol import as_str, parse_entry_id
+from llmq.protocol import parse_entry_id
 
 __all__ = ["trim_acked_requests"]
 
@@ -25,22 +26,22 @@ def trim_acked_requests(client: redis.Redis, keys: Keys, queue: str) -> int:
     """Remove the request entries of `queue` that were delivered and acked; returns how many."""
     key = keys.queue(queue)
     try:
-        groups = client.xinfo_groups(key)
+        groups = replies.groups(client.xinfo_groups(key))
     except redis.ResponseError:  # no such stream yet
         return 0
-    group = next((g for g in groups if as_str(g["name"]) == GROUP), None)
+    group = next((g for g in groups if g.name == GROUP), None)
     if group is None:
         return 0
-    floor = as_str(group["last-delivered-id"])
-    pending = client.xpending(key, GROUP)
-    if pending["pending"]:
-        floor = min(floor, as_str(pending["min"]), key=parse_entry_id)
+    floor = group.last_delivered_id
+    pending = replies.pending_summary(client.xpending(key, GROUP))
+    if pending.num_pending and pending.min_id is not None:
+        floor = min(floor, pending.min_id, key=parse_entry_id)
     if floor == "0-0":
         return 0
     # NOTE: exact, not `~`: approximate trimming only drops whole radix-tree nodes (100
     # entries), so a small queue would never shrink; an exact MINID trim is cheap enough once
     # a minute.
-    removed = int(client.xtrim(key, minid=floor, approximate=False))
+    removed = replies.integer(client.xtrim(key, minid=floor, approximate=False), "XTRIM")
     if removed:
         logger.debug("trimmed %d acked entries from %s (below %s)", removed, key, floor)
     return removed

@@ -12,7 +12,6 @@ admin-only (deploy/acl.conf): connect as the admin user.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import click
@@ -21,10 +20,10 @@ from llmq.broker.connection import translate_errors
 from llmq.broker.control import call_workers
 from llmq.broker.functions import LIBRARY_NAME, LIBRARY_VERSION, load_functions
 from llmq.cli.helpers import echo_json, note, open_client
-from llmq.cli.options import connection_kwargs, connection_options
+from llmq.cli.options import Command, connection_kwargs, connection_options
 
 
-def _call_options(fn: Callable) -> Callable:
+def _call_options(fn: Command) -> Command:
     fn = click.option("--json", "as_json", is_flag=True, help="One JSON object per answer.")(fn)
     fn = click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0,
                       show_default=True, help="Seconds to wait for the answers.")(fn)
@@ -65,7 +64,7 @@ def admin() -> None:
 
 @admin.command("reset-prefix-cache")
 @_call_options
-def reset_prefix_cache(worker: str | None, timeout: float, as_json: bool, **kwargs) -> None:
+def reset_prefix_cache(worker: str | None, timeout: float, as_json: bool, **kwargs: Any) -> None:
     """Forget every cached prefix (refused by a worker that is running requests)."""
     _call("reset_prefix_cache", {}, worker, timeout, as_json, kwargs)
 
@@ -74,14 +73,14 @@ def reset_prefix_cache(worker: str | None, timeout: float, as_json: bool, **kwar
 @click.option("--level", type=click.Choice(["1", "2"]), default="1", show_default=True,
               help="1: free the KV cache; 2: the model weights too.")
 @_call_options
-def sleep(level: str, worker: str | None, timeout: float, as_json: bool, **kwargs) -> None:
+def sleep(level: str, worker: str | None, timeout: float, as_json: bool, **kwargs: Any) -> None:
     """Stop reading, hand in-flight requests to peers, free memory until `llmq admin wake`."""
     _call("sleep", {"level": int(level)}, worker, timeout, as_json, kwargs)
 
 
 @admin.command()
 @_call_options
-def wake(worker: str | None, timeout: float, as_json: bool, **kwargs) -> None:
+def wake(worker: str | None, timeout: float, as_json: bool, **kwargs: Any) -> None:
     """Reallocate what sleep freed and read requests again."""
     _call("wake_up", {}, worker, timeout, as_json, kwargs)
 
@@ -92,7 +91,7 @@ def wake(worker: str | None, timeout: float, as_json: bool, **kwargs) -> None:
               help="Folder for the trace, on the worker's machine (default: its temp folder).")
 @_call_options
 def profile(action: str, trace_dir: str | None, worker: str | None, timeout: float,
-            as_json: bool, **kwargs) -> None:
+            as_json: bool, **kwargs: Any) -> None:
     """Start the torch profiler, or stop it and print where each worker wrote its trace."""
     args: dict[str, Any] = {"action": action}
     if trace_dir and action == "stop":
@@ -102,14 +101,14 @@ def profile(action: str, trace_dir: str | None, worker: str | None, timeout: flo
 
 @admin.command()
 @_call_options
-def stats(worker: str | None, timeout: float, as_json: bool, **kwargs) -> None:
+def stats(worker: str | None, timeout: float, as_json: bool, **kwargs: Any) -> None:
     """Each worker's engine counters (running, waiting, KV use, prefix hits, sleeping)."""
     _call("stats", {}, worker, timeout, as_json, kwargs)
 
 
 @admin.command("load-functions")
 @connection_options
-def load_functions_(**kwargs) -> None:
+def load_functions_(**kwargs: Any) -> None:
     """Load (or replace) the llmq Redis Function library producers submit through.
 
     Workers load it when they start; run this where they may not (a stricter ACL), or after

@@ -24,7 +24,7 @@ import click
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import build_submission
 from llmq.cli.helpers import echo_json
-from llmq.cli.options import connection_kwargs, connection_options
+from llmq.cli.options import ConnectionFlags, connection_kwargs, connection_options
 from llmq.protocol import Delta, Done, Error, Start
 from llmq.protocol.errors import LLMQError
 
@@ -157,7 +157,7 @@ def _ms(stats: dict[str, float | None]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="The figures as one JSON object.")
 @connection_options
 def bench(num_requests: int, concurrency: int, prompt_len: int, output_len: int,
-          file: str | None, seed: int, timeout: float, as_json: bool, **kwargs) -> None:
+          file: str | None, seed: int, timeout: float, as_json: bool, **kwargs: Any) -> None:
     """Load-test the running pool: throughput, TTFT and inter-token latency percentiles."""
     bodies = _requests(num_requests, prompt_len, output_len, file, seed)
     samples, duration = asyncio.run(_bench(connection_kwargs(kwargs), bodies, concurrency,
@@ -180,7 +180,7 @@ def bench(num_requests: int, concurrency: int, prompt_len: int, output_len: int,
     click.echo(f"E2E ms        {_ms(figures['e2e_ms'])}")
 
 
-async def _bench(connection: dict[str, Any], bodies: list[dict[str, Any]], concurrency: int,
+async def _bench(connection: ConnectionFlags, bodies: list[dict[str, Any]], concurrency: int,
                  timeout: float) -> tuple[list[Sample], float]:
     async with AsyncClient(**connection) as client:
         queue = client.settings.queue

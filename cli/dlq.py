@@ -3,6 +3,8 @@ decoded, kept with the reason in `<prefix>:dlq:<queue>`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 import msgspec
 
@@ -21,7 +23,7 @@ def dlq() -> None:
               help="Oldest N dead letters.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @connection_options
-def list_(count: int, as_json: bool, **kwargs) -> None:
+def list_(count: int, as_json: bool, **kwargs: Any) -> None:
     """List the queue's dead letters, oldest first."""
     client = open_client(**connection_kwargs(kwargs))
     entries = client.dead_letters(count=count)
@@ -45,7 +47,7 @@ def list_(count: int, as_json: bool, **kwargs) -> None:
 @click.argument("entry_ids", nargs=-1, metavar="[ENTRY_ID]...")
 @click.option("--all", "retry_all", is_flag=True, help="Retry every dead letter of the queue.")
 @connection_options
-def retry(entry_ids: tuple[str, ...], retry_all: bool, **kwargs) -> None:
+def retry(entry_ids: tuple[str, ...], retry_all: bool, **kwargs: Any) -> None:
     """Queue dead letters again (by their ENTRY id from `llmq dlq list`), then drop them."""
     if bool(entry_ids) == retry_all:
         raise click.UsageError("give ENTRY_IDs or --all")
@@ -67,7 +69,7 @@ def retry(entry_ids: tuple[str, ...], retry_all: bool, **kwargs) -> None:
 @dlq.command()
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @connection_options
-def purge(yes: bool, **kwargs) -> None:
+def purge(yes: bool, **kwargs: Any) -> None:
     """Delete every dead letter of the queue."""
     client = open_client(**connection_kwargs(kwargs))
     queue = client.settings.queue

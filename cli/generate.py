@@ -7,6 +7,7 @@ worker's `InputProcessor`), so it is refused here exactly as a worker would refu
 from __future__ import annotations
 
 import sys
+from typing import Any, TextIO
 
 import click
 import msgspec
@@ -24,7 +25,8 @@ from llmq.cli.options import engine_config_kwargs, engine_options, sampling_kwar
               help="Where -f results go (JSONL).")
 @engine_options
 @sampling_options
-def generate(prompt: str | None, chat: str | None, file, output, **kwargs) -> None:
+def generate(prompt: str | None, chat: str | None, file: TextIO | None, output: TextIO,
+             **kwargs: Any) -> None:
     """Generate in-process: stream one PROMPT (or --chat message), or run a JSONL file (-f)."""
     if sum(x is not None for x in (prompt, chat, file)) != 1:
         raise click.UsageError("give exactly one of PROMPT, --chat TEXT or -f FILE")

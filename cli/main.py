@@ -8,6 +8,7 @@ commands, so no command can forget it.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import click
 import redis
@@ -28,7 +29,7 @@ from llmq.protocol.errors import LLMQError
 
 
 class LLMQGroup(click.Group):
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except LLMQError as exc:

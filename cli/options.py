@@ -7,12 +7,15 @@ sampling flags onto `SamplingParams`, so a flag, its variable and its field alwa
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypedDict, TypeVar
 
 import click
 
+Command = TypeVar("Command", bound=Callable[..., Any])
 
-def _apply(options: list[Callable]) -> Callable:
-    def decorate(fn: Callable) -> Callable:
+
+def _apply(options: list[Callable[[Command], Command]]) -> Callable[[Command], Command]:
+    def decorate(fn: Command) -> Command:
         for option in reversed(options):
             fn = option(fn)
         return fn
@@ -32,12 +35,18 @@ connection_options = _apply([
                  help="Queue (the stream <prefix>:q:<queue>)."),
 ])
 
-CONNECTION_FIELDS = ("redis_url", "prefix", "queue")
+class ConnectionFlags(TypedDict):
+    """The connection flags, as `Client(**...)` and `open_client(**...)` take them."""
+
+    redis_url: str | None
+    prefix: str
+    queue: str
 
 
-def connection_kwargs(kwargs: dict) -> dict:
+def connection_kwargs(kwargs: dict[str, Any]) -> ConnectionFlags:
     """Pop the connection flags out of a command's kwargs, ready for Client(**...)."""
-    return {name: kwargs.pop(name) for name in CONNECTION_FIELDS}
+    return ConnectionFlags(redis_url=kwargs.pop("redis_url"), prefix=kwargs.pop("prefix"),
+                           queue=kwargs.pop("queue"))
 
 
 engine_options = _apply([
@@ -72,7 +81,7 @@ ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_nu
                  "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy")
 
 
-def engine_config_kwargs(kwargs: dict) -> dict:
+def engine_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Pop the engine flags out of a command's kwargs, ready for EngineConfig(**...)."""
     return {name: kwargs.pop(name) for name in ENGINE_FIELDS}
 
@@ -93,7 +102,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "ignore_eos")
 
 
-def sampling_kwargs(kwargs: dict) -> dict:
+def sampling_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Pop the sampling flags the user set (unset ones keep the protocol's defaults)."""
     picked = {name: kwargs.pop(name) for name in SAMPLING_FIELDS}
     return {k: v for k, v in picked.items() if v is not None and v != () and v is not False}

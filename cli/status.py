@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import click
 import msgspec
@@ -17,7 +18,7 @@ from llmq.cli.options import connection_kwargs, connection_options
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @connection_options
-def status(as_json: bool, **kwargs) -> None:
+def status(as_json: bool, **kwargs: Any) -> None:
     """Show every queue and every live worker."""
     client = open_client(**connection_kwargs(kwargs))
     names = client.queues()

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -70,7 +70,7 @@ def _engine_argv(kwargs: dict) -> list[str]:
 @connection_options
 @engine_options
 def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: float,
-       **kwargs) -> None:
+       **kwargs: Any) -> None:
     """Start a Redis-compatible server and N workers on this machine.
 
     Without --redis-url / LLMQ_REDIS_URL a private server is started under the run folder

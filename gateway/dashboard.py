@@ -22,17 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from functools import cache
 from importlib import resources
-from typing import cast
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llmq.broker.commands import Followed
 from llmq.broker.exchange import send_async
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.request_lookup import RequestLookup
@@ -225,10 +223,9 @@ async def _inspect(state: GatewayState, viewer: Viewer, request_id: str, after: 
         yield sse({"type": "unknown"})
     shown = viewer.shown_id(request_id)
     try:
-        # NOTE: AsyncClient.follow is an async generator (annotated as an AsyncIterator):
-        # closed here at once when the browser goes, not whenever it is collected.
-        follow = cast(AsyncGenerator[Followed, None], state.client.follow(
-            request_id, timeout=state.settings.request_timeout, after=after))
+        # NOTE: closed here at once when the browser goes, not whenever it is collected.
+        follow = state.client.follow(request_id, timeout=state.settings.request_timeout,
+                                     after=after)
         async with contextlib.aclosing(follow) as events:
             async for followed in events:
                 if followed.replayed:

@@ -43,6 +43,11 @@ class TokenLogprob(Struct):
     top_logprobs: list[float | None] = []
 
 
+FinishReason = Literal["stop", "length", "cancelled"]  # how a completion of `done` ended
+_FINISH_REASONS: dict[str | None, FinishReason] = {
+    "stop": "stop", "length": "length", "cancelled": "cancelled"}
+
+
 class _EventBase(Struct, tag_field="type"):
     request_id: str
     attempt: Annotated[int, Meta(ge=1)]  # the delivery that produced it; a higher one supersedes
@@ -71,7 +76,7 @@ class Choice(Struct):
 
     index: int
     text: str
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
     completion_tokens: int
     stop_reason: int | str | None = None
 
@@ -79,7 +84,7 @@ class Choice(Struct):
 class Done(_EventBase, tag="done"):
     """The attempt finished; `text` is the whole output (the deltas concatenated)."""
 
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
     text: str
     usage: Usage
     timings: Timings
@@ -151,13 +156,23 @@ def terminal_event(request_id: str, attempt: int,
     choices = None
     if len(outputs) > 1:
         choices = [Choice(index=o.index, text=o.text or "",
-                          finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                          finish_reason=_finish_reason(o),
                           completion_tokens=o.usage.completion_tokens if o.usage else 0,
                           stop_reason=o.stop_reason) for o in outputs]
     return Done(request_id=request_id, attempt=attempt,
-                finish_reason=first.finish_reason,  # type: ignore[arg-type]
+                finish_reason=_finish_reason(first),
                 text=first.text or "", usage=_usage(outputs), timings=_timings(outputs),
                 stop_reason=first.stop_reason, metadata=metadata, choices=choices)
+
+
+def _finish_reason(output: FinishedOutput) -> FinishReason:
+    """A completion's reason as `done` carries it; ValueError for a reason `done` cannot carry
+    (readers would refuse the event)."""
+    try:
+        return _FINISH_REASONS[output.finish_reason]
+    except KeyError:
+        raise ValueError(f"completion {output.index} cannot end a `done` event: its "
+                         f"finish_reason is {output.finish_reason!r}") from None
 
 
 def _usage(outputs: list[FinishedOutput]) -> Usage:

@@ -7,6 +7,7 @@ Every such name becomes part of a Redis key, so it is checked once here, by the 
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 from llmq.protocol.errors import LLMQError
 
@@ -31,7 +32,7 @@ class InvalidName(LLMQError, ValueError):
     """A queue name, request id, worker id or prefix that may not become part of a key."""
 
 
-def is_valid_name(value: object) -> bool:
+def is_valid_name(value: object) -> TypeGuard[str]:
     # fullmatch, not match: `$` would let a trailing newline through.
     return isinstance(value, str) and _NAME_RE.fullmatch(value) is not None
 
@@ -53,6 +54,6 @@ def tenant_of(request_id: str) -> str | None:
 def validate_name(kind: str, value: object) -> str:
     """`value` if it is a valid `kind` (queue, request_id, worker_id); InvalidName if not."""
     if is_valid_name(value):
-        return value  # type: ignore[return-value]
+        return value
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     raise InvalidName(f"invalid {kind} {shown}: must match {NAME_PATTERN}")

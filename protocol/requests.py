@@ -67,7 +67,7 @@ ENTRY_ID_RE = re.compile(r"[0-9]+-[0-9]+")
 
 def is_usable_request_id(value: object) -> bool:
     """Whether a payload's `id` may name a result stream: a valid name, not an entry id."""
-    return is_valid_name(value) and ENTRY_ID_RE.fullmatch(value) is None  # type: ignore[arg-type]
+    return is_valid_name(value) and ENTRY_ID_RE.fullmatch(value) is None
 
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]

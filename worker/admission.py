@@ -37,8 +37,10 @@ from typing import Any
 import redis
 
 from llmq import protocol
-from llmq.broker.connection import is_cluster
+from llmq.broker import replies
 from llmq.broker.keys import tenant_of
+from llmq.broker.redis_url import cluster_client
+from llmq.broker.replies import Fields, StreamEntry
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor
@@ -48,6 +50,8 @@ from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+Decoded = protocol.DecodedRequest | protocol.RejectedEntry  # what the broker's decoder made of it
 
 
 class Admission:
@@ -63,7 +67,7 @@ class Admission:
         self.max_deliveries = ctx.config.max_deliveries
         self.clock = clock
 
-    def admit(self, client: redis.Redis, entries: list[tuple[Any, Any]], backoff: Backoff,
+    def admit(self, client: redis.Redis, entries: list[StreamEntry], backoff: Backoff,
               attempts: dict[str, int] | None = None,
               forgiven: dict[str, int] | None = None, solo: set[str] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
@@ -75,9 +79,8 @@ class Admission:
         Redis is away; if the worker stops meanwhile the entries stay in the table and are
         handed back.
         """
-        fresh = []
-        for raw_id, fields in entries:
-            entry_id = protocol.as_str(raw_id)
+        fresh: list[tuple[InFlight, Decoded, Fields]] = []
+        for entry_id, fields in entries:
             attempt = (attempts or {}).get(entry_id, 1)
             decoded = protocol.decode_request_entry(entry_id, fields)
             entry = _entry_for(decoded, attempt)
@@ -94,7 +97,7 @@ class Admission:
         named = [e for e in flagged if e.request_id != e.entry_id]
         while True:
             try:
-                results = self._read_time_flags_and_markers(client, flagged, named)
+                now_ms, flags, owners = self._read_time_flags_and_markers(client, flagged, named)
                 backoff.succeeded()
                 break
             except TRANSIENT_ERRORS as e:
@@ -108,17 +111,13 @@ class Admission:
                 for entry, _, _ in fresh:
                     self.table.pop(entry.entry_id)
                 raise
-        seconds, micros = results[0]
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        flags, owners = results[1:1 + len(flagged)], results[1 + len(flagged):]
-        cancel_flags = {e.entry_id: bool(r) for e, r in zip(flagged, flags, strict=True)}
+        cancel_flags = {e.entry_id: flag for e, flag in zip(flagged, flags, strict=True)}
         # The entry that owns each id, when another one does ("" for a tenant's unmarked id).
-        taken = {e.entry_id: protocol.as_str(owner or b"") for e, owner in zip(
-            named, owners, strict=True) if (owner is not None or tenant_of(e.request_id))
-            and protocol.as_str(owner or b"") != e.entry_id}
+        taken = {e.entry_id: owner or "" for e, owner in zip(named, owners, strict=True)
+                 if (owner is not None or tenant_of(e.request_id)) and owner != e.entry_id}
         return self._admit_all(fresh, now_ms, cancel_flags, taken)
 
-    def _admit_all(self, fresh: list[tuple[InFlight, Any, Any]], now_ms: int,
+    def _admit_all(self, fresh: list[tuple[InFlight, Decoded, Fields]], now_ms: int,
                    cancel_flags: dict[str, bool], taken: dict[str, str]) -> int:
         adds: list[AddRequest] = []
         for entry, decoded, fields in fresh:
@@ -144,7 +143,7 @@ class Admission:
             self.ctx.inbox.put(adds)
         return len(fresh)
 
-    def _admit_one(self, entry: InFlight, decoded: Any, fields: Any, now_ms: int,
+    def _admit_one(self, entry: InFlight, decoded: Decoded, fields: Fields, now_ms: int,
                    cancel_flag: bool) -> AddRequest | None:
         """The request for the engine, or None when the entry was answered here."""
         # NOTE: hand-backs by draining workers are not failures: a request that outlived a few
@@ -184,7 +183,7 @@ class Admission:
                           processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
                           solo=entry.solo)
 
-    def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Any) -> None:
+    def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Fields) -> None:
         if rejected.request_id not in (None, entry.entry_id):
             logger.info("entry %s rejected (%s): %s", entry.entry_id, rejected.code,
                         rejected.message)
@@ -199,11 +198,12 @@ class Admission:
         self._fail(entry, rejected.code, rejected.message, dead_letter=self.dead_letter(
             entry.entry_id, None, rejected.code, rejected.message, entry.attempt, fields))
 
-    def _duplicate(self, entry: InFlight, owner: str, fields: Any) -> None:
+    def _duplicate(self, entry: InFlight, owner: str, fields: Fields) -> None:
         """Another entry owns this request id (`owner`; "" when it is a tenant's id that its
         submit function did not mark for this entry): answer on llmq:r:{<entry id>}, never on the
         id's own stream, whose run (attempts, events, ack) stays the owner's alone."""
         request_id = entry.request_id
+        details: dict[str, str | None]
         if owner:
             code = ErrorCode.DUPLICATE_ID
             message = (f"request id {request_id!r} belongs to entry {owner}, submitted earlier: "
@@ -224,7 +224,7 @@ class Admission:
         self._fail(entry, code, message, details, dead_letter=self.dead_letter(
             entry.entry_id, None, code, message, entry.attempt, fields))
 
-    def _poison(self, entry: InFlight, decoded: Any, fields: Any) -> None:
+    def _poison(self, entry: InFlight, decoded: Decoded, fields: Fields) -> None:
         """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""
         message = (f"the request was delivered {entry.attempt} times (max_deliveries="
                    f"{self.max_deliveries}) without finishing: moved to the dead-letter stream")
@@ -254,14 +254,18 @@ class Admission:
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [done],
                                    ack=True))
 
-    def _read_time_flags_and_markers(self, client: Any, flagged: list[InFlight],
-                                     named: list[InFlight]) -> list[Any]:
-        """[TIME of the queue's server, EXISTS of each cancel flag, then each named entry's
-        claim on its id's marker], in one round trip on one server. A cluster pipeline takes no
-        TIME: it goes to the queue's node first."""
+    def _read_time_flags_and_markers(self, client: redis.Redis, flagged: list[InFlight],
+                                     named: list[InFlight]
+                                     ) -> tuple[int, list[bool], list[str | None]]:
+        """(TIME of the queue's server in unix ms, whether each flagged entry's cancel flag is
+        set, the entry each named entry's id marker names: None when it named none and this
+        entry claimed it), in one round trip on one server. A cluster pipeline takes no TIME: it
+        goes to the queue's node first."""
         pipe = client.pipeline(transaction=False)
-        if is_cluster(client):
-            now = client.time(target_nodes=client.get_node_from_key(self.ctx.queue_key))
+        cluster = cluster_client(client)
+        now: object = None
+        if cluster is not None:
+            now = cluster.time(target_nodes=cluster.get_node_from_key(self.ctx.queue_key))
             if isinstance(now, dict):
                 (now,) = now.values()
         else:
@@ -279,10 +283,14 @@ class Admission:
                 # NOTE: SET NX GET (Redis 7.0): claim the id, or learn who has it.
                 pipe.set(marker, e.entry_id, nx=True, get=True, ex=self.ctx.config.result_ttl)
         results = pipe.execute()
-        return [now, *results] if is_cluster(client) else results
+        if cluster is None:
+            now, results = results[0], results[1:]
+        flags = [bool(replies.integer(r, "EXISTS")) for r in results[:len(flagged)]]
+        owners = replies.optional_texts(results[len(flagged):], "SET NX GET")
+        return replies.server_time_ms(now), flags, owners
 
     def dead_letter(self, entry_id: str, request_id: str | None, code: ErrorCode,
-                    message: str, deliveries: int, fields: Any) -> dict[str, bytes]:
+                    message: str, deliveries: int, fields: Fields | None) -> dict[str, bytes]:
         letter = protocol.DeadLetter(queue=self.ctx.queue, entry_id=entry_id,
                                      request_id=request_id, code=code, message=message,
                                      deliveries=deliveries, worker=self.ctx.worker_id,
@@ -290,7 +298,7 @@ class Admission:
         return protocol.encode_dead_letter(letter, fields)
 
 
-def _entry_for(decoded: Any, attempt: int) -> InFlight:
+def _entry_for(decoded: Decoded, attempt: int) -> InFlight:
     if isinstance(decoded, protocol.DecodedRequest):
         request = decoded.request
         return InFlight(decoded.entry_id, decoded.request_id, attempt, decoded.encoding,

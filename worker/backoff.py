@@ -33,6 +33,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ClusterError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
     redis.exceptions.SlotNotCoveredError, ConnectionError, TimeoutError, OSError,
 )
+# Any failure of a Redis call: a refused command, or Redis out of reach.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, *TRANSIENT_ERRORS)
 
 
 class Backoff:

@@ -12,9 +12,9 @@ Reading, outages and a recreated stream are worker/stream_follower.py's.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from llmq import protocol
+from llmq.broker.replies import Fields
 from llmq.worker.inbox import AbortRequests
 from llmq.worker.stream_follower import StreamFollower
 from llmq.worker.worker_context import WorkerContext
@@ -28,7 +28,7 @@ class CancelListener(StreamFollower):
         self.table = ctx.table
         self.inbox = ctx.inbox
 
-    def handle(self, entry_id: str, fields: Any) -> None:
+    def handle(self, entry_id: str, fields: Fields) -> None:
         request_id = protocol.decode_cancel(fields)
         if request_id is not None:
             self.cancel(request_id)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import Any
-
-import redis
 
 from llmq.broker.control import queue_reply
+from llmq.broker.replies import Fields
 from llmq.protocol import ControlReply, decode_call
-from llmq.worker.backoff import TRANSIENT_ERRORS
+from llmq.worker.backoff import REDIS_ERRORS
 from llmq.worker.inbox import UtilityCall
 from llmq.worker.stream_follower import StreamFollower
 from llmq.worker.worker_context import WorkerContext
@@ -42,7 +40,7 @@ class ControlListener(StreamFollower):
         """Queue an answer for writing (busy loop)."""
         self._answers.put(reply)
 
-    def handle(self, entry_id: str, fields: Any) -> None:
+    def handle(self, entry_id: str, fields: Fields) -> None:
         call = decode_call(fields)
         if call is None:
             logger.warning("control entry %s is not a call: ignored", entry_id)
@@ -61,7 +59,7 @@ class ControlListener(StreamFollower):
                 pipe = self.client.pipeline(transaction=True)
                 queue_reply(pipe, self.keys, reply)
                 pipe.execute()
-            except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+            except REDIS_ERRORS:
                 # NOTE: an answer is worth a retry (after the follower's backoff), not a loss.
                 logger.warning("answer to %s not written yet: retrying", reply.call_id)
                 self._answers.put(reply)

@@ -34,9 +34,10 @@ from collections.abc import Callable
 
 import redis
 
+from llmq.broker import replies
+from llmq.broker.commands import as_fields
 from llmq.broker.keys import GROUP
-from llmq.protocol import as_str
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.inbox import AbortRequests
 from llmq.worker.io_thread import IOThread
 from llmq.worker.liveness import Liveness
@@ -144,7 +145,7 @@ class LeaseKeeper(IOThread):
         fields = self.heartbeat()
         key = self.keys.worker(self.worker_id)
         pipe = self.client.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
+        pipe.hset(key, mapping=as_fields(fields))
         pipe.pexpire(key, self.heartbeat_ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms})
         pipe.execute()
@@ -161,8 +162,8 @@ class LeaseKeeper(IOThread):
                            "its data?): finishing them without a lease", len(orphaned))
         # NOTE: an entry acked (and forgotten) by the result writer while the script ran is
         # "not pending" too; only entries still in the table were really taken.
-        fenced = self.table.fence([e for e in lost if self.table.get(e) is not None
-                                   and not self.table.get(e).terminal])  # type: ignore[union-attr]
+        fenced = self.table.fence([e for e in lost if (held := self.table.get(e)) is not None
+                                   and not held.terminal])
         if fenced:
             logger.warning("lease lost on %d entr%s (a peer reclaimed them): aborting %s",
                            len(fenced), "y" if len(fenced) == 1 else "ies", fenced[:5])
@@ -195,7 +196,7 @@ class LeaseKeeper(IOThread):
         for attempt in range(3):
             try:
                 return self.hand_back(entry_ids, forgive=forgive, suspect=suspect)
-            except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
+            except REDIS_ERRORS as e:
                 logger.warning("hand-back failed (%s), attempt %d", e, attempt + 1)
                 time.sleep(0.2 * (attempt + 1))
         logger.error("could not hand back %d entries: peers reclaim them after the %.1f s lease",
@@ -209,8 +210,9 @@ class LeaseKeeper(IOThread):
             ids = entry_ids[i:i + _SLICE]
             result = self._script(keys=[self.queue_key],
                                   args=[GROUP, self.worker_id, idle_ms, *ids])
-            lost.extend(as_str(r) for r in result[0])
-            orphaned.extend(as_str(r) for r in result[1])
+            lost_reply, orphaned_reply = replies.array(result, "the claim script")
+            lost.extend(replies.texts(lost_reply, "the claim script"))
+            orphaned.extend(replies.texts(orphaned_reply, "the claim script"))
         return lost, orphaned
 
     def _on_nogroup(self) -> None:
@@ -220,5 +222,5 @@ class LeaseKeeper(IOThread):
                    "consumer group %s on %s is missing: creating it", GROUP, self.queue_key)
         try:
             self.ensure_group()
-        except (redis.RedisError, *TRANSIENT_ERRORS) as e:  # type: ignore[misc]
+        except REDIS_ERRORS as e:
             self.backoff.failed(e)

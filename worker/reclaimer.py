@@ -35,17 +35,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import redis
+from redis.typing import StreamIdT
 
 from llmq import protocol
+from llmq.broker import replies
 from llmq.broker.keys import GROUP, is_valid_name
+from llmq.broker.replies import PendingEntry
 from llmq.broker.retention import trim_acked_requests
-from llmq.protocol import as_str
 from llmq.protocol.errors import ErrorCode
 from llmq.worker.admission import Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.io_thread import IOThread
 from llmq.worker.lease_keeper import HAND_BACK_IDLE_MS, SUSPECT_MIN_IDLE_MS
 from llmq.worker.liveness import Liveness
@@ -113,7 +114,7 @@ class Reclaimer(IOThread):
             if "NOGROUP" in str(e):
                 try:
                     self.ensure_group()
-                except (redis.RedisError, *TRANSIENT_ERRORS) as e2:  # type: ignore[misc]
+                except REDIS_ERRORS as e2:
                     self.backoff.failed(e2)
             elif "no such key" not in str(e).lower():
                 logger.error("reclaimer: Redis refused a command: %s", e)
@@ -124,19 +125,20 @@ class Reclaimer(IOThread):
         """Take the entries of consumers whose heartbeat expired; returns how many."""
         if not self.liveness.healthy_for(self.heartbeat_timeout) or self._room() <= 0:
             return 0
-        holders = [as_str(c["name"]) for c in self.client.xinfo_consumers(self.queue_key, GROUP)
-                   if int(c["pending"]) and as_str(c["name"]) != self.worker_id]
+        consumers = replies.consumers(self.client.xinfo_consumers(self.queue_key, GROUP))
+        holders = [c.name for c in consumers if c.pending and c.name != self.worker_id]
         # NOTE: a consumer name that is no valid worker id cannot have a heartbeat: dead.
         named = [h for h in holders if is_valid_name(h)]
         pipe = self.client.pipeline(transaction=False)
         for name in named:
             pipe.exists(self.keys.worker(name))
-        alive = dict(zip(named, pipe.execute(), strict=True))
+        alive = {name: bool(replies.integer(reply, "EXISTS"))
+                 for name, reply in zip(named, pipe.execute(), strict=True)}
         taken = 0
         for name in (h for h in holders if not alive.get(h)):
-            rows = self.client.xpending_range(self.queue_key, GROUP, "-", "+",
-                                              self._room() + _SCAN_SLACK, consumername=name,
-                                              idle=self.heartbeat_ms)
+            rows = replies.pending_entries(self.client.xpending_range(
+                self.queue_key, GROUP, "-", "+", self._room() + _SCAN_SLACK, consumername=name,
+                idle=self.heartbeat_ms))
             got = self._take(rows, self.heartbeat_ms, f"from dead worker {name}")
             taken += got
             if got:
@@ -154,8 +156,8 @@ class Reclaimer(IOThread):
         # has renewed first.
         steady = self.liveness.healthy_for(self.lease_timeout)
         min_idle = self.lease_ms if steady else HAND_BACK_IDLE_MS
-        rows = self.client.xpending_range(self.queue_key, GROUP, "-", "+",
-                                          self._room() + _SCAN_SLACK, idle=min_idle)
+        rows = replies.pending_entries(self.client.xpending_range(
+            self.queue_key, GROUP, "-", "+", self._room() + _SCAN_SLACK, idle=min_idle))
         return self._take(rows, min_idle, f"idle past the {self.lease_ms} ms lease")
 
     # -- taking entries ---------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class Reclaimer(IOThread):
     def _room(self) -> int:
         return self.ctx.max_num_seqs - len(self.table)
 
-    def _take(self, rows: list[dict[str, Any]], min_idle_ms: int, why: str) -> int:
+    def _take(self, rows: list[PendingEntry], min_idle_ms: int, why: str) -> int:
         """XCLAIM the XPENDING `rows` there is room for (one suspect at most) and admit them."""
         room = self._room()
         holding_suspect = self.table.holds_solo()
@@ -172,10 +174,10 @@ class Reclaimer(IOThread):
         for row in rows:
             if len(chosen) >= room:
                 break
-            entry_id = as_str(row["message_id"])
+            entry_id = row.entry_id
             if self.table.get(entry_id) is not None:
                 continue  # ours already: a renewal raced the scan
-            if int(row["time_since_delivered"]) >= SUSPECT_MIN_IDLE_MS:
+            if row.idle_ms >= SUSPECT_MIN_IDLE_MS:
                 if holding_suspect:
                     continue  # one at a time: it runs alone
                 holding_suspect = True
@@ -183,8 +185,10 @@ class Reclaimer(IOThread):
             chosen.append(entry_id)
         if not chosen:
             return 0
-        claimed = self.client.xclaim(self.queue_key, GROUP, self.worker_id, min_idle_ms, chosen)
-        got = [as_str(entry_id) for entry_id, _ in claimed]
+        message_ids: list[StreamIdT] = [*chosen]  # NOTE: a list is invariant: redis-py's type
+        claimed = replies.entries(self.client.xclaim(
+            self.queue_key, GROUP, self.worker_id, min_idle_ms, message_ids), "XCLAIM")
+        got = [entry.entry_id for entry in claimed]
         if missing := [i for i in chosen if i not in set(got)]:
             self._answer_vanished(missing)
         if not claimed:
@@ -196,9 +200,11 @@ class Reclaimer(IOThread):
         *pendings, handbacks = pipe.execute()
         attempts = {}
         for entry_id, pending in zip(got, pendings, strict=True):
+            rows = replies.pending_entries(pending)
             # NOTE: XCLAIM just counted this delivery, so times_delivered is this attempt.
-            attempts[entry_id] = int(pending[0]["times_delivered"]) if pending else 1
-        forgiven = {entry_id: int(n) for entry_id, n in zip(got, handbacks, strict=True) if n}
+            attempts[entry_id] = rows[0].times_delivered if rows else 1
+        forgiven = {entry_id: int(n) for entry_id, n in zip(
+            got, replies.optional_texts(handbacks, "HMGET"), strict=True) if n}
         logger.warning("took %d entr%s %s: %s", len(got), "y" if len(got) == 1 else "ies", why,
                        ", ".join(f"{i} (attempt {attempts[i]}"
                                  f"{', alone' if i in suspects else ''})" for i in got[:5]))
@@ -213,17 +219,18 @@ class Reclaimer(IOThread):
         pipe = self.client.pipeline(transaction=False)
         for entry_id in entry_ids:
             pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
-        gone = [i for i, pending in zip(entry_ids, pipe.execute(), strict=True) if not pending]
+        gone = [i for i, pending in zip(entry_ids, pipe.execute(), strict=True)
+                if not replies.pending_entries(pending)]
         if not gone:
             return
         message = "the entry was trimmed or deleted from the request stream while pending"
         logger.warning("%d pending entries lost their payload: %s", len(gone), gone[:5])
         # NOTE: the payload is gone; the request id is known only from the submit function's
         # record (a raw XADD leaves none).
-        submitted = self.client.hmget(self.keys.submissions(self.ctx.queue), gone)
+        submitted = replies.optional_texts(
+            self.client.hmget(self.keys.submissions(self.ctx.queue), gone), "HMGET")
         for entry_id, request_id in zip(gone, submitted, strict=True):
-            self._answer_lost(entry_id, None if request_id is None else as_str(request_id),
-                              message)
+            self._answer_lost(entry_id, request_id, message)
 
     def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
         """`lost_payload` on the request's stream, or on llmq:r:{<entry id>} when its id is
@@ -246,11 +253,10 @@ class Reclaimer(IOThread):
         key = self.keys.submissions(self.ctx.queue)
         answered, cursor = 0, 0
         while True:
-            cursor, records = self.client.hscan(key, cursor, count=500)
-            if records:
-                answered += self._answer_vanished_in(
-                    {as_str(k): as_str(v) for k, v in records.items()})
-            if not int(cursor):
+            cursor, page = self.client.hscan(key, cursor, count=500)
+            if records := replies.string_hash(page, "HSCAN"):
+                answered += self._answer_vanished_in(records)
+            if not cursor:
                 return answered
 
     def _answer_vanished_in(self, records: dict[str, str]) -> int:
@@ -258,10 +264,10 @@ class Reclaimer(IOThread):
         for entry_id in records:
             pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
             pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
-        replies = pipe.execute()
+        results = pipe.execute()
         vanished = {entry_id: request_id for (entry_id, request_id), present, pending in zip(
-            records.items(), replies[0::2], replies[1::2], strict=True)
-            if not present and not pending}
+            records.items(), results[0::2], results[1::2], strict=True)
+            if not replies.entries(present) and not replies.pending_entries(pending)}
         if not vanished:
             return 0
         # NOTE: a record names a request id, and its marker must name the entry back.
@@ -270,7 +276,7 @@ class Reclaimer(IOThread):
         for _, request_id in named:
             pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
         confirmed = {e for (e, _), marker in zip(named, pipe.execute(), strict=True)
-                     if marker is not None and as_str(marker) == e}
+                     if replies.optional_text(marker, "GET") == e}
         message = "the entry was trimmed or deleted from the request stream before a worker read it"
         for entry_id, request_id in vanished.items():
             genuine = request_id == entry_id or entry_id in confirmed
@@ -283,10 +289,10 @@ class Reclaimer(IOThread):
 
     def _cleanup_consumers(self) -> None:
         """Delete consumers of dead workers: nothing pending and idle for a long time."""
-        for consumer in self.client.xinfo_consumers(self.queue_key, GROUP):
-            name = as_str(consumer["name"])
-            if (name != self.worker_id and int(consumer["pending"]) == 0
-                    and int(consumer["idle"]) > CONSUMER_CLEANUP_IDLE_MS):
+        for consumer in replies.consumers(self.client.xinfo_consumers(self.queue_key, GROUP)):
+            name = consumer.name
+            if (name != self.worker_id and consumer.pending == 0
+                    and consumer.idle_ms > CONSUMER_CLEANUP_IDLE_MS):
                 # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
                 self.client.xgroup_delconsumer(self.queue_key, GROUP, name)
                 logger.info("removed idle consumer %s", name)

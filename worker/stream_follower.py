@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import redis
 
-from llmq.broker.commands import stream_entries
-from llmq.protocol import as_str, parse_entry_id
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.broker import replies
+from llmq.protocol import parse_entry_id
+from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ class StreamFollower:
         # sent between an admission and the first read would be missed.
         try:
             self.last_id = self._stream_last_id()
-        except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+        except REDIS_ERRORS:
             pass  # Redis not there yet: nothing admitted either; the thread reads it later
         self._thread.start()
 
@@ -57,17 +56,15 @@ class StreamFollower:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def handle(self, entry_id: str, fields: Any) -> None:
+    def handle(self, entry_id: str, fields: replies.Fields) -> None:
         raise NotImplementedError
 
     def before_read(self) -> None:
         """Called before each read, and once more when the thread stops."""
 
     def _stream_last_id(self) -> str:
-        last = self.client.xrevrange(self.key, count=1)
-        if not last:
-            return "0-0"
-        return as_str(last[0][0])
+        last = replies.entries(self.client.xrevrange(self.key, count=1), "XREVRANGE")
+        return last[0].entry_id if last else "0-0"
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -91,10 +88,10 @@ class StreamFollower:
                     logger.error("%s: refused by Redis: %s", self.name, e)
                     self.stop_event.wait(1.0)
                 continue
-            for entry_id, fields in stream_entries(reply):
-                self.last_id = as_str(entry_id)
-                self.handle(self.last_id, fields)
+            for entry_id, fields in replies.read_entries(reply):
+                self.last_id = entry_id
+                self.handle(entry_id, fields)
         try:
             self.before_read()
-        except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+        except REDIS_ERRORS:
             pass

@@ -26,12 +26,12 @@ from collections.abc import Callable
 
 import redis
 
-from llmq.broker.commands import stream_entries
+from llmq.broker import replies
 from llmq.broker.connection import is_cluster
 from llmq.broker.keys import GROUP
-from llmq.protocol import as_str
+from llmq.broker.replies import StreamEntry
 from llmq.worker.admission import Admission
-from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
+from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class StreamReader:
         if admin is not None and client_id:
             try:
                 admin.client_unblock(client_id)
-            except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+            except REDIS_ERRORS:
                 pass  # NOPERM under a strict ACL, or Redis away: the hand-back covers it
 
     def join(self, timeout: float) -> None:
@@ -121,10 +121,11 @@ class StreamReader:
                     continue
                 try:
                     self.ensure_group()
-                except (redis.RedisError, *TRANSIENT_ERRORS) as e2:  # type: ignore[misc]
+                except REDIS_ERRORS as e2:
                     self.backoff.failed(e2)
                 continue
-            entries = _entries(reply)
+            # NOTE: one stream per read; RESP2 and RESP3 (`?protocol=3` URLs) shapes both parse.
+            entries = replies.read_entries(reply, "XREADGROUP")
             if not entries:
                 continue
             entries += self._read_more(room - len(entries))
@@ -146,34 +147,34 @@ class StreamReader:
         if is_cluster(self.client):
             return 0
         try:
-            return int(self.client.client_id())
+            return replies.integer(self.client.client_id(), "CLIENT ID")
         except redis.ResponseError as e:
             logger.info("CLIENT ID refused (%s): a stop will not interrupt a blocking read", e)
             return 0
 
-    def _read_more(self, room: int) -> list:
+    def _read_more(self, room: int) -> list[StreamEntry]:
         """Entries already queued behind the ones a blocking read returned, without blocking.
 
         NOTE: Redis wakes a blocked reader after the first XADD of a producer's pipeline, so a
         batch submitted at once would otherwise reach the engine one entry first and the rest a
         step later; taking them together lets their prefills share the first step.
         """
-        more: list = []
+        more: list[StreamEntry] = []
         while room > 0:
             try:
                 reply = self.client.xreadgroup(GROUP, self.worker_id, {self.queue_key: ">"},
                                                count=room)
-            except (redis.RedisError, *TRANSIENT_ERRORS):  # type: ignore[misc]
+            except REDIS_ERRORS:
                 break  # the blocking loop deals with it; what was read is admitted
-            got = _entries(reply)
+            got = replies.read_entries(reply, "XREADGROUP")
             if not got:
                 break
             more += got
             room -= len(got)
         return more
 
-    def _hand_back_late(self, entries: list) -> None:
-        ids = [as_str(i) for i, _ in entries]
+    def _hand_back_late(self, entries: list[StreamEntry]) -> None:
+        ids = [entry.entry_id for entry in entries]
         for _ in range(3):
             try:
                 self.hand_back(ids, forgive=True)  # never started: no failure
@@ -184,7 +185,3 @@ class StreamReader:
         logger.warning("could not hand back %d entries: peers reclaim them after the lease",
                        len(ids))
 
-
-def _entries(reply: list | dict | None) -> list:
-    # NOTE: one stream per read; RESP2 and RESP3 (`?protocol=3` URLs) shapes both parse.
-    return stream_entries(reply)

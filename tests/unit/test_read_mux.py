@@ -60,14 +60,14 @@ def test_each_follower_gets_each_entry_once_in_resp2_and_resp3_shapes() -> None:
     mux.read_command(lane, None)
     resp2 = [[b"r:a", [entry("1-0", "one"), entry("2-0", "two")]]]
     out = dict(mux.dispatch(lane, resp2))
-    assert [e[0] for e in out["early"]] == [b"2-0"]
-    assert [e[0] for e in out["late"]] == [b"1-0", b"2-0"]
-    assert out["late"][0][1] == {b"json": b"one"}
+    assert [e.entry_id for e in out["early"]] == ["2-0"]
+    assert [e.entry_id for e in out["late"]] == ["1-0", "2-0"]
+    assert out["late"][0].fields == {"json": b"one"}
     # RESP3: a map of stream -> entries; entries already handed over are not handed again
     mux.read_command(lane, None)
     resp3 = {b"r:a": [entry("2-0", "two"), entry("3-0", "three")]}
     out = dict(mux.dispatch(lane, resp3))
-    assert [e[0] for e in out["early"]] == [b"3-0"] == [e[0] for e in out["late"]]
+    assert [e.entry_id for e in out["early"]] == ["3-0"] == [e.entry_id for e in out["late"]]
 
 
 def test_an_unsubscribed_stream_is_dropped_and_its_late_entries_go_nowhere() -> None:

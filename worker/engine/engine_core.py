@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
@@ -25,6 +25,9 @@ from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None,
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # Imported here so `llmq.worker.engine.engine_core` stays cheap to import for type users.
         from llmq.worker.engine.model.default_model import ensure_default_model
