@@ -10,8 +10,8 @@ of every sequence's blocks into a contiguous buffer in every layer (attention.py
 here each K/V row is read once, where the block table says it is.
 
 The C++ lives in kernels/ beside this module (package data: layer_kernels.cpp and the
-vec16.h it includes), plus the int8 row kernels int8_matrix.py holds. It is compiled on first use
-from where it lies, so a compiler error names the real file and line, into ~/.cache/llmq/kernels
+vec16.h it includes, int8_rows.cpp for Int8Matrix). It is compiled on first use from where it
+lies, so a compiler error names the real file and line, into ~/.cache/llmq/kernels
 (LLMQ_KERNEL_DIR), keyed by a hash of every source file, the compiler, the flags and the CPU
 model, and loaded with ctypes (no torch headers, no ninja): ~13 s at -O3 on one core, once per
 machine and source version, shared by every process. Where there is no compiler (slim images)
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import int8_matrix
 from .block_quant import BlockQuant
 from .int8_matrix import Int8Matrix
 
@@ -48,13 +47,6 @@ KERNEL_DIR = Path(__file__).resolve().with_name("kernels")
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared",
           "-std=c++17"]
-# What the int8 row kernels (int8_matrix.SOURCE, a string) need ahead of them.
-_INT8_PRELUDE = """#include <math.h>
-#include <stdint.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-"""
 
 
 def _cpu_model() -> str:
@@ -75,25 +67,12 @@ def kernel_sources(kernel_dir: Path = KERNEL_DIR) -> list[Path]:
     return sources
 
 
-def _int8_unit() -> str:
-    """int8_matrix.SOURCE as a translation unit; its `#line` points compiler messages at the
-    lines of int8_matrix.py that hold it."""
-    path = Path(int8_matrix.__file__).resolve()
-    try:
-        text = path.read_text()
-        first_line = text[:text.index(int8_matrix.SOURCE)].count("\n") + 1
-        line = f'#line {first_line} "{path}"\n'
-    except (OSError, ValueError):
-        line = ""  # no source beside the bytecode: line numbers of the string itself
-    return _INT8_PRELUDE + line + int8_matrix.SOURCE
-
-
 def build_key(compiler: str, sources: list[Path]) -> str:
-    """The cache key of a build: any change to a source file (its name or a byte, or the int8
-    kernels' string), the compiler, the flags or the CPU gives another library file. Where the
-    package lies is not part of it: the library does not depend on it."""
+    """The cache key of a build: any change to a source file (its name or a byte), the compiler,
+    the flags or the CPU gives another library file. Where the package lies is not part of it:
+    the library does not depend on it."""
     digest = hashlib.sha256()
-    for part in [compiler, *_FLAGS, _cpu_model(), _INT8_PRELUDE, int8_matrix.SOURCE]:
+    for part in [compiler, *_FLAGS, _cpu_model()]:
         digest.update(part.encode() + b"\0")
     for source in sources:
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
@@ -112,12 +91,10 @@ def build_library(directory: Path, kernel_dir: Path = KERNEL_DIR) -> Path | None
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        int8_source = Path(tmp) / "int8_matrix.cpp"
-        int8_source.write_text(_int8_unit())
         built = Path(tmp) / target.name
         # NOTE: the package's files compiled where they lie (not copied), so a compiler message
         # names the file and line to open.
-        units = [str(p) for p in sources if p.suffix == ".cpp"] + [str(int8_source)]
+        units = [str(p) for p in sources if p.suffix == ".cpp"]
         result = subprocess.run([compiler, *_FLAGS, *units, "-o", str(built)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode:
