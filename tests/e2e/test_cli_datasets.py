@@ -168,3 +168,38 @@ def test_killed_twice_and_rerun_equals_an_uninterrupted_run(url: str, classify_w
                      if json.loads(fields[b"json"]).get("id", "").startswith("killed."))
     assert max(queued.values()) == 1
     assert len(queued) == 40 + 20  # every summary, and the labels of the kept half
+
+
+def test_a_worker_killed_mid_job_loses_no_row(url: str, tiny_model_path: Path,
+                                             tmp_path: Path) -> None:
+    # Given a one-stage job on a queue of its own, served by one slow worker
+    queue = "ds-worker-kill"
+    first = serve(url, tiny_model_path, tmp_path, "ds-kill-1", queue=queue,
+                  fault="slow_step:30", max_num_seqs=4)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"n": i}) + "\n" for i in range(30)))
+    out = tmp_path / "out.jsonl"
+    proc = llmq_process("run", "--dataset", str(tmp_path / "in.jsonl"), "-o", str(out),
+                        "--map", "prompt=Count to {{ n }}", "--map", "max_tokens=8",
+                        "--map", "ignore_eos=true", "--queue", queue,
+                        env=subprocess_env(url), stderr=subprocess.PIPE)
+    second = None
+    try:
+        # When the worker is SIGKILLed with rows in flight, and another takes its place
+        wait_for(lambda: len(_jsonl(out)) >= 5, 60, "5 rows written")
+        first.kill()
+        assert len(_jsonl(out)) < 30
+        second = serve(url, tiny_model_path, tmp_path, "ds-kill-2", queue=queue)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+    # Then the job finishes with every row once, each a whole answer
+    assert proc.returncode == 0, stderr
+    rows = _jsonl(out)
+    assert [row["llmq_row"] for row in rows] == list(range(30))
+    assert all(row["result_usage"]["completion_tokens"] == 8 for row in rows)
+    assert not _jsonl(tmp_path / "out.errors.jsonl")
