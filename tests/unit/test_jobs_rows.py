@@ -69,8 +69,13 @@ def test_a_bad_jsonl_line_is_a_bad_row_not_a_crash(tmp_path: Path) -> None:
 
 def test_an_unknown_dataset_id_offline_says_so(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets.config
+    import huggingface_hub.constants
+
+    # NOTE: both libraries read HF_*_OFFLINE when imported, so the flags are set where they live
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(SpecError, match="no-such-owner/no-such-dataset: no such file"):
         open_source(SourceSpec("no-such-owner/no-such-dataset"))
