@@ -168,7 +168,7 @@ class OrderedRun(Generic[R]):
 
     def _gather(self, gatherer: FollowerGroup) -> None:
         for transcript in gatherer.poll(block_ms=_POLL_MS):
-            index = self._index_of.pop(transcript.request_id)
+            index = self._index_of[transcript.request_id]
             outcome = self.sink.finished(index, transcript)
             if isinstance(outcome, Submit):
                 self._follow_ups.append((index, outcome))

@@ -32,7 +32,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,7 +40,6 @@ from llmq.broker.client import Client
 from llmq.broker.commands import build_submission
 from llmq.broker.ordered_run import OrderedRun, Settled, Submit
 from llmq.broker.transcript import Transcript
-from llmq.jobs.dedup import NearDuplicates
 from llmq.jobs.progress import JobProgress
 from llmq.jobs.sinks import ROW_COLUMN, RowWriter
 from llmq.jobs.sources import BadRow, open_source
@@ -48,6 +47,9 @@ from llmq.jobs.spec import JobSpec, StageSpec
 from llmq.jobs.templates import RowError, SpecError
 from llmq.protocol import Done
 from llmq.protocol.errors import ErrorCode, InvalidRequest
+
+if TYPE_CHECKING:
+    from llmq.jobs.dedup import NearDuplicates
 
 __all__ = ["DatasetJob", "request_id_for", "result_columns"]
 
@@ -108,8 +110,11 @@ class DatasetJob:
         if self.writer.finished_before:
             self.finished_before = True
             return
-        dedup = (None if spec.dedup is None
-                 else NearDuplicates(spec.dedup.threshold, spec.dedup.num_perm))
+        dedup = None
+        if spec.dedup is not None:
+            from llmq.jobs.dedup import NearDuplicates  # numpy only for jobs that dedup
+
+            dedup = NearDuplicates(spec.dedup.threshold, spec.dedup.num_perm)
         frontier = self.writer.resume()
         self.progress.num_resumed = self.writer.num_rows + self.writer.num_errors
         try:
