@@ -93,6 +93,9 @@ def test_a_two_stage_pipeline_keeps_every_row_in_order(url: str, classify_worker
     assert [(e["llmq_row"], e["stage"]) for e in errors] == [(4, "summary"), (7, "source")]
     assert "text" in errors[0]["error"]["message"] and "not JSON" in errors[1]["error"]["message"]
     assert "10 rows" in result.stderr and "2 errors" in result.stderr
+    # And the summary counts each stage: the label stage skipped the 4 rows with keep false
+    assert "summary: 10 rows, 1 failed, 0 skipped" in result.stderr
+    assert "label: 6 rows, 0 failed, 4 skipped" in result.stderr
     assert not (tmp_path / "out.parquet.partial.jsonl").exists()
 
     # And running it again does nothing
