@@ -221,6 +221,8 @@ def open_source(spec: SourceSpec) -> DatasetSource:
         source = _folder(spec.path, spec.split)
     elif os.path.isfile(spec.path):
         source = _file(spec.path)
+    elif spec.path.lower().endswith(EXTENSIONS):  # a file name, not a dataset id: say so
+        raise SpecError(f"{spec.path}: no such file")
     else:
         source = _hub_dataset(spec)
     if spec.max_rows is not None:

@@ -67,6 +67,11 @@ def test_a_bad_jsonl_line_is_a_bad_row_not_a_crash(tmp_path: Path) -> None:
     assert isinstance(rows[2], BadRow) and "line 3: not JSON" in rows[2].reason
 
 
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="nope.parquet: no such file"):
+        open_source(SourceSpec(str(tmp_path / "nope.parquet")))
+
+
 def test_an_unknown_dataset_id_offline_says_so(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets.config
