@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 PROMPT ?= Write one sentence about the sea.
 
 # What ruff checks; mypy's files are in pyproject.toml ([tool.mypy]).
-LINTED := protocol broker worker cli gateway tests bench llmq
+LINTED := protocol broker worker cli gateway jobs tests bench llmq
 # `make check`'s tests: no Redis, no browser, no processes; those marked `slow` (among them every
 # test that runs the real default model in torch: tests/conftest.py) are left to `make test`.
 CHECK_TESTS := tests/unit tests/engine tests/model

@@ -16,6 +16,10 @@ order, each as soon as every line before it has one, so a run stopped half way h
 prefix. Request ids are the caller's, so a rerun or an rq retry queues nothing twice (the
 broker's submit is idempotent).
 
+Follow-ups (the pipelines of llmq.jobs): `finished` may return a `Submit` instead of a record:
+the line goes on with that request (its next stage), queued ahead of new lines within the
+window, and its record comes when that one ends. A `Submit` may name its own queue.
+
 Stopping: when `sink.stop_requested()` turns true, no more is submitted, every unfinished
 request is cancelled, their answers are awaited for `cancel_grace` s, and the lines left get
 `sink.not_run` records. At `timeout` the run just stops: the requests keep running, and a rerun
@@ -49,6 +53,7 @@ class Submit:
 
     request_id: str
     body: Mapping[str, Any]
+    queue: str | None = None  # None: the client's queue
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,9 @@ class RunEnd(enum.Enum):
 class RunSink(Protocol[R]):
     """What an adapter supplies to an `OrderedRun`."""
 
-    def finished(self, index: int, transcript: Transcript) -> R:
-        """The record of line `index`, whose request ended (any order, as they end)."""
+    def finished(self, index: int, transcript: Transcript) -> R | Submit:
+        """The record of line `index`, whose request ended (any order, as they end); or a
+        follow-up request that line goes on with."""
 
     def not_run(self, index: int, *, submitted: bool) -> R:
         """The record of line `index` a stop left without a result (`submitted`: it was
@@ -103,6 +109,7 @@ class OrderedRun(Generic[R]):
         self._to_submit = [i for i, line in enumerate(lines) if isinstance(line, Submit)]
         self._submitted = 0  # of _to_submit
         self._index_of: dict[str, int] = {}  # request id -> line index
+        self._follow_ups: list[tuple[int, Submit]] = []  # (line index, request) to submit
 
     def run(self) -> RunEnd:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -115,7 +122,8 @@ class OrderedRun(Generic[R]):
                     return RunEnd.CANCELLED
                 self._submit_some(gatherer)
                 if self.written == len(self.lines) or (
-                        not gatherer and self._submitted == len(self._to_submit)):
+                        not gatherer and not self._follow_ups
+                        and self._submitted == len(self._to_submit)):
                     return RunEnd.COMPLETED
                 if deadline is not None and time.monotonic() > deadline:
                     self.unfinished = len(gatherer)
@@ -126,28 +134,46 @@ class OrderedRun(Generic[R]):
             gatherer.close()
 
     def _submit_some(self, gatherer: FollowerGroup) -> None:
-        """Submit while the window has room."""
-        while self._submitted < len(self._to_submit):
+        """Submit while the window has room: follow-ups first, so started lines finish first."""
+        while self._follow_ups or self._submitted < len(self._to_submit):
             room = (_SUBMIT_CHUNK if self.max_in_flight is None
                     else min(_SUBMIT_CHUNK, self.max_in_flight - len(gatherer)))
             if room <= 0:
                 return
-            chunk = self._to_submit[self._submitted:self._submitted + room]
-            bodies = []
-            for index in chunk:
-                line = self.lines[index]
-                assert isinstance(line, Submit)
-                bodies.append(line.body)
-            request_ids = self.client.submit_many(bodies)
-            gatherer.add(request_ids)
-            self._index_of.update(zip(request_ids, chunk, strict=True))
-            self._submitted += len(chunk)
+            if self._follow_ups:
+                chunk, self._follow_ups = self._follow_ups[:room], self._follow_ups[room:]
+            else:
+                indexes = self._to_submit[self._submitted:self._submitted + room]
+                self._submitted += len(indexes)
+                chunk = []
+                for index in indexes:
+                    line = self.lines[index]
+                    assert isinstance(line, Submit)
+                    chunk.append((index, line))
+            # NOTE: one round trip per run of requests to the same queue (a pipeline's stages
+            # may each have their own).
+            start = 0
+            while start < len(chunk):
+                queue = chunk[start][1].queue
+                end = start
+                while end < len(chunk) and chunk[end][1].queue == queue:
+                    end += 1
+                request_ids = self.client.submit_many([s.body for _, s in chunk[start:end]],
+                                                      queue=queue)
+                gatherer.add(request_ids)
+                self._index_of.update(zip(request_ids, [i for i, _ in chunk[start:end]],
+                                          strict=True))
+                start = end
             self.sink.tick(self._submitted)
 
     def _gather(self, gatherer: FollowerGroup) -> None:
         for transcript in gatherer.poll(block_ms=_POLL_MS):
             index = self._index_of[transcript.request_id]
-            self._ready[index] = self.sink.finished(index, transcript)
+            outcome = self.sink.finished(index, transcript)
+            if isinstance(outcome, Submit):
+                self._follow_ups.append((index, outcome))
+            else:
+                self._ready[index] = outcome
 
     def _flush(self) -> None:
         while self.written in self._ready:
@@ -163,6 +189,8 @@ class OrderedRun(Generic[R]):
         for request_id in gatherer.pending_ids():
             index = self._index_of[request_id]
             self._ready[index] = self.sink.not_run(index, submitted=True)
+        for index, _ in self._follow_ups:
+            self._ready[index] = self.sink.not_run(index, submitted=False)
         for index in self._to_submit[self._submitted:]:
             self._ready[index] = self.sink.not_run(index, submitted=False)
         self._flush()

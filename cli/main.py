@@ -20,6 +20,7 @@ from llmq.cli.bench import bench
 from llmq.cli.dlq import dlq
 from llmq.cli.generate import generate
 from llmq.cli.result import cancel, result
+from llmq.cli.run import run
 from llmq.cli.serve import serve
 from llmq.cli.status import status
 from llmq.cli.submit import submit
@@ -48,7 +49,7 @@ def cli(log_level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-for command in (up, down, submit, result, cancel, status, dlq, batch, batch_worker, bench,
+for command in (up, down, submit, run, result, cancel, status, dlq, batch, batch_worker, bench,
                 worker, generate, serve, admin, acl):
     cli.add_command(command)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYER_FOLDERS = ("protocol", "broker", "worker", "gateway", "cli")
+LAYER_FOLDERS = ("protocol", "broker", "worker", "gateway", "cli", "jobs")
 
 # module -> prefixes of modules it must not load at import time
 RULES = {
@@ -62,7 +62,8 @@ RULES = {
     "llmq.worker.engine.model.loader": ("redis", "llmq.broker"),
     "llmq.worker.engine.engine_core": ("redis",),
     "llmq.worker.worker": ("llmq.cli",),
-    "llmq.cli.main": ("torch", "llmq.worker.engine.model", "llmq.worker.engine.engine_core"),
+    "llmq.cli.main": ("torch", "llmq.worker.engine.model", "llmq.worker.engine.engine_core",
+                      "llmq.jobs", "pyarrow", "datasets"),
     **{f"llmq.gateway.{name}": ("torch", "llmq.worker", "llmq.cli")
        for name in ("app", "completions", "files", "batches", "batch_job", "batch_store",
                     "openai_batch", "openai_request", "openai_response", "api_keys",
@@ -77,6 +78,10 @@ LAYER_RULES = {
     "llmq.broker": ("torch", "llmq.worker", "llmq.cli", "llmq.gateway"),
     "llmq.gateway": ("torch", "llmq.worker", "llmq.cli"),
     "llmq.worker": ("llmq.cli", "llmq.gateway"),
+    # dataset jobs: over the producer side only; pyarrow and datasets only inside the functions
+    # of the formats that need them, so JSONL and CSV jobs run without them
+    "llmq.jobs": ("torch", "llmq.worker", "llmq.gateway", "llmq.cli", "pyarrow", "datasets",
+                  "yaml"),
 }
 # The engine: no redis, nothing of the broker (its wire contract is llmq.protocol), the gateway or
 # the CLI, and nothing of llmq.worker above llmq.worker.engine.

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "worker", "gateway", "cli")  # everything of llmq but broker/
+PACKAGES = ("protocol", "worker", "gateway", "cli", "jobs")  # everything of llmq but broker/
 
 # The worker's IO modules: each runs on a thread (or the busy loop) with its own connection from
 # `WorkerContext.connect`, and its Redis commands are the worker's side of the protocol

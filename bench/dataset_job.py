@@ -1,0 +1,218 @@
+"""The bars of issue 26 for `llmq run`: a Parquet dataset through a two-stage pipeline.
+
+    .venv/bin/python bench/dataset_job.py                       # 20,000 rows, default model
+    .venv/bin/python bench/dataset_job.py --rows 300 --tiny     # a quick look (test model)
+
+Starts `llmq up --workers 2` under a private run folder, writes a Parquet file of `--rows`
+synthetic articles, then in one run:
+
+1. the pipeline (summarise, then classify into a JSON schema) uninterrupted: wall time, rows
+   out, schema column valid, peak RSS of the CLI (its own rusage);
+2. the same pipeline under another name, the CLI SIGKILLed twice (at a quarter and at half of
+   the rows written) and rerun: rows out once each, how many equal run 1's in rows and ids (ids
+   compared without the job's name; usage without prefix-cache hits), and how many of its texts
+   are exactly the results the broker stored for their request ids. NOTE: two separate runs
+   agree only as far as greedy decoding does across batch compositions (bf16 on the default
+   model may flip a near-tie token; a flipped summary also changes the label's request id);
+   the stored-results check is the resume's own exactness;
+3. throughput: a one-stage dataset job against the same requests prepared as JSONL through
+   `llmq submit -f` (prompts tagged per run so neither finds the other's prompts cached).
+
+Prints one line per figure. The machine is shared: read the ratio, not the absolute rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LLMQ = [sys.executable, "-m", "llmq.cli.main"]
+LABELS = ["news", "sport", "science", "culture"]
+SCHEMA = {"type": "object", "properties": {"label": {"enum": LABELS}}, "required": ["label"],
+          "additionalProperties": False}
+WORDS = ("the council said a new plan for the river park would open next spring while the team "
+         "won again at home and scientists found a small star near the old galaxy and the "
+         "museum showed paintings of ships harbours markets storms and quiet villages").split()
+
+
+def write_dataset(path: Path, rows: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(26)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))) for _ in range(rows)]
+    pq.write_table(pa.table({"id": list(range(rows)), "text": texts}), path, row_group_size=4096)
+
+
+def pipeline_job(folder: Path, name: str, output: str, stages: int, tag: str = "") -> Path:
+    summary = {"name": "summary", "prompt": tag + "Summarise in one sentence: {{ text }}",
+               "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    label = {"name": "label", "max_tokens": 24, "temperature": 0, "schema": SCHEMA,
+             "messages": [{"role": "user", "content": "Classify this summary: {{ summary }}"}]}
+    job = {"name": name, "source": "in.parquet", "output": output,
+           "stages": [summary, label][:stages]}
+    if stages == 2:
+        # NOTE: a window of twice the pool's seats keeps both workers full, and leaves work for
+        # the kills to interrupt (with the default window the pool may finish a small run while
+        # the CLI is down, and the rerun only collects it).
+        job["max_in_flight"] = 256
+    path = folder / f"{name}.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS in MB of the CLI process, stderr) of one llmq command."""
+    start = time.monotonic()
+    proc = subprocess.Popen([*LLMQ, *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"llmq {' '.join(args)} failed ({proc.returncode}):\n{stderr}")
+    return time.monotonic() - start, usage.ru_maxrss // 1024, stderr
+
+
+def count_lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def comparable(row: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: (v.removeprefix(name) if k.endswith("_id") and v else
+                {**v, "cached_prompt_tokens": None} if k.endswith("_usage") and v else v)
+            for k, v in row.items()}
+
+
+def stored_results(rows: list[dict[str, Any]]) -> str:
+    """How many of the rows' stage texts are exactly what the broker holds for their ids: a
+    resumed job writes the pool's answers, never a second generation of them."""
+    from llmq.broker import Client
+
+    checked = same = 0
+    with Client() as client:
+        for row in rows:
+            for stage in ("summary", "label"):
+                if row.get(f"{stage}_id"):
+                    checked += 1
+                    same += client.result(row[f"{stage}_id"], timeout=30).text == row[stage]
+    return f"{same}/{checked}"
+
+
+def killed_twice(folder: Path, rows: int, env: dict[str, str]) -> tuple[list[int], float]:
+    """Run the pipeline, SIGKILL it at 1/4 and 1/2 of the rows, rerun; (rows seen at each kill,
+    wall time of the final run)."""
+    job = pipeline_job(folder, "killed", "killed.parquet", 2)
+    journal = folder / "killed.parquet.partial.jsonl"
+    seen = []
+    for fraction in (0.25, 0.5):
+        proc = subprocess.Popen([*LLMQ, "run", str(job)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while count_lines(journal) < rows * fraction and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        seen.append(count_lines(journal))
+    wall, _, _ = run_cli(["run", str(job)], env)
+    return seen, wall
+
+
+def throughput(folder: Path, env: dict[str, str]) -> tuple[float, float]:
+    """tokens/s of a one-stage dataset job and of the same requests through `submit -f`."""
+    dataset_job = pipeline_job(folder, "onestage", "onestage.jsonl", 1, tag="[A] ")
+    wall_dataset, _, _ = run_cli(["run", str(dataset_job)], env)
+    tokens_dataset = sum(json.loads(line)["summary_usage"]["completion_tokens"]
+                         for line in (folder / "onestage.jsonl").read_text().splitlines())
+    # The same requests, rendered as the dataset job renders them, prompts tagged [B]
+    import pyarrow.parquet as pq
+
+    with open(folder / "requests.jsonl", "w") as f:
+        for row in pq.read_table(folder / "in.parquet").to_pylist():
+            f.write(json.dumps({"id": f"fileB-{row['id']}", "stream": False, "max_tokens": 16,
+                                "temperature": 0, "ignore_eos": True,
+                                "prompt": f"[B] Summarise in one sentence: {row['text']}"})
+                    + "\n")
+    wall_file, _, _ = run_cli(["submit", "-f", str(folder / "requests.jsonl"), "-o",
+                               str(folder / "file.jsonl"), "--no-progress"], env)
+    tokens_file = sum(json.loads(line)["usage"]["completion_tokens"]
+                      for line in (folder / "file.jsonl").read_text().splitlines())
+    return tokens_dataset / wall_dataset, tokens_file / wall_file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="the tiny random test model")
+    parser.add_argument("--model", default="", help="a .gguf or HF folder (default model)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+
+    folder = Path(tempfile.mkdtemp(prefix="llmq-dataset-bench-"))
+    os.environ["LLMQ_RUN_DIR"] = str(folder / "run")  # this process's Client finds the pool
+    os.environ.pop("LLMQ_REDIS_URL", None)
+    env = dict(os.environ)
+    model = args.model
+    if args.tiny:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.fixtures.tiny_gguf import write_tiny_llama
+
+        model = str(folder / "tiny.gguf")
+        write_tiny_llama(model)
+    up = [*LLMQ, "up", "--workers", str(args.workers), "--detach", "--dtype", args.dtype]
+    subprocess.run(up + (["--model", model] if model else []), env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    try:
+        write_dataset(folder / "in.parquet", args.rows)
+        print(f"rows: {args.rows}, workers: {args.workers}, model: {model or 'default'} "
+              f"({args.dtype}), folder: {folder}")
+        job = pipeline_job(folder, "whole", "whole.parquet", 2)
+        wall, rss, stderr = run_cli(["run", str(job)], env)
+        whole = read_rows(folder / "whole.parquet")
+        errors = count_lines(folder / "whole.errors.jsonl")
+        valid = sum(1 for row in whole if isinstance(row.get("label_parsed"), dict)
+                    and row["label_parsed"].get("label") in LABELS)
+        print(f"pipeline uninterrupted: {wall:.1f} s, {len(whole)} rows out + {errors} errors, "
+              f"{len(set(r['llmq_row'] for r in whole))} distinct rows, "
+              f"{valid} schema-valid labels, CLI peak RSS {rss} MB")
+        print("  " + stderr.strip().splitlines()[-3 if len(stderr.strip().splitlines()) > 2
+                                                  else 0])
+        seen, wall_rerun = killed_twice(folder, args.rows, env)
+        killed = read_rows(folder / "killed.parquet")
+        num_same = sum(comparable(a, "killed.") == comparable(b, "whole.")
+                       for a, b in zip(killed, whole, strict=False))
+        rows_once = [r["llmq_row"] for r in killed] == list(range(args.rows))
+        print(f"killed at {seen[0]} and {seen[1]} rows written, rerun {wall_rerun:.1f} s: "
+              f"{len(killed)} rows, each once in order: {rows_once}, identical to the "
+              f"uninterrupted run's (rows and ids): {num_same}/{len(whole)}, "
+              f"texts equal to their requests' stored results: {stored_results(killed)}")
+        dataset_rate, file_rate = throughput(folder, env)
+        print(f"one stage: dataset job {dataset_rate:.0f} tok/s, submit -f {file_rate:.0f} "
+              f"tok/s, ratio {dataset_rate / file_rate:.3f}")
+    finally:
+        subprocess.run([*LLMQ, "down"], env=env, check=False, stdout=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    main()
