@@ -1,6 +1,7 @@
-"""ModelArchConfig: the shape of a Llama-family decoder, read from GGUF metadata or config.json.
+"""ModelArchConfig: the shape of a Llama-style decoder, read from GGUF metadata or config.json.
 
-References: Hugging Face `LlamaConfig` / `Qwen2Config` (field meanings), llama.cpp's
+References: Hugging Face `LlamaConfig` / `Qwen2Config` / `Qwen3Config` / `MistralConfig` (field
+meanings; transformers 5's `layer_types`), llama.cpp's
 `convert_hf_to_gguf.py` and gguf-py's `constants.Keys` (the `<arch>.*` metadata keys).
 Only what the model in `llama.py` can run is accepted; anything else fails here, at load,
 with a ValueError that names it.
@@ -14,15 +15,16 @@ from typing import Any
 
 import gguf
 
+from .families import GGUF_FAMILIES, family
+from .rope import RopeConfig, gguf_rope, hf_rope
+
 logger = logging.getLogger(__name__)
 
-# GGUF `general.architecture` / HF `model_type` -> whether Q and K carry a bias.
-SUPPORTED_ARCHITECTURES = {"llama": False, "qwen2": True}
-
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # a family of families.py
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,17 +32,18 @@ class ModelArchConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int  # the context length the model was trained for
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2-style bias on the Q, K and V projections
+    rope: RopeConfig = RopeConfig()  # of the full-attention layers
+    rope_local: RopeConfig | None = None  # of the sliding layers, when it differs (Gemma 3)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of Q and K, before RoPE
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model architecture {self.architecture!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        family(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -51,6 +54,16 @@ class ModelArchConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise ValueError(f"unsupported layer type(s) {sorted(unknown)} in layer_types")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but no sliding_window")
 
     @property
     def q_size(self) -> int:
@@ -60,14 +73,33 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer, None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def cache_window(self) -> int | None:
+        """The window every layer slides with, when all do: then a sequence's KV blocks that
+        fell out of it can be freed (a full-attention layer still needs them)."""
+        return self.sliding_window if set(self.layer_types) == {SLIDING} else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.layer_types[layer] == SLIDING and self.rope_local is not None:
+            return self.rope_local
+        return self.rope
+
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> ModelArchConfig:
         """Read `general.architecture` and the `<arch>.*` keys llama.cpp writes."""
         arch = _gguf_value(reader, "general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in GGUF_FAMILIES:
             raise ValueError(
-                f"unsupported GGUF architecture {arch!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_FAMILIES)}")
+        fam = family(GGUF_FAMILIES[arch])
 
         def key(name: str, default: Any = None) -> Any:
             value = _gguf_value(reader, f"{arch}.{name}", default)
@@ -76,7 +108,6 @@ class ModelArchConfig:
             return value
 
         tensor_names = {t.name for t in reader.tensors}
-        _reject_gguf_rope_scaling(reader, arch, tensor_names)
         hidden = int(key("embedding_length"))
         num_heads = int(key("attention.head_count"))
         # NOTE: the embedding's rows, not the token list: some files pad the embedding, and
@@ -88,53 +119,82 @@ class ModelArchConfig:
             raise ValueError(
                 f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) "
                 "is not supported")
+        prefix = f"{arch}.rope."
+        ropes = gguf_rope({name[len(prefix):]: field.contents() for name, field
+                           in reader.fields.items() if name.startswith(prefix)},
+                          _rope_freqs(reader), arch)
+        window = _gguf_value(reader, f"{arch}.attention.sliding_window")
+        num_layers = int(key("block_count"))
         return cls(
-            architecture=arch,
+            architecture=fam.name,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(key("attention.head_count_kv", num_heads)),
             head_dim=head_dim,
-            rope_theta=float(key("rope.freq_base", 10000.0)),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            rope=ropes[FULL],
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            sliding_window=int(window) if window else None,
+            layer_types=(SLIDING if window else FULL,) * num_layers,
         )
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
         """Read a Hugging Face config.json (already parsed)."""
-        arch = config.get("model_type")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model_type {arch!r} in config.json; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if config.get("use_sliding_window"):
-            raise ValueError("unsupported sliding-window attention (use_sliding_window: true)")
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise ValueError(f"unsupported rope_scaling {rope_scaling!r}")
+        fam = family(config.get("model_type"), "model_type", " in config.json")
+        _refuse_hf_features(config)
         hidden = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
+        num_layers = int(config["num_hidden_layers"])
+        window = config.get("sliding_window")
+        if "layer_types" in config and not fam.window_on_all_layers:
+            layer_types = tuple(config["layer_types"])
+        elif config.get("use_sliding_window"):  # transformers 4 Qwen2: from max_window_layers
+            first = int(config.get("max_window_layers", num_layers))
+            layer_types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+        else:
+            layer_types = (SLIDING if window and fam.window_on_all_layers else FULL,) * num_layers
+        if "use_sliding_window" in config and not config["use_sliding_window"]:
+            layer_types = (FULL,) * num_layers  # Qwen: the window is off whatever else is set
+        ropes = hf_rope(config, tuple(sorted(set(layer_types))))
         return cls(
-            architecture=arch,
+            architecture=fam.name,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(config.get("head_dim") or hidden // num_heads),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # NOTE: Qwen2 always has the QKV bias; Llama only when `attention_bias` says so.
-            attention_bias=bool(config.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+            # NOTE: Qwen2 always has the QKV bias; the others only when `attention_bias` says so.
+            attention_bias=bool(config.get("attention_bias", fam.qkv_bias)),
+            rope=ropes.get(FULL, ropes.get(SLIDING, RopeConfig())),
+            rope_local=ropes.get(SLIDING),
+            qk_norm=fam.qk_norm,
+            sliding_window=int(window) if window and SLIDING in layer_types else None,
+            layer_types=layer_types,
         )
+
+
+def _refuse_hf_features(config: dict[str, Any]) -> None:
+    """config.json switches that change the computation and the decoder does not have."""
+    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (the MLP is SwiGLU: silu)")
+    if config.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias: true (the MLP projections have no bias)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(name):
+            raise ValueError(f"unsupported {name} ({config[name]})")
 
 
 def _gguf_value(reader: gguf.GGUFReader, name: str, default: Any = None) -> Any:
@@ -149,11 +209,10 @@ def _embedding_rows(reader: gguf.GGUFReader) -> int:
     raise ValueError("GGUF file has no token_embd.weight")
 
 
-def _reject_gguf_rope_scaling(reader: gguf.GGUFReader, arch: str, tensor_names: set[str]) -> None:
-    # NOTE: Llama 3.1+ stores per-frequency factors in `rope_freqs.weight`; running such a
-    # model without them is silently wrong past the original context, so refuse it instead.
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("unsupported RoPE scaling: the GGUF holds rope_freqs.weight (Llama 3.1+)")
-    scaling = _gguf_value(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"unsupported RoPE scaling type {scaling!r}")
+def _rope_freqs(reader: gguf.GGUFReader) -> tuple[float, ...] | None:
+    """Llama 3.1+ GGUFs: `rope_freqs.weight`, one divisor per RoPE frequency."""
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            return tuple(float(f) for f in gguf.quants.dequantize(tensor.data,
+                                                                  tensor.tensor_type).ravel())
+    return None

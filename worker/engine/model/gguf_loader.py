@@ -6,7 +6,8 @@ transformers' `modeling_gguf_pytorch_utils.py` (the name map).
 
 Q and K rows are yielded in interleaved-RoPE order (pairs of adjacent rows rotate together),
 llama.cpp's order: the model rotates them with one complex multiply (llama.py `Rotary`).
-Llama GGUFs store them so already; Qwen2 GGUFs (and HF folders) are permuted into it.
+Llama GGUFs store them so already; other GGUFs (and HF folders) are permuted into it, and so
+are the per-head Q/K norm weights (Qwen3), which scale the same dimensions.
 
 Quantized tensors can be yielded as `QuantizedTensor` (their raw blocks) instead of float32, for
 `--weights native`: the model builds its quantized forms from the blocks and dequantizes the
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from .arch import ModelArchConfig
+from .families import GGUF_INTERLEAVED_QK
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Tensors the arch config reads (arch.py), not weights of the model.
+_ARCH_TENSORS = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -103,9 +109,12 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig,
     """Yield (HF name, tensor in F.linear layout) for every tensor of the file: float32, or
     with `keep_quantized` a `QuantizedTensor` for every block-quantized matrix."""
     check_tensor_types(reader)
-    # NOTE: only llama's converter permutes Q/K; qwen2 is written in half-split order.
-    half_split = arch.architecture != "llama"
+    # NOTE: only llama's converter permutes Q/K; the others are written in half-split order.
+    half_split = (reader.fields["general.architecture"].contents()
+                  not in GGUF_INTERLEAVED_QK)
     for tensor in reader.tensors:
+        if tensor.name in _ARCH_TENSORS:
+            continue
         name = hf_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF: innermost first
         quantized = tensor.tensor_type not in (Q.F32, Q.F16, Q.BF16)
@@ -118,6 +127,8 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig,
             data = permute_qk(data, arch.num_heads)
         elif half_split and ".k_proj." in name:
             data = permute_qk(data, arch.num_kv_heads)
+        elif half_split and name.endswith(("q_norm.weight", "k_norm.weight")):
+            data = permute_qk(data, 1)  # one head's [head_dim] weights
         if quantized:
             yield name, QuantizedTensor(tensor.tensor_type, np.ascontiguousarray(data), shape)
             continue

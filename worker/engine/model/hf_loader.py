@@ -47,4 +47,6 @@ def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                 if ".q_proj." in name or ".k_proj." in name:
                     heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads
                     tensor = permute_qk(tensor, heads)  # torch has reshape/swapaxes too
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    tensor = permute_qk(tensor, 1)  # one head's [head_dim] weights
                 yield name, tensor

@@ -1,0 +1,81 @@
+"""Every supported family against transformers, in float32, from the HF folder and the GGUF.
+
+Tiny random models (tests/fixtures/tiny_hf.py: built offline with transformers, converted by
+llama.cpp's own convert_hf_to_gguf.py) run through llmq's paged path (three prompts batched,
+decodes after one prefill step) and its contiguous oracle path. Logits must equal transformers'
+to float32 rounding at every prompt position and every generated step, and greedy 32-token
+continuations must be identical. The prompts run past Mistral's 24-token window.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures.models import greedy_contiguous, greedy_paged, one_torch_thread
+from tests.fixtures.tiny_hf import FAMILIES, VOCAB, convert_to_gguf, llama_cpp_dir, write_tiny_hf
+
+pytestmark = pytest.mark.model
+
+NEW_TOKENS = 32
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # logits are O(1-10): float32 rounding is ~1e-6
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """family -> (HF folder, GGUF file), all converted in one converter run."""
+    if llama_cpp_dir() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not here: set LLAMA_CPP_DIR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    root = tmp_path_factory.mktemp("families")
+    pairs = {family: (write_tiny_hf(family, root / family), root / f"{family}.gguf")
+             for family in FAMILIES}
+    convert_to_gguf(list(pairs.values()))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (40, 7, 19)]
+
+
+def hf_reference(folder: Path, prompt: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """transformers' logits at every prompt position, greedy continuation, and its logits."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        prefill = model(x).logits[0]  # [len(prompt), vocab]
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=0)
+    return prefill, out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_equals_transformers_in_float32(checkpoints, prompts, family: str, source: str
+                                               ) -> None:
+    from llmq.worker.engine.model.loader import load_model
+
+    one_torch_thread()
+    folder, gguf_file = checkpoints[family]
+    loaded = load_model(folder if source == "hf" else gguf_file, "float32")
+    model = loaded.model
+    paged, paged_logits = greedy_paged(model, prompts, NEW_TOKENS)
+    for i, prompt in enumerate(prompts):
+        ref_prefill, ref_tokens, ref_logits = hf_reference(folder, prompt)
+        cache = model.make_contiguous_cache(len(prompt))
+        ours_prefill = model.compute_logits(model.forward_contiguous(torch.tensor(prompt), 0,
+                                                                     cache))
+        torch.testing.assert_close(ours_prefill, ref_prefill, **TOLERANCE)
+        assert paged[i] == ref_tokens, f"prompt {i}: paged greedy differs"
+        torch.testing.assert_close(torch.stack([step[i] for step in paged_logits]), ref_logits,
+                                   **TOLERANCE)
+        contiguous, _ = greedy_contiguous(model, prompt, NEW_TOKENS)
+        assert contiguous == ref_tokens, f"prompt {i}: contiguous greedy differs"

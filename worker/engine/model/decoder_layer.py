@@ -1,0 +1,134 @@
+"""One decoder block of the Llama-style families: attention (Q/K/V fused, optional per-head
+Q/K norm, RoPE), SwiGLU MLP, the two RMSNorms, and where each weight of a checkpoint goes.
+
+References: Hugging Face `modeling_llama.py` / `modeling_qwen3.py` (the numerics the oracle
+tests hold us to: float32 RMSNorm, Qwen3's q_norm/k_norm over each head before RoPE), vLLM
+`models/llama.py` (fused QKV and gate/up projections, weights loaded in slices into them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import ModelArchConfig
+from .linear import Linear, _param
+from .rope import Rotary
+
+# A checkpoint tensor's destination: (parameter, its rows or None for all, the Linear that
+# owns it or None): load_weights in llama.py copies into it.
+Target = tuple[torch.Tensor, slice | None, Linear | None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    return weight * F.rms_norm(x32, (x.shape[-1],), None, eps).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    qkv_proj: Linear
+    o_proj: Linear
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, norm_dtype: torch.dtype
+                 ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.eps = arch.rms_norm_eps
+        # NOTE: Q, K and V in one matrix: one GEMM per layer instead of three.
+        self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, arch.hidden_size,
+                               arch.attention_bias, dtype)
+        self.o_proj = Linear(arch.hidden_size, self.q_size, False, dtype)
+        self.q_norm = _param(arch.head_dim, dtype=torch.float32) if arch.qk_norm else None
+        self.k_norm = _param(arch.head_dim, dtype=torch.float32) if arch.qk_norm else None
+
+    def norm_qk_(self, qkv32: torch.Tensor) -> None:
+        """Qwen3: RMSNorm over each head of Q and of K, in place in the fused float32 output
+        [num_tokens, q_size + 2 * kv_size] (before RoPE)."""
+        if self.q_norm is None or self.k_norm is None:
+            return
+        n = qkv32.shape[0]
+        q = qkv32[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv32[:, self.q_size:self.q_size + self.kv_size].view(
+            n, self.num_kv_heads, self.head_dim)
+        q.copy_(rms_norm(q, self.q_norm, self.eps))
+        k.copy_(rms_norm(k, self.k_norm, self.eps))
+
+    def qkv(self, x: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [num_tokens, hidden] -> q [num_tokens, num_heads, hd] and kv [num_tokens,
+        2 * num_kv_heads, hd] (K heads, then V heads), both views of one fresh tensor."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        # RoPE as a complex multiply needs float32; on the bfloat16 path it is rounded back.
+        qkv32 = qkv.float()
+        self.norm_qk_(qkv32)
+        # Q and K sit side by side in the fused output: one multiply rotates both, in place.
+        Rotary.apply_(qkv32[:, :self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), freqs)
+        qkv = qkv32.to(dtype)
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        kv = qkv[:, self.q_size:].view(num_tokens, 2 * self.num_kv_heads, self.head_dim)
+        return q, kv
+
+
+class LlamaMLP(nn.Module):
+    gate_up_proj: Linear
+    down_proj: Linear
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = Linear(2 * arch.intermediate_size, arch.hidden_size, False, dtype)
+        self.down_proj = Linear(arch.hidden_size, arch.intermediate_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # [num_tokens, hidden_size]
+
+
+class LlamaDecoderLayer(nn.Module):
+    input_layernorm: nn.Parameter
+    self_attn: LlamaAttention
+    post_attention_layernorm: nn.Parameter
+    mlp: LlamaMLP
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, norm_dtype: torch.dtype
+                 ) -> None:
+        super().__init__()
+        self.input_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
+        self.self_attn = LlamaAttention(arch, dtype, norm_dtype)
+        self.post_attention_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
+        self.mlp = LlamaMLP(arch, dtype)
+
+    def weight_targets(self, prefix: str) -> dict[str, Target]:
+        """HF checkpoint names under `prefix` (`model.layers.3.`) -> where each goes."""
+        attn, mlp = self.self_attn, self.mlp
+        q, kv, ffn = attn.q_size, attn.kv_size, mlp.intermediate_size
+        targets: dict[str, Target] = {
+            "input_layernorm.weight": (self.input_layernorm, None, None),
+            "post_attention_layernorm.weight": (self.post_attention_layernorm, None, None),
+            "self_attn.o_proj.weight": (attn.o_proj.weight, None, attn.o_proj),
+            "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, slice(0, ffn), mlp.gate_up_proj),
+            "mlp.up_proj.weight": (mlp.gate_up_proj.weight, slice(ffn, 2 * ffn),
+                                   mlp.gate_up_proj),
+            "mlp.down_proj.weight": (mlp.down_proj.weight, None, mlp.down_proj),
+        }
+        qkv_parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv),
+                     "v_proj": slice(q + kv, q + 2 * kv)}
+        for proj, part in qkv_parts.items():
+            targets[f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, part, attn.qkv_proj)
+            if attn.qkv_proj.bias is not None:
+                targets[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, part, None)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            targets["self_attn.q_norm.weight"] = (attn.q_norm, None, None)
+            targets["self_attn.k_norm.weight"] = (attn.k_norm, None, None)
+        return {prefix + name: target for name, target in targets.items()}
