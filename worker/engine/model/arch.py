@@ -15,7 +15,7 @@ from typing import Any
 
 import gguf
 
-from .families import GGUF_FAMILIES, family
+from .families import GGUF_FAMILIES, Family, family
 from .rope import RopeConfig, gguf_rope, hf_rope
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,9 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of Q and K, before RoPE
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
 
     def __post_init__(self) -> None:
         family(self.architecture)
@@ -72,6 +75,10 @@ class ModelArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def family(self) -> Family:
+        return family(self.architecture)
 
     @property
     def rope_theta(self) -> float:
@@ -125,6 +132,11 @@ class ModelArchConfig:
                           _rope_freqs(reader), arch)
         window = _gguf_value(reader, f"{arch}.attention.sliding_window")
         num_layers = int(key("block_count"))
+        attn_softcap = _gguf_value(reader, f"{arch}.attn_logit_softcapping")
+        final_softcap = _gguf_value(reader, f"{arch}.final_logit_softcapping")
+        # NOTE: llama.cpp scales Gemma's scores by head_dim ** -0.5 (its query_pre_attn_scalar
+        # for every size but Gemma 2/3 27B, whose GGUFs it special-cases by size).
+        scale = _gguf_value(reader, f"{arch}.attention.scale")
         return cls(
             architecture=fam.name,
             vocab_size=int(vocab),
@@ -140,15 +152,19 @@ class ModelArchConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             rope=ropes[FULL],
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            rope_local=ropes[SLIDING] if fam.swa_pattern else None,
             sliding_window=int(window) if window else None,
-            layer_types=(SLIDING if window else FULL,) * num_layers,
+            layer_types=fam.layer_types(num_layers, window),
+            attn_scale=float(scale) if scale else None,
+            attn_softcap=float(attn_softcap) if attn_softcap else None,
+            final_softcap=float(final_softcap) if final_softcap else None,
         )
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
         """Read a Hugging Face config.json (already parsed)."""
         fam = family(config.get("model_type"), "model_type", " in config.json")
-        _refuse_hf_features(config)
+        _refuse_hf_features(config, fam)
         hidden = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
         num_layers = int(config["num_hidden_layers"])
@@ -158,8 +174,11 @@ class ModelArchConfig:
         elif config.get("use_sliding_window"):  # transformers 4 Qwen2: from max_window_layers
             first = int(config.get("max_window_layers", num_layers))
             layer_types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+        elif fam.window_on_all_layers or fam.swa_pattern:  # transformers 4 Mistral, Gemma
+            layer_types = fam.layer_types(num_layers, window,
+                                          config.get("sliding_window_pattern"))
         else:
-            layer_types = (SLIDING if window and fam.window_on_all_layers else FULL,) * num_layers
+            layer_types = (FULL,) * num_layers
         if "use_sliding_window" in config and not config["use_sliding_window"]:
             layer_types = (FULL,) * num_layers  # Qwen: the window is off whatever else is set
         ropes = hf_rope(config, tuple(sorted(set(layer_types))))
@@ -182,19 +201,33 @@ class ModelArchConfig:
             qk_norm=fam.qk_norm,
             sliding_window=int(window) if window and SLIDING in layer_types else None,
             layer_types=layer_types,
+            attn_scale=(float(config["query_pre_attn_scalar"]) ** -0.5
+                        if config.get("query_pre_attn_scalar") else None),
+            attn_softcap=_positive(config.get("attn_logit_softcapping")),
+            final_softcap=_positive(config.get("final_logit_softcapping")),
         )
 
 
-def _refuse_hf_features(config: dict[str, Any]) -> None:
+# activation names in config.json -> the MLP a family runs
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _refuse_hf_features(config: dict[str, Any], fam: Family) -> None:
     """config.json switches that change the computation and the decoder does not have."""
-    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} (the MLP is SwiGLU: silu)")
+    for key in ("hidden_activation", "hidden_act"):
+        if key in config and _ACTIVATIONS.get(config[key]) != fam.mlp_act:
+            raise ValueError(f"unsupported {key} {config[key]!r} for {fam.name} "
+                             f"(its MLP runs {fam.mlp_act})")
+        if key in config:
+            break  # Gemma: hidden_activation wins over a stale hidden_act
     if config.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias: true (the MLP projections have no bias)")
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(name):
-            raise ValueError(f"unsupported {name} ({config[name]})")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention: true (decoders are causal)")
+
+
+def _positive(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 def _gguf_value(reader: gguf.GGUFReader, name: str, default: Any = None) -> Any:

@@ -85,6 +85,7 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
+        self.gelu = arch.family.mlp_act == "gelu_tanh"  # Gemma's GeGLU
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = Linear(2 * arch.intermediate_size, arch.hidden_size, False, dtype)
         self.down_proj = Linear(arch.hidden_size, arch.intermediate_size, False, dtype)
@@ -92,22 +93,43 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # [num_tokens, hidden_size]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act.mul_(up))  # [num_tokens, hidden_size]
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`post_attention_layernorm` is the norm before the MLP (Llama's name); with Gemma 2/3's
+    sandwich norms, `attn_out_norm` and `mlp_out_norm` normalise the attention and MLP
+    outputs before they join the residual stream."""
+
     input_layernorm: nn.Parameter
     self_attn: LlamaAttention
     post_attention_layernorm: nn.Parameter
     mlp: LlamaMLP
+    attn_out_norm: nn.Parameter | None
+    mlp_out_norm: nn.Parameter | None
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, norm_dtype: torch.dtype
                  ) -> None:
         super().__init__()
+        self.eps = arch.rms_norm_eps
         self.input_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
         self.self_attn = LlamaAttention(arch, dtype, norm_dtype)
         self.post_attention_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
         self.mlp = LlamaMLP(arch, dtype)
+        sandwich = arch.family.sandwich_norms
+        self.attn_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
+        self.mlp_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
+
+    def attn_residual(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection, as it joins the residual stream."""
+        y = self.self_attn.o_proj(o)
+        return y if self.attn_out_norm is None else rms_norm(y, self.attn_out_norm, self.eps)
+
+    def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normed stream x, as it joins the residual stream."""
+        y = self.mlp(x)
+        return y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, self.eps)
 
     def weight_targets(self, prefix: str) -> dict[str, Target]:
         """HF checkpoint names under `prefix` (`model.layers.3.`) -> where each goes."""
@@ -128,6 +150,11 @@ class LlamaDecoderLayer(nn.Module):
             targets[f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, part, attn.qkv_proj)
             if attn.qkv_proj.bias is not None:
                 targets[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, part, None)
+        if self.attn_out_norm is not None and self.mlp_out_norm is not None:  # Gemma's names
+            targets["pre_feedforward_layernorm.weight"] = targets.pop(
+                "post_attention_layernorm.weight")
+            targets["post_attention_layernorm.weight"] = (self.attn_out_norm, None, None)
+            targets["post_feedforward_layernorm.weight"] = (self.mlp_out_norm, None, None)
         if attn.q_norm is not None and attn.k_norm is not None:
             targets["self_attn.q_norm.weight"] = (attn.q_norm, None, None)
             targets["self_attn.k_norm.weight"] = (attn.k_norm, None, None)

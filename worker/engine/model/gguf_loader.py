@@ -56,20 +56,28 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",  # Gemma 2/3: on the attention output
+    "post_ffw_norm": "post_feedforward_layernorm",  # Gemma 2/3: on the MLP output
 }
+# NOTE: `ffn_norm` is the norm before the MLP in every family: Llama's checkpoints call it
+# post_attention_layernorm, Gemma 2/3's pre_feedforward_layernorm (their
+# post_attention_layernorm is the norm on the attention output).
+_SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 # Tensors the arch config reads (arch.py), not weights of the model.
 _ARCH_TENSORS = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_name(gguf_name: str, sandwich_norms: bool = False) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (in the names of
+    a Gemma 2/3 checkpoint with `sandwich_norms`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _SANDWICH_NAMES if sandwich_norms else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def permute_qk(rows: Any, num_heads: int) -> Any:
@@ -115,7 +123,7 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig,
     for tensor in reader.tensors:
         if tensor.name in _ARCH_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.family.sandwich_norms)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF: innermost first
         quantized = tensor.tensor_type not in (Q.F32, Q.F16, Q.BF16)
         if keep_quantized and quantized and len(shape) == 2:

@@ -35,6 +35,7 @@ def read_hf_arch(path: str | Path) -> ModelArchConfig:
 def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every *.safetensors file of the folder, in file order."""
+    norm_offset = arch.family.norm_offset
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
@@ -49,4 +50,6 @@ def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                     tensor = permute_qk(tensor, heads)  # torch has reshape/swapaxes too
                 elif name.endswith(("q_norm.weight", "k_norm.weight")):
                     tensor = permute_qk(tensor, 1)  # one head's [head_dim] weights
+                if norm_offset and name.endswith("norm.weight"):
+                    tensor = tensor.float() + 1  # Gemma scales by 1 + w, as GGUF stores it
                 yield name, tensor

@@ -101,12 +101,20 @@ class LlamaForCausalLM(nn.Module):
         attentions: dict[int | None, PagedAttention] = {}
         self._layer_attention = [attentions.setdefault(arch.layer_window(i), PagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, self.kernels,
-            arch.layer_window(i))) for i in range(arch.num_layers)]
+            arch.layer_window(i), arch.attn_scale, arch.attn_softcap))
+            for i in range(arch.num_layers)]
         self.paged_attention = self._layer_attention[0]
         # NOTE: the one-call decode kernel runs plain Llama blocks only: one RoPE table, full
         # attention, no Q/K norm. Any other model decodes op by op (still fused kernels).
         self._one_call_able = (len(rotaries) == 1 and not arch.qk_norm
                                and set(arch.layer_types) == {"full_attention"})
+        # NOTE: the fused per-op path has SwiGLU, plain residual adds and unscaled embeddings
+        # only: Gemma runs every step as torch ops (the decode kernel still serves its
+        # full-attention layers without soft-capping).
+        fam = arch.family
+        self._fused_able = (fam.mlp_act == "silu" and not fam.sandwich_norms
+                            and not fam.scaled_embedding)
+        self._one_call_able = self._one_call_able and self._fused_able
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -115,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [num_tokens] (all sequences of the step, flattened in metadata order) ->
         final-normed hidden states [num_tokens, hidden_size]. Writes the step's K/V."""
-        if self.kernels is not None:
+        if self.kernels is not None and self._fused_able:
             return self._run_fused(input_ids, attn_metadata, kv_caches)
         return self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
 
@@ -136,16 +144,21 @@ class LlamaForCausalLM(nn.Module):
         freqs = {id(r): r.freqs(positions) for r in self._layer_rotary}
         # NOTE: a fresh tensor (embedding output), so the residual adds below go in place.
         h = self.embed(input_ids).to(act_dtype)  # [num_tokens, hidden]
+        if self.arch.family.scaled_embedding:
+            # NOTE: as Gemma does it: the scale rounded to the activations' dtype first
+            h.mul_(torch.tensor(self.arch.hidden_size ** 0.5, dtype=act_dtype))
         for i, (layer, kv_cache) in enumerate(zip(self._layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_layernorm, eps)  # [num_tokens, hidden_size]
             q, kv = layer.self_attn.qkv(x, freqs[id(self._layer_rotary[i])], act_dtype)
+            paged = self._layer_attention[i]
             if isinstance(attn, AttentionMetadata):
-                o = self._layer_attention[i](q, kv, kv_cache, attn)  # [num_tokens, q_size]
+                o = paged(q, kv, kv_cache, attn)  # [num_tokens, q_size]
             else:  # [num_tokens, q_size]
-                o = contiguous_attention(q, kv, kv_cache, attn, self.arch.layer_window(i))
-            h.add_(layer.self_attn.o_proj(o))  # [num_tokens, hidden_size]
+                o = contiguous_attention(q, kv, kv_cache, attn, paged.window, paged.scale,
+                                         paged.softcap)
+            h.add_(layer.attn_residual(o))  # [num_tokens, hidden_size]
             x = rms_norm(h, layer.post_attention_layernorm, eps)
-            h.add_(layer.mlp(x))  # [num_tokens, hidden_size]
+            h.add_(layer.mlp_residual(x))  # [num_tokens, hidden_size]
         return rms_norm(h, self.norm, eps)
 
     def _run_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -220,7 +233,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (only the rows being sampled) -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_softcap
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ---- caches ---------------------------------------------------------------------------
 
