@@ -44,6 +44,9 @@ class ModelArchConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     attn_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: the same on the logits
+    embedding_multiplier: float | None = None  # granite: embeddings times this
+    residual_multiplier: float | None = None  # granite: attention/MLP outputs times this
+    logits_scaling: float | None = None  # granite: logits divided by this
 
     def __post_init__(self) -> None:
         family(self.architecture)
@@ -137,6 +140,8 @@ class ModelArchConfig:
         # NOTE: llama.cpp scales Gemma's scores by head_dim ** -0.5 (its query_pre_attn_scalar
         # for every size but Gemma 2/3 27B, whose GGUFs it special-cases by size).
         scale = _gguf_value(reader, f"{arch}.attention.scale")
+        granite = {name: _gguf_value(reader, f"{arch}.{name}")
+                   for name in ("embedding_scale", "residual_scale", "logit_scale")}
         return cls(
             architecture=fam.name,
             vocab_size=int(vocab),
@@ -158,6 +163,9 @@ class ModelArchConfig:
             attn_scale=float(scale) if scale else None,
             attn_softcap=float(attn_softcap) if attn_softcap else None,
             final_softcap=float(final_softcap) if final_softcap else None,
+            embedding_multiplier=_positive(granite["embedding_scale"]),
+            residual_multiplier=_positive(granite["residual_scale"]),
+            logits_scaling=_positive(granite["logit_scale"]),
         )
 
     @classmethod
@@ -202,9 +210,13 @@ class ModelArchConfig:
             sliding_window=int(window) if window and SLIDING in layer_types else None,
             layer_types=layer_types,
             attn_scale=(float(config["query_pre_attn_scalar"]) ** -0.5
-                        if config.get("query_pre_attn_scalar") else None),
+                        if config.get("query_pre_attn_scalar")
+                        else _positive(config.get("attention_multiplier"))),
             attn_softcap=_positive(config.get("attn_logit_softcapping")),
             final_softcap=_positive(config.get("final_logit_softcapping")),
+            embedding_multiplier=_positive(config.get("embedding_multiplier")),
+            residual_multiplier=_positive(config.get("residual_multiplier")),
+            logits_scaling=_positive(config.get("logits_scaling")),
         )
 
 

@@ -117,6 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, dtype, norm_dtype)
         self.post_attention_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
         self.mlp = LlamaMLP(arch, dtype)
+        self.residual_multiplier = arch.residual_multiplier  # granite
         sandwich = arch.family.sandwich_norms
         self.attn_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
         self.mlp_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
@@ -124,12 +125,20 @@ class LlamaDecoderLayer(nn.Module):
     def attn_residual(self, o: torch.Tensor) -> torch.Tensor:
         """The attention's output projection, as it joins the residual stream."""
         y = self.self_attn.o_proj(o)
-        return y if self.attn_out_norm is None else rms_norm(y, self.attn_out_norm, self.eps)
+        if self.attn_out_norm is not None:
+            y = rms_norm(y, self.attn_out_norm, self.eps)
+        return self.scale_residual(y)
 
     def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP of the normed stream x, as it joins the residual stream."""
         y = self.mlp(x)
-        return y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, self.eps)
+        if self.mlp_out_norm is not None:
+            y = rms_norm(y, self.mlp_out_norm, self.eps)
+        return self.scale_residual(y)
+
+    def scale_residual(self, y: torch.Tensor) -> torch.Tensor:
+        """granite: a block's outputs join the residual stream scaled (in place)."""
+        return y if self.residual_multiplier is None else y.mul_(self.residual_multiplier)
 
     def weight_targets(self, prefix: str) -> dict[str, Target]:
         """HF checkpoint names under `prefix` (`model.layers.3.`) -> where each goes."""

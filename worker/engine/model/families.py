@@ -48,6 +48,8 @@ FAMILIES = {
     "mistral": Family("mistral", qkv_bias=False, qk_norm=False, window_on_all_layers=True),
     "ministral": Family("ministral", qkv_bias=False, qk_norm=False),
     "qwen2": Family("qwen2", qkv_bias=True, qk_norm=False),
+    # granite: Llama's block with four scalar multipliers (arch.py reads them)
+    "granite": Family("granite", qkv_bias=False, qk_norm=False),
     "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
     "gemma2": Family("gemma2", qkv_bias=False, qk_norm=False, mlp_act="gelu_tanh",
                      norm_offset=True, sandwich_norms=True, scaled_embedding=True,
@@ -61,9 +63,9 @@ HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 # GGUF `general.architecture` -> family. llama.cpp writes Mistral and Ministral as `llama`.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3"}
+                 "gemma3": "gemma3", "granite": "granite"}
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted into interleaved order.
-GGUF_INTERLEAVED_QK = frozenset({"llama"})
+GGUF_INTERLEAVED_QK = frozenset({"llama", "granite"})
 
 
 def family(name: object, label: str = "model architecture", where: str = "") -> Family:

@@ -114,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
         fam = arch.family
         self._fused_able = (fam.mlp_act == "silu" and not fam.sandwich_norms
                             and not fam.scaled_embedding)
-        self._one_call_able = self._one_call_able and self._fused_able
+        self._one_call_able = (self._one_call_able and self._fused_able
+                               and arch.embedding_multiplier is None  # granite
+                               and arch.residual_multiplier is None)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -144,9 +146,6 @@ class LlamaForCausalLM(nn.Module):
         freqs = {id(r): r.freqs(positions) for r in self._layer_rotary}
         # NOTE: a fresh tensor (embedding output), so the residual adds below go in place.
         h = self.embed(input_ids).to(act_dtype)  # [num_tokens, hidden]
-        if self.arch.family.scaled_embedding:
-            # NOTE: as Gemma does it: the scale rounded to the activations' dtype first
-            h.mul_(torch.tensor(self.arch.hidden_size ** 0.5, dtype=act_dtype))
         for i, (layer, kv_cache) in enumerate(zip(self._layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_layernorm, eps)  # [num_tokens, hidden_size]
             q, kv = layer.self_attn.qkv(x, freqs[id(self._layer_rotary[i])], act_dtype)
@@ -176,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = tables[id(self.rotary)]  # [positions, head_dim / 2]
         with_kv = bool(meta.prefills)  # only prefills read this step's K/V outside the cache
         layers = self._layers
-        h = self.embed(input_ids).float()  # [n, hidden] residual stream
+        h = self.embed(input_ids)  # [n, hidden] residual stream (float32 here)
         if self._one_call and meta.num_decodes == meta.num_seqs and n <= QUANT_MAX_ROWS:
             # NOTE: a few decodes: the whole step in one kernel call. The ~9 calls a layer
             # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step.
@@ -199,14 +198,15 @@ class LlamaForCausalLM(nn.Module):
                                        cos, sin, meta.slot_mapping, kv_cache, with_kv)
             o = self._layer_attention[i].attend(  # [n, q_size]
                 q, kv, kv_cache, meta, q.new_empty(q.shape, dtype=attn.o_proj.input_dtype(n)))
-            x = kernels.add_rms_norm(h, attn.o_proj(o), layer.post_attention_layernorm, eps,
-                                     mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
+            x = kernels.add_rms_norm(h, layer.attn_residual(o), layer.post_attention_layernorm,
+                                     eps, mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
             act = kernels.silu_mul(mlp.gate_up_proj(x), mlp.down_proj.input_dtype(n))
+            down = layer.scale_residual(mlp.down_proj(act))
             if i + 1 < len(layers):
                 norm, dtype = layers[i + 1].input_layernorm, layers[i + 1].self_attn.qkv_proj
-                x = kernels.add_rms_norm(h, mlp.down_proj(act), norm, eps, dtype.input_dtype(n))
+                x = kernels.add_rms_norm(h, down, norm, eps, dtype.input_dtype(n))
             else:
-                x = kernels.add_rms_norm(h, mlp.down_proj(act), self.norm, eps, torch.float32)
+                x = kernels.add_rms_norm(h, down, self.norm, eps, torch.float32)
         return x
 
     def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
@@ -225,15 +225,25 @@ class LlamaForCausalLM(nn.Module):
         return self._one_call_layers[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [n] -> a fresh [n, hidden_size] tensor (the residual adds go in place)."""
+        """input_ids [n] -> a fresh [n, hidden_size] tensor in the activations' dtype (the
+        residual adds go in place), scaled where the family scales it."""
         if self.embed_quant is not None:
-            return self.embed_quant(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+            h = self.embed_quant(input_ids).to(self.act_dtype)
+        else:
+            h = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+        if self.arch.family.scaled_embedding:
+            # NOTE: as Gemma does it: the scale rounded to the activations' dtype first
+            h.mul_(torch.tensor(self.arch.hidden_size ** 0.5, dtype=self.act_dtype))
+        if self.arch.embedding_multiplier is not None:  # granite
+            h.mul_(self.arch.embedding_multiplier)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (only the rows being sampled) -> float32 logits [n, vocab]."""
         logits = self.lm_head(hidden).float()
+        if self.arch.logits_scaling is not None:  # granite
+            logits.div_(self.arch.logits_scaling)
         cap = self.arch.final_softcap
         if cap is not None:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap
