@@ -124,15 +124,10 @@ class ModelArchConfig:
         # the model's logits are as wide as its head.
         vocab = _embedding_rows(reader)
         head_dim = int(_gguf_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
-        rope_dim = _gguf_value(reader, f"{arch}.rope.dimension_count", head_dim)
-        if rope_dim != head_dim:
-            raise ValueError(
-                f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) "
-                "is not supported")
         prefix = f"{arch}.rope."
         ropes = gguf_rope({name[len(prefix):]: field.contents() for name, field
                            in reader.fields.items() if name.startswith(prefix)},
-                          _rope_freqs(reader), arch)
+                          _rope_tensors(reader), arch, head_dim)
         window = _gguf_value(reader, f"{arch}.attention.sliding_window")
         num_layers = int(key("block_count"))
         attn_softcap = _gguf_value(reader, f"{arch}.attn_logit_softcapping")
@@ -254,10 +249,13 @@ def _embedding_rows(reader: gguf.GGUFReader) -> int:
     raise ValueError("GGUF file has no token_embd.weight")
 
 
-def _rope_freqs(reader: gguf.GGUFReader) -> tuple[float, ...] | None:
-    """Llama 3.1+ GGUFs: `rope_freqs.weight`, one divisor per RoPE frequency."""
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            return tuple(float(f) for f in gguf.quants.dequantize(tensor.data,
-                                                                  tensor.tensor_type).ravel())
-    return None
+ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
+
+def _rope_tensors(reader: gguf.GGUFReader) -> dict[str, tuple[float, ...]]:
+    """Per-frequency RoPE divisors: Llama 3.1+'s `rope_freqs.weight`, Phi-3.5's longrope
+    `rope_factors_long/short.weight`; by name without `.weight`."""
+    return {tensor.name.removesuffix(".weight"): tuple(
+                float(f) for f in gguf.quants.dequantize(tensor.data, tensor.tensor_type).ravel())
+            for tensor in reader.tensors
+            if tensor.name.removesuffix(".weight") in ROPE_TENSORS}

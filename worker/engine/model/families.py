@@ -48,6 +48,9 @@ FAMILIES = {
     "mistral": Family("mistral", qkv_bias=False, qk_norm=False, window_on_all_layers=True),
     "ministral": Family("ministral", qkv_bias=False, qk_norm=False),
     "qwen2": Family("qwen2", qkv_bias=True, qk_norm=False),
+    # Phi-3/3.5/4-mini: fused qkv_proj and gate_up_proj (split at load), longrope and
+    # partial RoPE (rope.py), a sliding window on every layer where the config sets one
+    "phi3": Family("phi3", qkv_bias=False, qk_norm=False, window_on_all_layers=True),
     # granite: Llama's block with four scalar multipliers (arch.py reads them)
     "granite": Family("granite", qkv_bias=False, qk_norm=False),
     "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
@@ -63,7 +66,7 @@ HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 # GGUF `general.architecture` -> family. llama.cpp writes Mistral and Ministral as `llama`.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3", "granite": "granite"}
+                 "gemma3": "gemma3", "granite": "granite", "phi3": "phi3"}
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted into interleaved order.
 GGUF_INTERLEAVED_QK = frozenset({"llama", "granite"})
 

@@ -54,6 +54,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",  # Gemma 2/3: on the attention output
@@ -64,7 +65,8 @@ _LAYER_NAMES = {
 # post_attention_layernorm is the norm on the attention output).
 _SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 # Tensors the arch config reads (arch.py), not weights of the model.
-_ARCH_TENSORS = frozenset({"rope_freqs.weight"})
+_ARCH_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
+                           "rope_factors_short.weight"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -80,12 +82,46 @@ def hf_name(gguf_name: str, sandwich_norms: bool = False) -> str:
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
-def permute_qk(rows: Any, num_heads: int) -> Any:
+def permute_qk(rows: Any, num_heads: int, rotary_dim: int | None = None) -> Any:
     """llama.cpp's `permute`: per head, HF half-split rows (half, pair index) -> interleaved
-    (pair index, half). Works on any trailing shape (float rows or raw quantized blocks)."""
-    head_dim_half = rows.shape[0] // num_heads // 2
-    return (rows.reshape(num_heads, 2, head_dim_half, *rows.shape[1:])
-            .swapaxes(1, 2).reshape(rows.shape))
+    (pair index, half), over the first `rotary_dim` rows of each head (all by default; the
+    rest, not rotated, keep their order). Works on numpy arrays and torch tensors of any
+    trailing shape (float rows or raw quantized blocks)."""
+    head_dim = rows.shape[0] // num_heads
+    rotary_dim = rotary_dim or head_dim
+    half = rotary_dim // 2
+    one_head = [half * (i % 2) + i // 2 for i in range(rotary_dim)] + list(
+        range(rotary_dim, head_dim))
+    order = np.array([h * head_dim + i for h in range(num_heads) for i in one_head])
+    return rows[torch.from_numpy(order) if isinstance(rows, torch.Tensor) else order]
+
+
+def split_fused(name: str, rows: Any, arch: ModelArchConfig) -> list[tuple[str, Any]]:
+    """Phi-3's fused checkpoint tensors (`qkv_proj`, `gate_up_proj`) -> their parts by rows,
+    in the names the model loads; any other tensor unchanged."""
+    if ".self_attn.qkv_proj." in name:
+        q, kv = arch.q_size, arch.kv_size
+        return [(name.replace("qkv_proj", "q_proj"), rows[:q]),
+                (name.replace("qkv_proj", "k_proj"), rows[q:q + kv]),
+                (name.replace("qkv_proj", "v_proj"), rows[q + kv:q + 2 * kv])]
+    if ".mlp.gate_up_proj." in name:
+        ffn = arch.intermediate_size
+        return [(name.replace("gate_up_proj", "gate_proj"), rows[:ffn]),
+                (name.replace("gate_up_proj", "up_proj"), rows[ffn:])]
+    return [(name, rows)]
+
+
+def to_interleaved(name: str, rows: Any, arch: ModelArchConfig) -> Any:
+    """Q/K rows (and Q/K norm weights, which scale the same dimensions) of a half-split
+    checkpoint in the interleaved-RoPE order the model uses; other tensors unchanged."""
+    rotary_dim = arch.rope.rotary_dim(arch.head_dim)
+    if ".q_proj." in name:
+        return permute_qk(rows, arch.num_heads, rotary_dim)
+    if ".k_proj." in name:
+        return permute_qk(rows, arch.num_kv_heads, rotary_dim)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return permute_qk(rows, 1, rotary_dim)  # one head's [head_dim] weights
+    return rows
 
 
 @dataclass
@@ -131,16 +167,15 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig,
         else:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             quantized = False
-        if half_split and ".q_proj." in name:
-            data = permute_qk(data, arch.num_heads)
-        elif half_split and ".k_proj." in name:
-            data = permute_qk(data, arch.num_kv_heads)
-        elif half_split and name.endswith(("q_norm.weight", "k_norm.weight")):
-            data = permute_qk(data, 1)  # one head's [head_dim] weights
-        if quantized:
-            yield name, QuantizedTensor(tensor.tensor_type, np.ascontiguousarray(data), shape)
-            continue
-        if not data.flags.writeable:
-            # F32 tensors come back as read-only memmaps of the file: torch wants its own copy.
-            data = np.array(data)
-        yield name, torch.from_numpy(data)
+        if name.endswith("mlp.up_proj.weight") and shape[0] == 2 * arch.intermediate_size:
+            name = name.replace("up_proj", "gate_up_proj")  # Phi-3: gate and up in ffn_up
+        for part_name, part in split_fused(name, data, arch):
+            if half_split:
+                part = to_interleaved(part_name, part, arch)
+            if quantized:
+                yield part_name, QuantizedTensor(tensor.tensor_type, np.ascontiguousarray(part),
+                                                 (part.shape[0], shape[1]))
+            else:
+                # F32 tensors come back as read-only memmaps of the file: torch wants a copy.
+                yield part_name, torch.from_numpy(np.array(part) if not part.flags.writeable
+                                                  else np.ascontiguousarray(part))

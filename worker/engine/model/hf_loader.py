@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .arch import ModelArchConfig
-from .gguf_loader import permute_qk
+from .gguf_loader import split_fused, to_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,7 @@ def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 tensor = f.get_tensor(name)
-                if ".q_proj." in name or ".k_proj." in name:
-                    heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads
-                    tensor = permute_qk(tensor, heads)  # torch has reshape/swapaxes too
-                elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                    tensor = permute_qk(tensor, 1)  # one head's [head_dim] weights
                 if norm_offset and name.endswith("norm.weight"):
                     tensor = tensor.float() + 1  # Gemma scales by 1 + w, as GGUF stores it
-                yield name, tensor
+                for part_name, part in split_fused(name, tensor, arch):
+                    yield part_name, to_interleaved(part_name, part, arch)

@@ -108,12 +108,13 @@ class LlamaForCausalLM(nn.Module):
         # attention, no Q/K norm. Any other model decodes op by op (still fused kernels).
         self._one_call_able = (len(rotaries) == 1 and not arch.qk_norm
                                and set(arch.layer_types) == {"full_attention"})
-        # NOTE: the fused per-op path has SwiGLU, plain residual adds and unscaled embeddings
-        # only: Gemma runs every step as torch ops (the decode kernel still serves its
-        # full-attention layers without soft-capping).
+        # NOTE: the fused per-op path has SwiGLU, plain residual adds, unscaled embeddings and
+        # plain RoPE only: Gemma, and Phi with longrope or partial RoPE, run every step as
+        # torch ops (the decode kernel still serves their unwindowed, uncapped layers).
         fam = arch.family
         self._fused_able = (fam.mlp_act == "silu" and not fam.sandwich_norms
-                            and not fam.scaled_embedding)
+                            and not fam.scaled_embedding
+                            and all(r.plain for r in self._layer_rotary))
         self._one_call_able = (self._one_call_able and self._fused_able
                                and arch.embedding_multiplier is None  # granite
                                and arch.residual_multiplier is None)
@@ -143,7 +144,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         eps, act_dtype = self.arch.rms_norm_eps, self.act_dtype
         # [num_tokens, 1, head_dim / 2] complex64 for each distinct RoPE
-        freqs = {id(r): r.freqs(positions) for r in self._layer_rotary}
+        seq_lens = None  # each token's sequence length this step: longrope picks by it
+        if any(r.inv_freq_long is not None for r in self._layer_rotary):
+            seq_lens = (torch.repeat_interleave(attn.seq_lens_tensor,
+                                                torch.tensor(attn.query_lens))
+                        if isinstance(attn, AttentionMetadata)
+                        else torch.full_like(positions, attn + positions.shape[0]))
+        freqs = {id(r): r.freqs(positions, seq_lens) for r in self._layer_rotary}
         # NOTE: a fresh tensor (embedding output), so the residual adds below go in place.
         h = self.embed(input_ids).to(act_dtype)  # [num_tokens, hidden]
         for i, (layer, kv_cache) in enumerate(zip(self._layers, kv_caches, strict=True)):
