@@ -47,6 +47,12 @@ class ModelArchConfig:
     embedding_multiplier: float | None = None  # granite: embeddings times this
     residual_multiplier: float | None = None  # granite: attention/MLP outputs times this
     logits_scaling: float | None = None  # granite: logits divided by this
+    # mixture of experts (moe.py): 0 experts means a dense MLP in every layer
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in an MoE model
 
     def __post_init__(self) -> None:
         family(self.architecture)
@@ -68,6 +74,9 @@ class ModelArchConfig:
         unknown = set(self.layer_types) - {FULL, SLIDING}
         if unknown:
             raise ValueError(f"unsupported layer type(s) {sorted(unknown)} in layer_types")
+        if self.num_experts and not 0 < self.experts_per_tok <= self.num_experts:
+            raise ValueError(f"experts_per_tok must be in 1..{self.num_experts}, "
+                             f"got {self.experts_per_tok}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but no sliding_window")
 
@@ -110,6 +119,10 @@ class ModelArchConfig:
             raise ValueError(
                 f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_FAMILIES)}")
         fam = family(GGUF_FAMILIES[arch])
+        num_experts = int(_gguf_value(reader, f"{arch}.expert_count", 0))
+        if arch == "llama" and num_experts:
+            fam = family("mixtral")  # llama.cpp writes Mixtral as llama with experts
+        _refuse_gguf_features(reader, arch)
 
         def key(name: str, default: Any = None) -> Any:
             value = _gguf_value(reader, f"{arch}.{name}", default)
@@ -161,6 +174,14 @@ class ModelArchConfig:
             embedding_multiplier=_positive(granite["embedding_scale"]),
             residual_multiplier=_positive(granite["residual_scale"]),
             logits_scaling=_positive(granite["logit_scale"]),
+            num_experts=num_experts,
+            experts_per_tok=int(_gguf_value(reader, f"{arch}.expert_used_count", 0)),
+            moe_intermediate_size=int(_gguf_value(
+                reader, f"{arch}.expert_feed_forward_length", key("feed_forward_length"))),
+            norm_topk_prob=bool(_gguf_value(reader, f"{arch}.expert_weights_norm",
+                                            fam.norm_topk_prob)),
+            dense_layers=tuple(i for i in range(num_layers) if num_experts
+                               and f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
         )
 
     @classmethod
@@ -212,6 +233,7 @@ class ModelArchConfig:
             embedding_multiplier=_positive(config.get("embedding_multiplier")),
             residual_multiplier=_positive(config.get("residual_multiplier")),
             logits_scaling=_positive(config.get("logits_scaling")),
+            **_hf_experts(config, fam, num_layers),
         )
 
 
@@ -229,8 +251,40 @@ def _refuse_hf_features(config: dict[str, Any], fam: Family) -> None:
             break  # Gemma: hidden_activation wins over a stale hidden_act
     if config.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias: true (the MLP projections have no bias)")
+    if config.get("clip_qkv"):
+        raise ValueError(f"unsupported clip_qkv ({config['clip_qkv']})")
     if config.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention: true (decoders are causal)")
+
+
+def _hf_experts(config: dict[str, Any], fam: Family, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (none for a dense model)."""
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not num_experts:
+        return {}
+    if config.get("shared_expert_intermediate_size") or config.get("n_shared_experts"):
+        raise ValueError("unsupported shared experts (shared_expert_intermediate_size)")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense_only = set(config.get("mlp_only_layers") or ())
+    return {
+        "num_experts": num_experts,
+        "experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config.get("moe_intermediate_size")
+                                     or config["intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", fam.norm_topk_prob)),
+        "dense_layers": tuple(i for i in range(num_layers)
+                              if i in dense_only or (i + 1) % step),
+    }
+
+
+def _refuse_gguf_features(reader: gguf.GGUFReader, arch: str) -> None:
+    """GGUF keys of features the decoder does not have."""
+    if _gguf_value(reader, f"{arch}.expert_shared_count", 0):
+        raise ValueError(f"unsupported shared experts ({arch}.expert_shared_count)")
+    gating = _gguf_value(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
+        raise ValueError(f"unsupported expert gating function {gating} "
+                         f"({arch}.expert_gating_func; softmax is supported)")
 
 
 def _positive(value: Any) -> float | None:

@@ -12,9 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import TYPE_CHECKING
+
 from .arch import ModelArchConfig
 from .linear import Linear, _param
 from .rope import Rotary
+
+if TYPE_CHECKING:  # moe.py builds its experts from this module's LlamaMLP
+    from .moe import SparseMoe
 
 # A checkpoint tensor's destination: (parameter, its rows or None for all, the Linear that
 # owns it or None): load_weights in llama.py copies into it.
@@ -46,18 +51,24 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, arch.hidden_size,
                                arch.attention_bias, dtype)
         self.o_proj = Linear(arch.hidden_size, self.q_size, False, dtype)
-        self.q_norm = _param(arch.head_dim, dtype=torch.float32) if arch.qk_norm else None
-        self.k_norm = _param(arch.head_dim, dtype=torch.float32) if arch.qk_norm else None
+        # Qwen3 / Gemma 3 norm each head; OLMoE the whole Q and K vectors
+        self.qk_norm_full = arch.family.qk_norm_full
+        q_len, k_len = ((self.q_size, self.kv_size) if self.qk_norm_full
+                        else (self.head_dim, self.head_dim))
+        self.q_norm = _param(q_len, dtype=torch.float32) if arch.qk_norm else None
+        self.k_norm = _param(k_len, dtype=torch.float32) if arch.qk_norm else None
 
     def norm_qk_(self, qkv32: torch.Tensor) -> None:
-        """Qwen3: RMSNorm over each head of Q and of K, in place in the fused float32 output
-        [num_tokens, q_size + 2 * kv_size] (before RoPE)."""
+        """Qwen3: RMSNorm over each head of Q and of K (OLMoE: over all of Q and of K), in
+        place in the fused float32 output [num_tokens, q_size + 2 * kv_size], before RoPE."""
         if self.q_norm is None or self.k_norm is None:
             return
         n = qkv32.shape[0]
-        q = qkv32[:, :self.q_size].view(n, self.num_heads, self.head_dim)
-        k = qkv32[:, self.q_size:self.q_size + self.kv_size].view(
-            n, self.num_kv_heads, self.head_dim)
+        q = qkv32[:, :self.q_size]
+        k = qkv32[:, self.q_size:self.q_size + self.kv_size]
+        if not self.qk_norm_full:
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
         q.copy_(rms_norm(q, self.q_norm, self.eps))
         k.copy_(rms_norm(k, self.k_norm, self.eps))
 
@@ -83,18 +94,30 @@ class LlamaMLP(nn.Module):
     gate_up_proj: Linear
     down_proj: Linear
 
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         self.gelu = arch.family.mlp_act == "gelu_tanh"  # Gemma's GeGLU
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(2 * arch.intermediate_size, arch.hidden_size, False, dtype)
-        self.down_proj = Linear(arch.hidden_size, arch.intermediate_size, False, dtype)
+        ffn = self.intermediate_size = intermediate_size or arch.intermediate_size
+        self.gate_up_proj = Linear(2 * ffn, arch.hidden_size, False, dtype)
+        self.down_proj = Linear(arch.hidden_size, ffn, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act.mul_(up))  # [num_tokens, hidden_size]
+
+    def weight_targets(self, prefix: str) -> dict[str, Target]:
+        """HF names under `prefix` (`model.layers.3.mlp.`) -> where each goes."""
+        ffn = self.intermediate_size
+        return {
+            prefix + "gate_proj.weight": (self.gate_up_proj.weight, slice(0, ffn),
+                                          self.gate_up_proj),
+            prefix + "up_proj.weight": (self.gate_up_proj.weight, slice(ffn, 2 * ffn),
+                                        self.gate_up_proj),
+            prefix + "down_proj.weight": (self.down_proj.weight, None, self.down_proj),
+        }
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,18 +128,18 @@ class LlamaDecoderLayer(nn.Module):
     input_layernorm: nn.Parameter
     self_attn: LlamaAttention
     post_attention_layernorm: nn.Parameter
-    mlp: LlamaMLP
+    mlp: LlamaMLP | SparseMoe
     attn_out_norm: nn.Parameter | None
     mlp_out_norm: nn.Parameter | None
 
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, norm_dtype: torch.dtype
-                 ) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, norm_dtype: torch.dtype,
+                 mlp: SparseMoe | None = None) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
         self.input_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
         self.self_attn = LlamaAttention(arch, dtype, norm_dtype)
         self.post_attention_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.mlp = mlp or LlamaMLP(arch, dtype)
         self.residual_multiplier = arch.residual_multiplier  # granite
         sandwich = arch.family.sandwich_norms
         self.attn_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
@@ -142,17 +165,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def weight_targets(self, prefix: str) -> dict[str, Target]:
         """HF checkpoint names under `prefix` (`model.layers.3.`) -> where each goes."""
-        attn, mlp = self.self_attn, self.mlp
-        q, kv, ffn = attn.q_size, attn.kv_size, mlp.intermediate_size
+        attn = self.self_attn
+        q, kv = attn.q_size, attn.kv_size
         targets: dict[str, Target] = {
             "input_layernorm.weight": (self.input_layernorm, None, None),
             "post_attention_layernorm.weight": (self.post_attention_layernorm, None, None),
             "self_attn.o_proj.weight": (attn.o_proj.weight, None, attn.o_proj),
-            "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, slice(0, ffn), mlp.gate_up_proj),
-            "mlp.up_proj.weight": (mlp.gate_up_proj.weight, slice(ffn, 2 * ffn),
-                                   mlp.gate_up_proj),
-            "mlp.down_proj.weight": (mlp.down_proj.weight, None, mlp.down_proj),
         }
+        targets.update(self.mlp.weight_targets("mlp."))
         qkv_parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv),
                      "v_proj": slice(q + kv, q + 2 * kv)}
         for proj, part in qkv_parts.items():

@@ -20,6 +20,7 @@ class Family:
     name: str
     qkv_bias: bool  # default of Q/K/V projection biases (Qwen2 always has them)
     qk_norm: bool  # RMSNorm over each head of Q and K before RoPE (Qwen3)
+    qk_norm_full: bool = False  # OLMoE: the Q/K norm is over all heads at once
     # a config's `sliding_window` applies to every layer (Mistral) rather than only to the
     # layers `layer_types` names (Ministral, Qwen2/3 with use_sliding_window)
     window_on_all_layers: bool = False
@@ -32,6 +33,9 @@ class Family:
     # Where a file has no layer_types (GGUF, transformers 4 configs), llama.cpp's rule: layer i
     # slides when i % pattern < pattern - 1 (None: every layer slides when a window is set)
     swa_pattern: int | None = None
+    # mixture of experts: whether the top-k routing weights are renormalised to sum to 1
+    # where the file does not say (llama.cpp's build_moe_ffn `norm_w` per architecture)
+    norm_topk_prob: bool = True
 
     def layer_types(self, num_layers: int, window: int | None, pattern: int | None = None
                     ) -> tuple[str, ...]:
@@ -51,6 +55,12 @@ FAMILIES = {
     # Phi-3/3.5/4-mini: fused qkv_proj and gate_up_proj (split at load), longrope and
     # partial RoPE (rope.py), a sliding window on every layer where the config sets one
     "phi3": Family("phi3", qkv_bias=False, qk_norm=False, window_on_all_layers=True),
+    # Mixture of experts (moe.py): Qwen3-MoE (Qwen3's attention), OLMoE (Q/K norm over all
+    # heads, top-k weights not renormalised); Mixtral is `mixtral` in HF, `llama` in GGUF
+    "qwen3_moe": Family("qwen3_moe", qkv_bias=False, qk_norm=True),
+    "olmoe": Family("olmoe", qkv_bias=False, qk_norm=True, qk_norm_full=True,
+                    norm_topk_prob=False),
+    "mixtral": Family("mixtral", qkv_bias=False, qk_norm=False, window_on_all_layers=True),
     # granite: Llama's block with four scalar multipliers (arch.py reads them)
     "granite": Family("granite", qkv_bias=False, qk_norm=False),
     "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
@@ -66,7 +76,8 @@ HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 # GGUF `general.architecture` -> family. llama.cpp writes Mistral and Ministral as `llama`.
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3", "granite": "granite", "phi3": "phi3"}
+                 "gemma3": "gemma3", "granite": "granite", "phi3": "phi3",
+                 "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 # GGUF architectures whose Q/K rows llama.cpp's converter permuted into interleaved order.
 GGUF_INTERLEAVED_QK = frozenset({"llama", "granite"})
 

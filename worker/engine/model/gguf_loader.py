@@ -55,6 +55,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3
+    "ffn_gate_inp": "mlp.gate",  # mixture of experts: the router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [experts, ...]: split per expert
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",  # Gemma 2/3: on the attention output
@@ -119,8 +123,8 @@ def to_interleaved(name: str, rows: Any, arch: ModelArchConfig) -> Any:
         return permute_qk(rows, arch.num_heads, rotary_dim)
     if ".k_proj." in name:
         return permute_qk(rows, arch.num_kv_heads, rotary_dim)
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return permute_qk(rows, 1, rotary_dim)  # one head's [head_dim] weights
+    if name.endswith(("q_norm.weight", "k_norm.weight")):  # one head's or all heads'
+        return permute_qk(rows, rows.shape[0] // arch.head_dim, rotary_dim)
     return rows
 
 
@@ -162,19 +166,25 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig,
         name = hf_name(tensor.name, arch.family.sandwich_norms)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF: innermost first
         quantized = tensor.tensor_type not in (Q.F32, Q.F16, Q.BF16)
-        if keep_quantized and quantized and len(shape) == 2:
-            data: np.ndarray = np.asarray(tensor.data).reshape(shape[0], -1)  # [out, row_bytes]
+        if keep_quantized and quantized and len(shape) >= 2:
+            # [out, row_bytes], or [experts, out, row_bytes]
+            data: np.ndarray = np.asarray(tensor.data).reshape(*shape[:-1], -1)
         else:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             quantized = False
         if name.endswith("mlp.up_proj.weight") and shape[0] == 2 * arch.intermediate_size:
             name = name.replace("up_proj", "gate_up_proj")  # Phi-3: gate and up in ffn_up
-        for part_name, part in split_fused(name, data, arch):
+        if ".mlp.experts." in name:  # [experts, out, in]: one tensor per expert
+            parts = [(name.replace(".experts.", f".experts.{e}."), data[e])
+                     for e in range(shape[0])]
+        else:
+            parts = split_fused(name, data, arch)
+        for part_name, part in parts:
             if half_split:
                 part = to_interleaved(part_name, part, arch)
             if quantized:
                 yield part_name, QuantizedTensor(tensor.tensor_type, np.ascontiguousarray(part),
-                                                 (part.shape[0], shape[1]))
+                                                 (part.shape[0], shape[-1]))
             else:
                 # F32 tensors come back as read-only memmaps of the file: torch wants a copy.
                 yield part_name, torch.from_numpy(np.array(part) if not part.flags.writeable

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,10 @@ from .gguf_loader import split_fused, to_interleaved
 
 logger = logging.getLogger(__name__)
 
+# Mixtral's checkpoint names -> the Qwen3-MoE/OLMoE ones the model loads.
+_MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                  ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in _MIXTRAL_PARTS))
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -45,6 +50,7 @@ def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 tensor = f.get_tensor(name)
+                name = _MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)
                 if norm_offset and name.endswith("norm.weight"):
                     tensor = tensor.float() + 1  # Gemma scales by 1 + w, as GGUF stores it
                 for part_name, part in split_fused(name, tensor, arch):

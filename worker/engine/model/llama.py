@@ -33,6 +33,7 @@ from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
 from .decoder_layer import LlamaDecoderLayer, Target, rms_norm
 from .gguf_loader import QuantizedTensor
 from .linear import QUANT_MAX_ROWS, Linear, _param
+from .moe import SparseMoe
 from .rope import RopeConfig, Rotary
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,10 @@ class LlamaForCausalLM(nn.Module):
         weight_dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=weight_dtype)
         # typed list for the hot loop; the ModuleList registers the same layers
-        self._layers = [LlamaDecoderLayer(arch, weight_dtype, self.act_dtype)
-                        for _ in range(arch.num_layers)]
+        self._layers = [LlamaDecoderLayer(
+            arch, weight_dtype, self.act_dtype,
+            SparseMoe(arch, weight_dtype) if arch.num_experts and i not in arch.dense_layers
+            else None) for i in range(arch.num_layers)]
         self.layers = nn.ModuleList(self._layers)
         self.norm = _param(arch.hidden_size, dtype=self.act_dtype)
         self.lm_head = Linear(arch.vocab_size, arch.hidden_size, False, weight_dtype)
@@ -113,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         # torch ops (the decode kernel still serves their unwindowed, uncapped layers).
         fam = arch.family
         self._fused_able = (fam.mlp_act == "silu" and not fam.sandwich_norms
-                            and not fam.scaled_embedding
+                            and not fam.scaled_embedding and not arch.num_experts
                             and all(r.plain for r in self._layer_rotary))
         self._one_call_able = (self._one_call_able and self._fused_able
                                and arch.embedding_multiplier is None  # granite
