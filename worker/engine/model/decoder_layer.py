@@ -8,11 +8,11 @@ tests hold us to: float32 RMSNorm, Qwen3's q_norm/k_norm over each head before R
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from typing import TYPE_CHECKING
 
 from .arch import ModelArchConfig
 from .linear import Linear, _param
