@@ -145,6 +145,19 @@ class LlamaDecoderLayer(nn.Module):
         self.attn_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
         self.mlp_out_norm = _param(arch.hidden_size, dtype=norm_dtype) if sandwich else None
 
+    @property
+    def dense_mlp(self) -> LlamaMLP:
+        """The dense MLP, for the fused kernels (which no MoE model reaches: llama.py)."""
+        if not isinstance(self.mlp, LlamaMLP):
+            raise TypeError("a mixture-of-experts layer has no dense MLP")
+        return self.mlp
+
+    @property
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """QKV, O, gate/up and down, as the one-call decode kernel takes them."""
+        attn, mlp = self.self_attn, self.dense_mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
     def attn_residual(self, o: torch.Tensor) -> torch.Tensor:
         """The attention's output projection, as it joins the residual stream."""
         y = self.self_attn.o_proj(o)

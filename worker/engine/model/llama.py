@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.dense_mlp
             qkv = attn.qkv_proj(x)  # [n, q_size + 2 * kv_size]
             attn.norm_qk_(qkv)  # Qwen3's per-head Q/K norm, before RoPE (no-op elsewhere)
             cos, sin = tables[id(self._layer_rotary[i])]
@@ -225,10 +225,8 @@ class LlamaForCausalLM(nn.Module):
         if self._one_call_layers is None or self._one_call_layers[0] != key:
             structs = []
             for layer, cache in zip(self._layers, kv_caches, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                 structs.append(DecoderLayer(
-                    *(p.quant.struct for p in projections),  # type: ignore[union-attr]
+                    *(p.quant.struct for p in layer.projections),  # type: ignore[union-attr]
                     layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                     cache.data_ptr()))
             self._one_call_layers = (key, (DecoderLayer * len(structs))(*structs))
@@ -344,7 +342,6 @@ class LlamaForCausalLM(nn.Module):
         self._one_call = (self._one_call_able and self.kernels is not None
                           and self.paged_attention.kernels is not None
                           and all(isinstance(p.quant, QuantMatrix) for layer in self._layers
-                                  for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)))
+                                  for p in layer.projections))
         logger.info("weights %s: %.0f MiB in the projections", self.weights,
                     sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
