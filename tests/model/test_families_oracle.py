@@ -28,6 +28,8 @@ from tests.fixtures.tiny_hf import (
 pytestmark = pytest.mark.model
 
 NEW_TOKENS = 32
+# Families whose decode steps the one-call native kernel runs (llama.py `_one_call`)
+ONE_CALL = {"llama3", "llama3-untied", "qwen2"}
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # logits are O(1-10): float32 rounding is ~1e-6
 
 
@@ -102,3 +104,39 @@ def _steps_before_longrope_switch(model, prompt_len: int) -> int:
     if long_after is None or prompt_len > long_after:
         return NEW_TOKENS
     return min(NEW_TOKENS, long_after - prompt_len + 1)
+
+
+@pytest.fixture(scope="module")
+def q8_checkpoints(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """family -> its GGUF quantized to Q8_0 by llama.cpp's converter."""
+    root = tmp_path_factory.mktemp("families-q8")
+    files = {family: root / f"{family}.q8_0.gguf" for family in FAMILIES
+             if family not in HF_ONLY}
+    convert_to_gguf([(checkpoints[family][0], file) for family, file in files.items()],
+                    outtype="q8_0")
+    return files
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - HF_ONLY))
+def test_quantized_gguf_on_native_weights_equals_its_dequantized_model(q8_checkpoints,
+                                                                       family: str) -> None:
+    from llmq.worker.engine.model.loader import load_model
+
+    one_torch_thread()
+    native = load_model(q8_checkpoints[family], "float32", weights="native").model
+    dense = load_model(q8_checkpoints[family], "float32", weights="fp32").model
+    # Then only plain Llama blocks decode in one kernel call; every other family says no
+    # rather than computing something else (llama3 RoPE scaling only changes the tables)
+    assert native._one_call == (family in ONE_CALL)
+    # When four short prompts prefill together (8 rows) and decode (4 rows), every step on
+    # the quantized kernels (larger steps run the int8 form: close, not equal)
+    g = torch.Generator().manual_seed(2)
+    short = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 3, 1, 2)]
+    ours, our_logits = greedy_paged(native, short, 8)
+    theirs, their_logits = greedy_paged(dense, short, 8)
+    # Then they give the dequantized model's tokens and logits, within the bound
+    # test_native_weights.py states
+    assert ours == theirs
+    for a, b in zip(our_logits, their_logits, strict=True):
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
