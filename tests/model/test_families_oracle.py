@@ -9,6 +9,7 @@ continuations must be identical. The prompts run past Mistral's 24-token window.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -52,12 +53,20 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (40, 7, 19)]
 
 
-def hf_reference(folder: Path, prompt: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """transformers' logits at every prompt position, greedy continuation, and its logits."""
+@functools.cache
+def hf_model(folder: Path):  # -> transformers' model, loaded once per family
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    x = torch.tensor([prompt])
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+@functools.cache
+def hf_reference(folder: Path, prompt: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """transformers' logits at every prompt position, greedy continuation, and its logits
+    (computed once per family and prompt, for both sources)."""
+    model = hf_model(folder)
+    x = torch.tensor([list(prompt)])
     with torch.no_grad():
         prefill = model(x).logits[0]  # [len(prompt), vocab]
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
@@ -80,7 +89,7 @@ def test_family_equals_transformers_in_float32(checkpoints, prompts, family: str
     model = loaded.model
     paged, paged_logits = greedy_paged(model, prompts, NEW_TOKENS)
     for i, prompt in enumerate(prompts):
-        ref_prefill, ref_tokens, ref_logits = hf_reference(folder, prompt)
+        ref_prefill, ref_tokens, ref_logits = hf_reference(folder, tuple(prompt))
         steps = _steps_before_longrope_switch(model, len(prompt))
         ref_tokens, ref_logits = ref_tokens[:steps], ref_logits[:steps]
         cache = model.make_contiguous_cache(len(prompt))
