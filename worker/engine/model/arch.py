@@ -138,16 +138,21 @@ class ModelArchConfig:
         vocab = _embedding_rows(reader)
         head_dim = int(_gguf_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
         prefix = f"{arch}.rope."
-        ropes = gguf_rope({name[len(prefix):]: field.contents() for name, field
-                           in reader.fields.items() if name.startswith(prefix)},
-                          _rope_tensors(reader), arch, head_dim)
+        rope_keys = {name[len(prefix):]: field.contents() for name, field
+                     in reader.fields.items() if name.startswith(prefix)}
+        if fam.local_rope_base is not None:  # older Gemma 3 GGUFs lack rope.freq_base_swa
+            rope_keys.setdefault("freq_base_swa", fam.local_rope_base)
+        ropes = gguf_rope(rope_keys, _rope_tensors(reader), arch, head_dim)
         window = _gguf_value(reader, f"{arch}.attention.sliding_window")
         num_layers = int(key("block_count"))
         attn_softcap = _gguf_value(reader, f"{arch}.attn_logit_softcapping")
         final_softcap = _gguf_value(reader, f"{arch}.final_logit_softcapping")
-        # NOTE: llama.cpp scales Gemma's scores by head_dim ** -0.5 (its query_pre_attn_scalar
-        # for every size but Gemma 2/3 27B, whose GGUFs it special-cases by size).
         scale = _gguf_value(reader, f"{arch}.attention.scale")
+        if scale is None and fam.large_size_layers == num_layers:
+            # NOTE: Gemma GGUFs carry no query_pre_attn_scalar: llama.cpp scales by head_dim
+            # ** -0.5, but by (hidden / heads) ** -0.5 for the 27B models, which it knows by
+            # their layer count (llama-model.cpp, LLM_TYPE_27B); so does this.
+            scale = (hidden / num_heads) ** -0.5
         granite = {name: _gguf_value(reader, f"{arch}.{name}")
                    for name in ("embedding_scale", "residual_scale", "logit_scale")}
         return cls(
@@ -177,7 +182,8 @@ class ModelArchConfig:
             num_experts=num_experts,
             experts_per_tok=int(_gguf_value(reader, f"{arch}.expert_used_count", 0)),
             moe_intermediate_size=int(_gguf_value(
-                reader, f"{arch}.expert_feed_forward_length", key("feed_forward_length"))),
+                reader, f"{arch}.expert_feed_forward_length", key("feed_forward_length")))
+            if num_experts else 0,
             norm_topk_prob=bool(_gguf_value(reader, f"{arch}.expert_weights_norm",
                                             fam.norm_topk_prob)),
             dense_layers=tuple(i for i in range(num_layers) if num_experts

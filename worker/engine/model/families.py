@@ -36,6 +36,11 @@ class Family:
     # mixture of experts: whether the top-k routing weights are renormalised to sum to 1
     # where the file does not say (llama.cpp's build_moe_ffn `norm_w` per architecture)
     norm_topk_prob: bool = True
+    # GGUF defaults llama.cpp hard-codes (llama-model.cpp): the RoPE base of sliding layers
+    # when the file has no rope.freq_base_swa, and the layer count of the model size whose
+    # scores it scales by (hidden / heads) ** -0.5 rather than head_dim ** -0.5 (Gemma 27B)
+    local_rope_base: float | None = None
+    large_size_layers: int | None = None
 
     def layer_types(self, num_layers: int, window: int | None, pattern: int | None = None
                     ) -> tuple[str, ...]:
@@ -66,10 +71,10 @@ FAMILIES = {
     "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
     "gemma2": Family("gemma2", qkv_bias=False, qk_norm=False, mlp_act="gelu_tanh",
                      norm_offset=True, sandwich_norms=True, scaled_embedding=True,
-                     swa_pattern=2),
+                     swa_pattern=2, large_size_layers=46),
     "gemma3": Family("gemma3", qkv_bias=False, qk_norm=True, mlp_act="gelu_tanh",
                      norm_offset=True, sandwich_norms=True, scaled_embedding=True,
-                     swa_pattern=6),
+                     swa_pattern=6, local_rope_base=10000.0, large_size_layers=62),
 }
 # HF model_type spellings of a family
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
