@@ -123,10 +123,10 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path, architecture):
 def test_an_unsupported_model_type_in_config_json_is_refused_by_name(tmp_path):
     weights = write_tiny_llama(tmp_path / "tiny.gguf")
     folder = write_hf_folder(tmp_path / "hf", weights)
-    config = (folder / "config.json").read_text().replace('"llama"', '"gemma2"')
+    config = (folder / "config.json").read_text().replace('"llama"', '"falcon_h1"')
     (folder / "config.json").write_text(config)
 
-    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'"):
+    with pytest.raises(ValueError, match="unsupported model_type 'falcon_h1'"):
         load_model(folder)
 
 

@@ -74,6 +74,8 @@ class EngineCore:
                                   eos_token_ids=self.tokenizer.eos_token_ids,
                                   structured_output=self.structured_output)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
+        # a model whose every layer slides (Mistral) frees the blocks that fall out of its window
+        self.scheduler.kv_cache_manager.sliding_window = loaded.arch.cache_window
         self._profiler: Any = None  # torch.profiler.profile while `start_profile` records
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)

@@ -41,10 +41,13 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # Set when every layer of the model attends only to its last `sliding_window` tokens
+        # (Mistral): blocks wholly before the window are freed (`_free_out_of_window`).
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -99,6 +102,8 @@ class KVCacheManager:
         """
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks and self.sliding_window is not None:
+            self._free_out_of_window(request, req_blocks)
         new_computed = list(new_computed_blocks)
         if new_computed and (req_blocks or request.num_computed_tokens):
             raise ValueError(f"{request_id}: cache hits are only for a request with no blocks")
@@ -136,7 +141,8 @@ class KVCacheManager:
             del self.num_cached_blocks[request_id]
             # NOTE: reversed, so a sequence's tail, the part least likely to be shared, is
             # evicted before its head.
-            self.block_pool.free_blocks(blocks[::-1])
+            null = self.block_pool.null_block
+            self.block_pool.free_blocks([block for block in blocks[::-1] if block is not null])
         request.block_ids.clear()
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -147,7 +153,8 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks[parent.request_id]
         assert parent.num_computed_tokens == len(blocks) * self.block_size, parent
-        self.block_pool.touch(blocks)
+        null = self.block_pool.null_block
+        self.block_pool.touch([block for block in blocks if block is not null])
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks[parent.request_id]
         child.block_ids = list(parent.block_ids)
@@ -156,6 +163,28 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def _free_out_of_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
+        """Free the request's blocks that hold only keys no later query can see.
+
+        The next query is at position `num_computed_tokens`, and sees keys from
+        `num_computed_tokens - sliding_window + 1` on; every block wholly before that is
+        freed and replaced by the null block in `req_blocks`, so positions keep their index.
+        The runner's block table keeps the old ids: the attention masks those positions
+        (attention.py `AttentionMetadata.windowed`), so whatever the block holds next never
+        counts. Full blocks are offered to the prefix cache first, so a later request with
+        the same prefix can still find them until they are evicted.
+        """
+        assert self.sliding_window is not None
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        num_out = max(first_needed, 0) // self.block_size
+        null = self.block_pool.null_block
+        stale = [block for block in req_blocks[:num_out] if block is not null]
+        if not stale:
+            return
+        self._cache_full_blocks(request)
+        req_blocks[:num_out] = [null] * num_out
+        self.block_pool.free_blocks(stale)
 
     def _cache_full_blocks(self, request: Request) -> None:
         """Offer blocks that are full of computed tokens to the prefix cache."""

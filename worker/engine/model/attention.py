@@ -18,6 +18,7 @@ Every per-step tensor (positions, slot mapping, gather indices, masks) is built 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -66,6 +67,30 @@ class AttentionMetadata:
     decode_pad_mask: torch.Tensor
     prefills: list[PrefillSeq]
     _decode_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """This step's metadata for a sliding-window layer: a query at position p sees keys
+        p - window + 1 .. p (transformers' `sliding_window_overlay`). Built on the first
+        such layer's call, then shared. Keys before the window stay in the gather, masked:
+        their blocks may already be freed and reused (kv_cache_manager.py), so they must
+        never count."""
+        if window not in self._windowed:
+            s_lens = self.seq_lens_tensor[:self.num_decodes]  # [num_decodes]
+            ctx = torch.arange(self.decode_pad_mask.shape[1])[None, :]  # [1, ctx]
+            pad = self.decode_pad_mask | (ctx <= (s_lens - 1 - window)[:, None])
+            prefills = []
+            for seq in self.prefills:
+                ctx_len = seq.seq_len - seq.query_len
+                keys = torch.arange(seq.seq_len)[None, :]  # [1, seq_len]
+                query_pos = torch.arange(ctx_len, seq.seq_len)[:, None]  # [q_len, 1]
+                mask = (keys <= query_pos) & (keys > query_pos - window)  # [q_len, seq_len]
+                prefills.append(PrefillSeq(seq.token_start, seq.query_len, seq.seq_len,
+                                           seq.block_ids, mask))
+            self._windowed[window] = dataclasses.replace(
+                self, decode_pad_mask=pad, prefills=prefills, _decode_biases={},
+                _windowed={})
+        return self._windowed[window]
 
     def decode_bias(self, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
         """[num_kv_heads * num_decodes, 1, ctx]: 0 where a decode may attend, -inf past its
@@ -197,14 +222,20 @@ class PagedAttention:
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None, window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = window  # sliding-window attention: keys a query sees, itself included
+        self.softcap = softcap  # Gemma 2: scores = softcap * tanh(scores / softcap)
         self._buffer = torch.empty(0)
-        self.kernels = kernels if self.group <= CpuKernels.MAX_GROUP else None
+        # NOTE: the compiled decode kernel attends to a sequence's whole context with plain
+        # scores: a sliding-window or soft-capped layer decodes on the torch path.
+        self.kernels = (kernels if self.group <= CpuKernels.MAX_GROUP and window is None
+                        and softcap is None else None)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """K and V of `block_ids`, in order, as rows: [2, num_kv_heads, len(block_ids) *
@@ -242,6 +273,8 @@ class PagedAttention:
         dtype) is filled and returned as [num_tokens, num_heads * hd]."""
         num_tokens = q.shape[0]
         kv_heads, group, head_dim = self.num_kv_heads, self.group, self.head_dim
+        if self.window is not None:
+            meta = meta.windowed(self.window)
         nd = meta.num_decodes
         if nd and self.kernels is not None and q.dtype == torch.float32:
             # K/V read where they lie, through the block tables: no gather.
@@ -256,8 +289,12 @@ class PagedAttention:
             # so the query heads of a group share their K/V without repeating it.
             qd = q[:nd].view(nd, kv_heads, group, head_dim).transpose(0, 1).reshape(
                 kv_heads * nd, group, head_dim)
-            scores = torch.baddbmm(meta.decode_bias(kv_heads, q.dtype), qd,
-                                   gathered[0].transpose(1, 2), alpha=self.scale)
+            bias = meta.decode_bias(kv_heads, q.dtype)
+            if self.softcap is None:
+                scores = torch.baddbmm(bias, qd, gathered[0].transpose(1, 2), alpha=self.scale)
+            else:  # the cap goes on the raw scores, before the mask
+                scores = soft_cap(torch.bmm(qd, gathered[0].transpose(1, 2)) * self.scale,
+                                  self.softcap).add_(bias)
             # NOTE: the CPU softmax accumulates in float32 whatever the dtype, like HF's upcast.
             probs = torch.softmax(scores, dim=-1)  # [kv_heads * nd, group, ctx]
             od = torch.bmm(probs, gathered[1])  # [kv_heads * nd, group, hd]
@@ -269,7 +306,7 @@ class PagedAttention:
             # [kv_heads, group, query_len, hd]: GQA through a stride-0 expand of K/V, which
             # SDPA's CPU kernel reads without materialising the repeat.
             qp = q[rows].transpose(0, 1).reshape(kv_heads, group, seq.query_len, head_dim)
-            if seq.mask is None:
+            if seq.seq_len == seq.query_len:  # no cached context: all keys are this step's
                 assert kv is not None
                 kvp = kv[rows].transpose(0, 1)  # [2 * kv_heads, q_len, hd]
             else:
@@ -277,15 +314,34 @@ class PagedAttention:
                 kvp = kvp.reshape(2 * kv_heads, seq.seq_len, head_dim)
             kp, vp = kvp[:kv_heads], kvp[kv_heads:]  # [kv_heads, seq_len, hd] each
             shape = (kv_heads, group, kp.shape[1], head_dim)
-            op = F.scaled_dot_product_attention(
-                qp, kp[:, None].expand(shape), vp[:, None].expand(shape),
-                attn_mask=seq.mask, is_causal=seq.mask is None)  # [kv_heads, group, q_len, hd]
+            op = sdpa(qp, kp[:, None].expand(shape), vp[:, None].expand(shape),  # [kh, g, q, hd]
+                      seq.mask, self.scale, self.softcap)
             out[rows] = op.reshape(self.num_heads, seq.query_len, head_dim).transpose(0, 1)
         return out.view(num_tokens, self.num_heads * head_dim)
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's attention soft-capping: cap * tanh(scores / cap), in place."""
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float, softcap: float | None) -> torch.Tensor:
+    """scaled_dot_product_attention (mask None: causal), or its plain form where the scores
+    are soft-capped, which SDPA cannot do. q [..., q_len, hd], k/v [..., kv_len, hd]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril_()
+    scores = soft_cap(q @ k.transpose(-1, -2) * scale, softcap)  # [..., q_len, kv_len]
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def contiguous_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
-                         start_pos: int) -> torch.Tensor:
+                         start_pos: int, window: int | None = None, scale: float | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """The oracle: one sequence, cache [2, num_kv_heads, max_len, hd], plain causal SDPA.
 
     q [T, num_heads, hd], kv [T, 2 * num_kv_heads, hd] at positions start_pos..start_pos+T-1.
@@ -298,8 +354,12 @@ def contiguous_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
         raise ValueError(f"contiguous cache holds {cache.shape[2]} positions, need {end}")
     cache[:, :, start_pos:end] = kv.transpose(0, 1).reshape(2, kv_heads, num_tokens, head_dim)
     group = num_heads // kv_heads
-    keys = cache[0, :, :end].to(q.dtype).repeat_interleave(group, dim=0)  # [num_heads, end, hd]
-    values = cache[1, :, :end].to(q.dtype).repeat_interleave(group, dim=0)  # [num_heads, end, hd]
-    mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [T, end]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+    k = cache[0, :, :end].to(q.dtype).repeat_interleave(group, dim=0)  # [num_heads, end, hd]
+    v = cache[1, :, :end].to(q.dtype).repeat_interleave(group, dim=0)  # [num_heads, end, hd]
+    keys, query_pos = torch.arange(end)[None, :], torch.arange(start_pos, end)[:, None]
+    mask = keys <= query_pos  # [T, end]
+    if window is not None:
+        mask &= keys > query_pos - window
+    out = sdpa(q.transpose(0, 1), k, v, mask, head_dim ** -0.5 if scale is None else scale,
+               softcap)
     return out.transpose(0, 1).reshape(num_tokens, num_heads * head_dim)  # [T, num_heads * hd]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,10 +18,14 @@ import torch
 from safetensors import safe_open
 
 from .arch import ModelArchConfig
-from .gguf_loader import permute_qk
+from .gguf_loader import split_fused, to_interleaved
 
 logger = logging.getLogger(__name__)
 
+# Mixtral's checkpoint names -> the Qwen3-MoE/OLMoE ones the model loads.
+_MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                  ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in _MIXTRAL_PARTS))
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -35,6 +40,7 @@ def read_hf_arch(path: str | Path) -> ModelArchConfig:
 def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every *.safetensors file of the folder, in file order."""
+    norm_offset = arch.family.norm_offset
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
@@ -44,7 +50,8 @@ def iter_hf_weights(path: str | Path, arch: ModelArchConfig
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 tensor = f.get_tensor(name)
-                if ".q_proj." in name or ".k_proj." in name:
-                    heads = arch.num_heads if ".q_proj." in name else arch.num_kv_heads
-                    tensor = permute_qk(tensor, heads)  # torch has reshape/swapaxes too
-                yield name, tensor
+                name = _MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], name)
+                if norm_offset and name.endswith("norm.weight"):
+                    tensor = tensor.float() + 1  # Gemma scales by 1 + w, as GGUF stores it
+                for part_name, part in split_fused(name, tensor, arch):
+                    yield part_name, to_interleaved(part_name, part, arch)

@@ -30,8 +30,11 @@ from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
 from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
+from .decoder_layer import LlamaDecoderLayer, Target, rms_norm
 from .gguf_loader import QuantizedTensor
 from .linear import QUANT_MAX_ROWS, Linear, _param
+from .moe import SparseMoe
+from .rope import RopeConfig, Rotary
 
 logger = logging.getLogger(__name__)
 
@@ -43,107 +46,6 @@ def default_weights(dtype: str) -> str:
     """`native` (quantized kernels where the file has them) unless the float32 path is asked
     for: float32 means float32 weights and activations throughout (the oracle tests' path)."""
     return "fp32" if dtype == "float32" else "native"
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    return weight * F.rms_norm(x32, (x.shape[-1],), None, eps).to(x.dtype)
-
-
-class Rotary:
-    """RoPE on interleaved pairs (dims 2i, 2i+1) as a complex multiply, in place."""
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponents)  # [head_dim / 2] float32, as HF computes it
-        self._cos = self._sin = torch.empty(0, head_dim // 2)
-
-    def tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [>= num_positions, head_dim / 2] float32 for the fused kernels; grown
-        by doubling, computed exactly as `freqs` computes them per step."""
-        if self._cos.shape[0] < num_positions:
-            n = max(num_positions, 2 * self._cos.shape[0], 256)
-            angles = torch.arange(n).float()[:, None] * self.inv_freq[None, :]  # [n, hd / 2]
-            self._cos, self._sin = angles.cos(), angles.sin()
-        return self._cos, self._sin
-
-    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions [num_tokens] -> e^(i * pos * inv_freq) [num_tokens, 1, head_dim / 2]
-        complex64 (broadcast over heads)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, hd / 2]
-        return torch.polar(torch.ones_like(angles), angles)[:, None, :]
-
-    @staticmethod
-    def apply_(x: torch.Tensor, freqs: torch.Tensor) -> None:
-        """Rotate x [num_tokens, heads, head_dim] float32 in place (x may be a strided view)."""
-        num_tokens, heads, head_dim = x.shape
-        pairs = torch.view_as_complex(x.view(num_tokens, heads, head_dim // 2, 2))
-        pairs.mul_(freqs)  # [num_tokens, heads, head_dim / 2] complex64
-
-
-class LlamaAttention(nn.Module):
-    qkv_proj: Linear
-    o_proj: Linear
-
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        # NOTE: Q, K and V in one matrix: one GEMM per layer instead of three.
-        self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, arch.hidden_size,
-                               arch.attention_bias, dtype)
-        self.o_proj = Linear(arch.hidden_size, self.q_size, False, dtype)
-
-    def qkv(self, x: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [num_tokens, hidden] -> q [num_tokens, num_heads, hd] and kv [num_tokens,
-        2 * num_kv_heads, hd] (K heads, then V heads), both views of one fresh tensor."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        # RoPE as a complex multiply needs float32; on the bfloat16 path it is rounded back.
-        qkv32 = qkv.float()
-        # Q and K sit side by side in the fused output: one multiply rotates both, in place.
-        Rotary.apply_(qkv32[:, :self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), freqs)
-        qkv = qkv32.to(dtype)
-        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-        kv = qkv[:, self.q_size:].view(num_tokens, 2 * self.num_kv_heads, self.head_dim)
-        return q, kv
-
-
-class LlamaMLP(nn.Module):
-    gate_up_proj: Linear
-    down_proj: Linear
-
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(2 * arch.intermediate_size, arch.hidden_size, False, dtype)
-        self.down_proj = Linear(arch.hidden_size, arch.intermediate_size, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # [num_tokens, hidden_size]
-
-
-class LlamaDecoderLayer(nn.Module):
-    input_layernorm: nn.Parameter
-    self_attn: LlamaAttention
-    post_attention_layernorm: nn.Parameter
-    mlp: LlamaMLP
-
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, norm_dtype: torch.dtype
-                 ) -> None:
-        super().__init__()
-        self.input_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
-        self.self_attn = LlamaAttention(arch, dtype)
-        self.post_attention_layernorm = _param(arch.hidden_size, dtype=norm_dtype)
-        self.mlp = LlamaMLP(arch, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,8 +77,10 @@ class LlamaForCausalLM(nn.Module):
         weight_dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=weight_dtype)
         # typed list for the hot loop; the ModuleList registers the same layers
-        self._layers = [LlamaDecoderLayer(arch, weight_dtype, self.act_dtype)
-                        for _ in range(arch.num_layers)]
+        self._layers = [LlamaDecoderLayer(
+            arch, weight_dtype, self.act_dtype,
+            SparseMoe(arch, weight_dtype) if arch.num_experts and i not in arch.dense_layers
+            else None) for i in range(arch.num_layers)]
         self.layers = nn.ModuleList(self._layers)
         self.norm = _param(arch.hidden_size, dtype=self.act_dtype)
         self.lm_head = Linear(arch.vocab_size, arch.hidden_size, False, weight_dtype)
@@ -187,12 +91,36 @@ class LlamaForCausalLM(nn.Module):
         # native with the kernels: small decode steps run every layer in one kernel call
         self._one_call = False
         self._one_call_layers: tuple[tuple[int, ...], ctypes.Array] | None = None
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta)
+        # One Rotary per distinct RoPE (Gemma 3's local and global layers differ), one
+        # PagedAttention per distinct window; each layer points at its own.
+        rotaries: dict[RopeConfig, Rotary] = {}
+        self._layer_rotary = [rotaries.setdefault(arch.layer_rope(i),
+                                                  Rotary(arch.head_dim, arch.layer_rope(i)))
+                              for i in range(arch.num_layers)]
+        self.rotary = self._layer_rotary[0]
         # The fused paged path (float32 activations) runs on the compiled CPU kernels; without
         # them (no compiler) or on the bfloat16 path, the same steps run as torch ops.
         self.kernels = CpuKernels.load() if self.act_dtype == torch.float32 else None
-        self.paged_attention = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                              self.kernels)
+        attentions: dict[int | None, PagedAttention] = {}
+        self._layer_attention = [attentions.setdefault(arch.layer_window(i), PagedAttention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, self.kernels,
+            arch.layer_window(i), arch.attn_scale, arch.attn_softcap))
+            for i in range(arch.num_layers)]
+        self.paged_attention = self._layer_attention[0]
+        # NOTE: the one-call decode kernel runs plain Llama blocks only: one RoPE table, full
+        # attention, no Q/K norm. Any other model decodes op by op (still fused kernels).
+        self._one_call_able = (len(rotaries) == 1 and not arch.qk_norm
+                               and set(arch.layer_types) == {"full_attention"})
+        # NOTE: the fused per-op path has SwiGLU, plain residual adds, unscaled embeddings and
+        # plain RoPE only: Gemma, and Phi with longrope or partial RoPE, run every step as
+        # torch ops (the decode kernel still serves their unwindowed, uncapped layers).
+        fam = arch.family
+        self._fused_able = (fam.mlp_act == "silu" and not fam.sandwich_norms
+                            and not fam.scaled_embedding and not arch.num_experts
+                            and all(r.plain for r in self._layer_rotary))
+        self._one_call_able = (self._one_call_able and self._fused_able
+                               and arch.embedding_multiplier is None  # granite
+                               and arch.residual_multiplier is None)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -201,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [num_tokens] (all sequences of the step, flattened in metadata order) ->
         final-normed hidden states [num_tokens, hidden_size]. Writes the step's K/V."""
-        if self.kernels is not None:
+        if self.kernels is not None and self._fused_able:
             return self._run_fused(input_ids, attn_metadata, kv_caches)
         return self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
 
@@ -218,19 +146,28 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         eps, act_dtype = self.arch.rms_norm_eps, self.act_dtype
-        freqs = self.rotary.freqs(positions)  # [num_tokens, 1, head_dim / 2] complex64
+        # [num_tokens, 1, head_dim / 2] complex64 for each distinct RoPE
+        seq_lens = None  # each token's sequence length this step: longrope picks by it
+        if any(r.inv_freq_long is not None for r in self._layer_rotary):
+            seq_lens = (torch.repeat_interleave(attn.seq_lens_tensor,
+                                                torch.tensor(attn.query_lens))
+                        if isinstance(attn, AttentionMetadata)
+                        else torch.full_like(positions, attn + positions.shape[0]))
+        freqs = {id(r): r.freqs(positions, seq_lens) for r in self._layer_rotary}
         # NOTE: a fresh tensor (embedding output), so the residual adds below go in place.
         h = self.embed(input_ids).to(act_dtype)  # [num_tokens, hidden]
-        for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self._layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_layernorm, eps)  # [num_tokens, hidden_size]
-            q, kv = layer.self_attn.qkv(x, freqs, act_dtype)
+            q, kv = layer.self_attn.qkv(x, freqs[id(self._layer_rotary[i])], act_dtype)
+            paged = self._layer_attention[i]
             if isinstance(attn, AttentionMetadata):
-                o = self.paged_attention(q, kv, kv_cache, attn)  # [num_tokens, q_size]
-            else:
-                o = contiguous_attention(q, kv, kv_cache, attn)  # [num_tokens, q_size]
-            h.add_(layer.self_attn.o_proj(o))  # [num_tokens, hidden_size]
+                o = paged(q, kv, kv_cache, attn)  # [num_tokens, q_size]
+            else:  # [num_tokens, q_size]
+                o = contiguous_attention(q, kv, kv_cache, attn, paged.window, paged.scale,
+                                         paged.softcap)
+            h.add_(layer.attn_residual(o))  # [num_tokens, hidden_size]
             x = rms_norm(h, layer.post_attention_layernorm, eps)
-            h.add_(layer.mlp(x))  # [num_tokens, hidden_size]
+            h.add_(layer.mlp_residual(x))  # [num_tokens, hidden_size]
         return rms_norm(h, self.norm, eps)
 
     def _run_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -244,10 +181,11 @@ class LlamaForCausalLM(nn.Module):
         kernels, eps, arch = self.kernels, self.arch.rms_norm_eps, self.arch
         assert kernels is not None
         n = input_ids.shape[0]
-        cos, sin = self.rotary.tables(max(meta.seq_lens))  # [positions, head_dim / 2]
+        tables = {id(r): r.tables(max(meta.seq_lens)) for r in self._layer_rotary}
+        cos, sin = tables[id(self.rotary)]  # [positions, head_dim / 2]
         with_kv = bool(meta.prefills)  # only prefills read this step's K/V outside the cache
         layers = self._layers
-        h = self.embed(input_ids).float()  # [n, hidden] residual stream
+        h = self.embed(input_ids)  # [n, hidden] residual stream (float32 here)
         if self._one_call and meta.num_decodes == meta.num_seqs and n <= QUANT_MAX_ROWS:
             # NOTE: a few decodes: the whole step in one kernel call. The ~9 calls a layer
             # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step.
@@ -262,20 +200,23 @@ class LlamaForCausalLM(nn.Module):
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.dense_mlp
             qkv = attn.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+            attn.norm_qk_(qkv)  # Qwen3's per-head Q/K norm, before RoPE (no-op elsewhere)
+            cos, sin = tables[id(self._layer_rotary[i])]
             q, kv = kernels.rope_store(qkv, arch.num_heads, arch.num_kv_heads, meta.positions,
                                        cos, sin, meta.slot_mapping, kv_cache, with_kv)
-            o = self.paged_attention.attend(  # [n, q_size]
+            o = self._layer_attention[i].attend(  # [n, q_size]
                 q, kv, kv_cache, meta, q.new_empty(q.shape, dtype=attn.o_proj.input_dtype(n)))
-            x = kernels.add_rms_norm(h, attn.o_proj(o), layer.post_attention_layernorm, eps,
-                                     mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
+            x = kernels.add_rms_norm(h, layer.attn_residual(o), layer.post_attention_layernorm,
+                                     eps, mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
             act = kernels.silu_mul(mlp.gate_up_proj(x), mlp.down_proj.input_dtype(n))
+            down = layer.scale_residual(mlp.down_proj(act))
             if i + 1 < len(layers):
                 norm, dtype = layers[i + 1].input_layernorm, layers[i + 1].self_attn.qkv_proj
-                x = kernels.add_rms_norm(h, mlp.down_proj(act), norm, eps, dtype.input_dtype(n))
+                x = kernels.add_rms_norm(h, down, norm, eps, dtype.input_dtype(n))
             else:
-                x = kernels.add_rms_norm(h, mlp.down_proj(act), self.norm, eps, torch.float32)
+                x = kernels.add_rms_norm(h, down, self.norm, eps, torch.float32)
         return x
 
     def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
@@ -284,25 +225,37 @@ class LlamaForCausalLM(nn.Module):
         if self._one_call_layers is None or self._one_call_layers[0] != key:
             structs = []
             for layer, cache in zip(self._layers, kv_caches, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                 structs.append(DecoderLayer(
-                    *(p.quant.struct for p in projections),  # type: ignore[union-attr]
+                    *(p.quant.struct for p in layer.projections),  # type: ignore[union-attr]
                     layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                     cache.data_ptr()))
             self._one_call_layers = (key, (DecoderLayer * len(structs))(*structs))
         return self._one_call_layers[1]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [n] -> a fresh [n, hidden_size] tensor (the residual adds go in place)."""
+        """input_ids [n] -> a fresh [n, hidden_size] tensor in the activations' dtype (the
+        residual adds go in place), scaled where the family scales it."""
         if self.embed_quant is not None:
-            return self.embed_quant(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+            h = self.embed_quant(input_ids).to(self.act_dtype)
+        else:
+            h = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+        if self.arch.family.scaled_embedding:
+            # NOTE: as Gemma does it: the scale rounded to the activations' dtype first
+            h.mul_(torch.tensor(self.arch.hidden_size ** 0.5, dtype=self.act_dtype))
+        if self.arch.embedding_multiplier is not None:  # granite
+            h.mul_(self.arch.embedding_multiplier)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (only the rows being sampled) -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.arch.logits_scaling is not None:  # granite
+            logits.div_(self.arch.logits_scaling)
+        cap = self.arch.final_softcap
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ---- caches ---------------------------------------------------------------------------
 
@@ -342,8 +295,6 @@ class LlamaForCausalLM(nn.Module):
         (linear.py) and free the dense copies they no longer need.
         """
         arch = self.arch
-        q, kv = arch.q_size, arch.kv_size
-        Target = tuple[torch.Tensor, slice | None, Linear | None]
         tied_head = self.lm_head if arch.tie_word_embeddings else None
         targets: dict[str, Target] = {
             "model.embed_tokens.weight": (self.embed_tokens, None, tied_head),
@@ -351,26 +302,8 @@ class LlamaForCausalLM(nn.Module):
         }
         if not arch.tie_word_embeddings:
             targets["lm_head.weight"] = (self.lm_head.weight, None, self.lm_head)
-        qkv_parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv),
-                     "v_proj": slice(q + kv, q + 2 * kv)}
-        ffn = arch.intermediate_size
         for i, layer in enumerate(self._layers):
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            targets[p + "input_layernorm.weight"] = (layer.input_layernorm, None, None)
-            targets[p + "post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm, None, None)
-            targets[p + "self_attn.o_proj.weight"] = (attn.o_proj.weight, None, attn.o_proj)
-            for proj, part in qkv_parts.items():
-                targets[p + f"self_attn.{proj}.weight"] = (
-                    attn.qkv_proj.weight, part, attn.qkv_proj)
-                if attn.qkv_proj.bias is not None:
-                    targets[p + f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, part, None)
-            targets[p + "mlp.gate_proj.weight"] = (
-                mlp.gate_up_proj.weight, slice(0, ffn), mlp.gate_up_proj)
-            targets[p + "mlp.up_proj.weight"] = (
-                mlp.gate_up_proj.weight, slice(ffn, 2 * ffn), mlp.gate_up_proj)
-            targets[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight, None, mlp.down_proj)
+            targets.update(layer.weight_targets(f"model.layers.{i}."))
 
         native = self.weights == "native"
         for name, tensor in weights:
@@ -406,9 +339,9 @@ class LlamaForCausalLM(nn.Module):
                                 int8=module is not self.lm_head)
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
-        self._one_call = (self.kernels is not None and self.paged_attention.kernels is not None
+        self._one_call = (self._one_call_able and self.kernels is not None
+                          and self.paged_attention.kernels is not None
                           and all(isinstance(p.quant, QuantMatrix) for layer in self._layers
-                                  for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)))
+                                  for p in layer.projections))
         logger.info("weights %s: %.0f MiB in the projections", self.weights,
                     sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
