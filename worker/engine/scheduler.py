@@ -246,6 +246,10 @@ class Scheduler:
                     break
             if not new_token_ids:
                 continue
+            if len(new_token_ids) < len(request_sampled):
+                # A stop inside an accepted draft: the tokens after it never happened.
+                request.num_computed_tokens = min(request.num_computed_tokens,
+                                                  request.num_tokens - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
             if status is not None:
