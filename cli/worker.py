@@ -70,7 +70,7 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
            lease_timeout: float, renew_interval: float | None, heartbeat_timeout: float,
            claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
-           metrics_port: int, cpus: set[int] | None, **kwargs) -> None:
+           metrics_port: int, cpus: set[int] | None, **kwargs: object) -> None:
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
     if cpus:
         # NOTE: before torch starts its threads: they inherit the process's affinity.

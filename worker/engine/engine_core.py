@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
@@ -25,6 +25,9 @@ from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,20 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use
     prefix_cache_hit_rate: float
     num_preemptions: int
+    # Speculative decoding totals since the engine started (0 when it is off).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Fraction of draft tokens the target model accepted."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens \
+            if self.spec_num_draft_tokens else 0.0
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded=None,
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # Imported here so `llmq.worker.engine.engine_core` stays cheap to import for type users.
         from llmq.worker.engine.model.default_model import ensure_default_model
@@ -169,8 +182,14 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                           s.prefix_cache_hit_rate, s.num_preemptions)
+        stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
+                            s.prefix_cache_hit_rate, s.num_preemptions)
+        if s.speculator is not None:
+            spec = s.speculator.stats
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+        return stats
 
     def generate(self, prompts: list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams]) -> list[EngineCoreOutput]:
