@@ -75,10 +75,26 @@ engine_options = _apply([
                  help="KV-cache budget in bytes."),
     click.option("--scheduling-policy", envvar="LLMQ_SCHEDULING_POLICY",
                  type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True),
+    click.option("--speculative-method", envvar="LLMQ_SPECULATIVE_METHOD",
+                 type=click.Choice(["ngram"]), default=None,
+                 help="Speculative decoding: ngram is prompt lookup (drafts copied from the "
+                      "prompt and output so far). Default: off."),
+    click.option("--num-speculative-tokens", envvar="LLMQ_NUM_SPECULATIVE_TOKENS",
+                 type=click.IntRange(1, 32), default=4, show_default=True,
+                 help="The most draft tokens verified per step (each request adapts its own "
+                      "count to its acceptance)."),
+    click.option("--prompt-lookup-max", envvar="LLMQ_PROMPT_LOOKUP_MAX",
+                 type=click.IntRange(1, 16), default=3, show_default=True,
+                 help="ngram: the longest n-gram a draft is looked up by."),
+    click.option("--prompt-lookup-min", envvar="LLMQ_PROMPT_LOOKUP_MIN",
+                 type=click.IntRange(1, 16), default=2, show_default=True,
+                 help="ngram: the shortest n-gram a draft is looked up by."),
 ])
 
 ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy")
+                 "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy",
+                 "speculative_method", "num_speculative_tokens", "prompt_lookup_max",
+                 "prompt_lookup_min")
 
 
 def engine_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

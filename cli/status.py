@@ -55,9 +55,11 @@ def status(as_json: bool, **kwargs: Any) -> None:
         return
     click.echo(table(
         ["WORKER", "QUEUE", "MODEL", "STATE", "RUNNING", "WAITING", "KV USE", "TOKENS/S",
-         "HEARTBEAT"],
+         "SPEC ACCEPT", "HEARTBEAT"],
         [[w.worker_id, w.queue, w.model,
           f"sleeping (level {w.sleeping})" if w.sleeping else "serving", w.running, w.waiting,
-          f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}", ago(w.heartbeat_ms, now)]
+          f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}",
+          f"{w.spec_acceptance_rate:.0%} {w.speculative_method}" if w.speculative_method
+          else "off", ago(w.heartbeat_ms, now)]
          for w in workers]))
 

@@ -121,6 +121,10 @@ class WorkerHeartbeat(Struct, kw_only=True):
     requests_total: int = 0  # terminal events written
     generated_tokens_total: int = 0
     ttft_hist: str = ""  # TTFT counts per bucket (LatencyHistogram.encode())
+    # Speculative decoding: the method ("" when off), and the fraction of draft tokens accepted
+    # since the worker started, 0..1.
+    speculative_method: str = ""
+    spec_acceptance_rate: float = 0.0
 
 
 def encode_heartbeat(heartbeat: WorkerHeartbeat) -> dict[str, str]:

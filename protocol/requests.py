@@ -114,6 +114,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     # True: special-token text in the prompt or message content is parsed as control tokens
     # (trusted callers only; by default it is encoded as the text it is).
     allow_special_tokens: bool = False
+    # False: never speculate for this request on a worker running speculative decoding (the
+    # tokens are the same either way; it only spends no compute on drafts).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
@@ -162,6 +165,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.logprobs,
             "n": self.n,
+            "speculative": self.speculative,
         }
 
     def structured_output(self) -> tuple[str, str] | None:

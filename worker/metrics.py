@@ -80,6 +80,14 @@ class WorkerMetrics:
                            _LABELS, registry=reg)
         preemptions = Counter("llmq_preemptions", "Requests preempted for lack of KV blocks.",
                               _LABELS, registry=reg)
+        spec_drafts = Counter("llmq_spec_decode_num_drafts",
+                              "Speculative drafts verified (one per request per step).",
+                              _LABELS, registry=reg)
+        spec_draft_tokens = Counter("llmq_spec_decode_num_draft_tokens",
+                                    "Draft tokens proposed and verified.", _LABELS, registry=reg)
+        spec_accepted_tokens = Counter("llmq_spec_decode_num_accepted_tokens",
+                                       "Draft tokens the target model accepted.",
+                                       _LABELS, registry=reg)
         reclaimed = Counter("llmq_reclaimed_requests",
                             "Requests this worker took over from a dead or stalled peer.",
                             _LABELS, registry=reg)
@@ -105,6 +113,9 @@ class WorkerMetrics:
         self._prefix_hit = prefix_hit.labels(**labels)
         self._preemptions = preemptions.labels(**labels)
         self._reclaimed = reclaimed.labels(**labels)
+        self._spec_counters = [c.labels(**labels)
+                               for c in (spec_drafts, spec_draft_tokens, spec_accepted_tokens)]
+        self._last_spec_totals = [0, 0, 0]
         self._dead_letters = dead_letters.labels(**labels)
         for reason in ("stop", "length", "cancelled"):
             self._requests.labels(model=model, queue=queue, finish_reason=reason, error_code="")
@@ -153,6 +164,15 @@ class WorkerMetrics:
             self._preemptions.inc(delta)
         # A smaller total means a new engine instance restarted its count: follow it from there.
         self._last_num_preemptions = num_preemptions_total
+
+    def set_spec_decode(self, num_drafts_total: int, num_draft_tokens_total: int,
+                        num_accepted_tokens_total: int) -> None:
+        """Advance the speculative-decoding counters to the engine's running totals."""
+        totals = [num_drafts_total, num_draft_tokens_total, num_accepted_tokens_total]
+        for i, (counter, total) in enumerate(zip(self._spec_counters, totals, strict=True)):
+            if total > self._last_spec_totals[i]:
+                counter.inc(total - self._last_spec_totals[i])
+            self._last_spec_totals[i] = total  # smaller: a new engine restarted its count
 
     def inc_reclaimed(self, n: int = 1) -> None:
         self._reclaimed.inc(n)

@@ -383,6 +383,8 @@ class Worker:
         s = self._stats
         self.metrics.set_engine_state(s.num_running, s.num_waiting, s.kv_cache_usage,
                                       s.prefix_cache_hit_rate, s.num_preemptions)
+        self.metrics.set_spec_decode(s.spec_num_drafts, s.spec_num_draft_tokens,
+                                     s.spec_num_accepted_tokens)
         down = self.state.down()
         if self.utility.sleep_level:
             self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
@@ -408,7 +410,9 @@ class Worker:
             draining=int(self.draining),
             prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4) if s else 0.0,
             requests_total=requests_total, generated_tokens_total=generated,
-            ttft_hist=ttft_hist, sleeping=self.utility.sleep_level)
+            ttft_hist=ttft_hist, sleeping=self.utility.sleep_level,
+            speculative_method=self.engine.config.speculative_method or "",
+            spec_acceptance_rate=round(s.spec_acceptance_rate, 4) if s else 0.0)
         return protocol.encode_heartbeat(heartbeat)
 
 

@@ -180,7 +180,8 @@ class InProcessWorker:
     def __init__(self, url: str, loaded: Any, *, worker_id: str = "inproc", fault: str = "",
                  max_num_seqs: int = 64, num_kv_blocks: int = 64, lease: float = LEASE,
                  renew: float = RENEW, heartbeat: float = HEARTBEAT,
-                 max_deliveries: int = MAX_DELIVERIES, **config: Any) -> None:
+                 max_deliveries: int = MAX_DELIVERIES, speculative_method: str | None = None,
+                 **config: Any) -> None:
         from llmq.worker.engine.config import EngineConfig
         from llmq.worker.engine.engine_core import EngineCore
         from llmq.worker.worker import Worker
@@ -189,7 +190,9 @@ class InProcessWorker:
 
         self.engine = EngineCore(EngineConfig(model="tiny", dtype="float32",
                                               max_num_seqs=max_num_seqs,
-                                              num_kv_blocks=num_kv_blocks), loaded=loaded)
+                                              num_kv_blocks=num_kv_blocks,
+                                              speculative_method=speculative_method),
+                                 loaded=loaded)
         self.worker = Worker(
             WorkerConfig(redis_url=url, worker_id=worker_id, lease_timeout=lease,
                          renew_interval=renew, heartbeat_timeout=heartbeat,

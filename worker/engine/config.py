@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmq.worker.engine.spec_decode.speculator import SpeculativeConfig
+
 DTYPES = ("float32", "bfloat16")
 WEIGHTS = ("native", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -32,6 +34,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens per step (prefill chunks + decodes)
     scheduling_policy: str = "fcfs"
     max_num_preemptions: int = 8  # a request preempted more often fails with code "preempted"
+    # Speculative decoding (worker/engine/spec_decode/): None is off; "ngram" is prompt lookup.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4  # the most draft tokens verified per step
+    prompt_lookup_max: int = 3  # the longest n-gram a draft is looked up by
+    prompt_lookup_min: int = 2  # the shortest
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,3 +59,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_preemptions < 0:
             raise ValueError(f"max_num_preemptions must be >= 0, got {self.max_num_preemptions}")
+        speculative = self.speculative_config
+        if speculative is not None and (problem := speculative.problem()):
+            raise ValueError(problem)
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens,
+                                 self.prompt_lookup_max, self.prompt_lookup_min)

@@ -43,6 +43,16 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use
     prefix_cache_hit_rate: float
     num_preemptions: int
+    # Speculative decoding totals since the engine started (0 when it is off).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Fraction of draft tokens the target model accepted."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens \
+            if self.spec_num_draft_tokens else 0.0
 
 
 class EngineCore:
@@ -174,8 +184,14 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                           s.prefix_cache_hit_rate, s.num_preemptions)
+        stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
+                            s.prefix_cache_hit_rate, s.num_preemptions)
+        if s.speculator is not None:
+            spec = s.speculator.stats
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+        return stats
 
     def generate(self, prompts: list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams]) -> list[EngineCoreOutput]:

@@ -145,6 +145,19 @@ class KVCacheManager:
             self.block_pool.free_blocks([block for block in blocks[::-1] if block is not null])
         request.block_ids.clear()
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks wholly past its first `num_tokens` tokens: those that held
+        only draft tokens the verification rejected (worker/engine/spec_decode/speculator.py).
+        They were never offered to the prefix cache: only computed tokens are."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        del request.block_ids[keep:]
+        self.block_pool.free_blocks(dropped[::-1])
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's blocks (one more reference each) and its computed tokens.
 

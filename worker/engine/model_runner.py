@@ -14,9 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from llmq.worker.engine.model.attention import AttentionMetadata
-from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from llmq.worker.engine.sampler import Sampler, SamplingMetadata
 from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.spec_decode.rejection_sampler import (
+    as_decode_rows,
+    row_histories,
+    verify,
+)
 from llmq.worker.engine.structured_output import (
     GrammarError,
     GrammarMatcher,
@@ -74,10 +79,12 @@ class ModelRunner:
             if new.sampling_params.structured_output is not None:
                 self._start_grammar(state)
         cached = so.scheduled_cached_reqs
-        for request_id, new_block_ids, num_computed in zip(
-                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
+        for request_id, new_block_ids, num_computed, table_len in zip(
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens,
+                cached.block_table_lens, strict=True):
             state = self.requests[request_id]
-            state.block_ids.extend(new_block_ids)
+            # NOTE: the table may have shrunk since: speculative blocks freed on rejection.
+            state.block_ids[table_len - len(new_block_ids):] = new_block_ids
             state.num_computed_tokens = num_computed
 
     @torch.inference_mode()
@@ -87,52 +94,70 @@ class ModelRunner:
             return ModelRunnerOutput.make_empty()
 
         # NOTE: single-token sequences (decodes) go first: the attention runs them as one batch.
-        scheduled = sorted(so.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        drafts_of = so.scheduled_spec_decode_tokens
+        # NOTE: decodes go first, the attention runs them as one batch; a decode verifying a
+        # draft is one too (`spec_decode.rejection_sampler.as_decode_rows`).
+        scheduled = sorted(so.num_scheduled_tokens.items(), key=lambda item: item[1] - len(
+            drafts_of.get(item[0], ())) != 1)
         states = [self.requests[request_id] for request_id, _ in scheduled]
-        query_lens = [n for _, n in scheduled]
+        drafts = [drafts_of.get(s.request_id, []) for s in states]
         input_ids: list[int] = []
+        query_lens: list[int] = []
         seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
         sample_rows: list[int] = []  # index into `states` of each request that samples
-        logits_indices: list[int] = []  # its last token's row in the flat batch
-        for i, (state, n) in enumerate(zip(states, query_lens, strict=True)):
+        # Its last token's row in the flat batch, and with a draft, the draft's rows after it.
+        logits_indices: list[int] = []
+        for i, ((_, n), state, draft) in enumerate(zip(scheduled, states, drafts, strict=True)):
             start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start:start + n])
-            seq_lens.append(start + n)
-            if start + n == len(state.token_ids):  # the prompt is done: a new token is due
+            input_ids.extend(state.token_ids[start:start + n - len(draft)])
+            input_ids.extend(draft)
+            if draft:
+                as_decode_rows(start, n, state.block_ids, query_lens, seq_lens, block_tables)
+            else:
+                query_lens.append(n)
+                seq_lens.append(start + n)
+                block_tables.append(state.block_ids)
+            if start + n - len(draft) == len(state.token_ids):  # a new token is due
                 sample_rows.append(i)
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - len(draft) - 1, len(input_ids)))
 
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_ids for s in states], self.block_size)
+        metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
         hidden = self.model(  # [num_tokens, hidden_size]
             torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches)
 
         sampled: list[list[int]] = [[] for _ in states]
-        logprobs: list = [None] * len(states)
+        logprobs: list[list[TokenLogprob]] = [[] for _ in states]
         errors: dict[str, str] = {}
         if sample_rows:
-            logits = self.model.compute_logits(hidden[logits_indices])  # [num_samples, vocab]
-            sampling_states = [states[i] for i in sample_rows]
-            self._suppress_stop_tokens_before_min_tokens(logits, sampling_states)
-            self._apply_grammars(logits, sampling_states)
+            logits = self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
+            # One row per sampled position: a drafting request has one per draft token + 1,
+            # conditioned on the draft before it (worker/engine/spec_decode/rejection_sampler.py).
+            # NOTE: the scheduler drafts only where min_tokens and grammars do not apply.
+            row_states = [states[i] for i in sample_rows for _ in range(len(drafts[i]) + 1)]
+            self._suppress_stop_tokens_before_min_tokens(logits, row_states)
+            self._apply_grammars(logits, row_states)
+            histories = [h for i in sample_rows
+                         for h in row_histories(states[i].output_token_ids, drafts[i])]
             sampling_metadata = SamplingMetadata.build(
-                [s.sampling_params for s in sampling_states],
-                [s.prompt_token_ids for s in sampling_states],
-                [s.output_token_ids for s in sampling_states],
-                self.vocab_size)
+                [s.sampling_params for s in row_states],
+                [s.prompt_token_ids for s in row_states], histories, self.vocab_size)
             out = self.sampler(logits, sampling_metadata)
-            sampled_rows = zip(sample_rows, out.sampled_token_ids, strict=True)
-            for row, (i, token_id) in enumerate(sampled_rows):
+            first_row = 0
+            for i in sample_rows:
                 state = states[i]
-                if row in out.bad_rows:
-                    errors[state.request_id] = out.bad_rows[row]
+                kept = verify(out, first_row, drafts[i])
+                first_row += len(drafts[i]) + 1
+                if kept.error is not None:
+                    errors[state.request_id] = kept.error
                     continue
-                state.output_token_ids.append(token_id)
-                state.token_ids.append(token_id)
-                sampled[i] = [token_id]
-                logprobs[i] = out.logprobs[row]
-                if state.grammar is not None and not state.grammar.accept(token_id):
-                    self._grammar_errors[state.request_id] = state.grammar.error
+                state.output_token_ids.extend(kept.token_ids)
+                state.token_ids.extend(kept.token_ids)
+                sampled[i] = kept.token_ids
+                logprobs[i] = kept.logprobs
+                for token_id in kept.token_ids:
+                    if state.grammar is not None and not state.grammar.accept(token_id):
+                        self._grammar_errors[state.request_id] = state.grammar.error
         grammar_errors, self._grammar_errors = self._grammar_errors, {}
         return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors,
                                  grammar_errors)

@@ -46,6 +46,9 @@ class CachedRequestData:
     request_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
     num_computed_tokens: list[int] = field(default_factory=list)  # in the KV cache before this step
+    # The block table's length after `new_block_ids`: shorter than the runner's plus the new
+    # ones when blocks holding only rejected draft tokens were freed (spec_decode/speculator.py).
+    block_table_lens: list[int] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> CachedRequestData:
@@ -60,6 +63,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests finished, aborted or preempted since the last step: the runner drops their state.
     finished_request_ids: set[str]
+    # request_id -> draft tokens to verify after its last token; counted in num_scheduled_tokens
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -69,9 +74,10 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     request_ids: list[str]  # every request scheduled this step, in the runner's order
-    # Per request: the sampled ids ([] when the step ended inside its prompt).
+    # Per request: the sampled ids ([] when the step ended inside its prompt; several when a
+    # draft was verified: the accepted draft tokens, then the model's own next token).
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprob | None]  # per request; None when not asked for or not sampled
+    logprobs: list[list[TokenLogprob]]  # per request, one per sampled id when asked for
     errors: dict[str, str] = field(default_factory=dict)  # request_id -> why (NaN/inf logits)
     # request_id -> why its grammar failed (tokens it refused; never expected after the gate)
     grammar_errors: dict[str, str] = field(default_factory=dict)

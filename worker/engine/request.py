@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llmq.protocol.errors import ErrorCode
 from llmq.worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.spec_decode.speculator import RequestSpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -92,6 +95,8 @@ class Request:
         self.parent_id: str | None = None
         self.index = 0
         self.new_to_runner = False  # a forked child the model runner has not seen yet
+        # Speculative decoding: the n-gram index and draft length, made on its first draft.
+        self.spec_state: RequestSpecState | None = None
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -59,6 +59,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1  # completions of the prompt, sampled in parallel over its shared KV blocks
     structured_output: StructuredOutputParams | None = None
+    # False opts out of speculative decoding (when the worker runs it): same tokens either way,
+    # but a request that must spend no compute on drafts can say so.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # NOTE: tuples keep the struct hashable and frozen even when callers pass lists.

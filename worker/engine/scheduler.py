@@ -44,6 +44,7 @@ from llmq.worker.engine.outputs import (
 )
 from llmq.worker.engine.parallel_sampling import ParallelSampling
 from llmq.worker.engine.request import Request, RequestStatus
+from llmq.worker.engine.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class Scheduler:
         self._finished_request_ids: set[str] = set()
         self._finished_outputs: list[EngineCoreOutput] = []
         self.parallel = ParallelSampling(config.block_size)  # the families of n > 1 requests
+        self.speculator = Speculator(config.speculative_config) \
+            if config.speculative_config is not None else None
         self.num_preemptions = 0  # total, for metrics
 
     # -- requests in and out ------------------------------------------------------------------
@@ -129,6 +132,7 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         cached_reqs = CachedRequestData.make_empty()
         new_reqs: list[NewRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
         # Running requests: one decode token each, or the next chunk of their prompt.
@@ -139,6 +143,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            draft = self._propose(request, budget) if num_new == 1 else []
+            num_new += len(draft)
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -154,6 +160,9 @@ class Scheduler:
                 cached_reqs.request_ids.append(request.request_id)
                 cached_reqs.new_block_ids.append(block_ids)
                 cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+                cached_reqs.block_table_lens.append(len(request.block_ids))
+            if draft:
+                spec_tokens[request.request_id] = draft
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             i += 1
@@ -191,7 +200,8 @@ class Scheduler:
 
         finished_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled_tokens,
-                               self.config.max_num_batched_tokens - budget, finished_ids)
+                               self.config.max_num_batched_tokens - budget, finished_ids,
+                               spec_tokens)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -205,7 +215,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(request_id, [])
+            # NOTE: draft positions count as computed only once accepted, below.
+            request.num_computed_tokens += num_tokens - len(draft)
             if request.fork_at is not None and request.num_computed_tokens >= request.fork_at:
                 self._fork(request)
                 continue
@@ -223,21 +235,28 @@ class Scheduler:
             # runner returns in the middle of a prompt is not a real sample.
             if request.num_computed_tokens < request.num_tokens:
                 continue
+            request_sampled = sampled.get(request_id, [])
+            if draft:
+                self._roll_back(request, draft, request_sampled)
             new_token_ids: list[int] = []
             status = None
-            for token_id in sampled.get(request_id, []):
+            for token_id in request_sampled:
                 new_token_ids.append(token_id)
                 if (status := self._append_token(request, token_id)) is not None:
                     break
             if not new_token_ids:
                 continue
+            if len(new_token_ids) < len(request_sampled):
+                # A stop inside an accepted draft: the tokens after it never happened.
+                request.num_computed_tokens = min(request.num_computed_tokens,
+                                                  request.num_tokens - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
             if status is not None:
                 self._finish(request, status)
-            token_logprobs = logprobs.get(request_id)
+            token_logprobs = logprobs.get(request_id) or []
             outputs.append(self._make_output(
-                request, new_token_ids, [token_logprobs] if token_logprobs else []))
+                request, new_token_ids, token_logprobs[:len(new_token_ids)]))
         return outputs
 
     # -- metrics --------------------------------------------------------------------------------
@@ -265,6 +284,28 @@ class Scheduler:
         return self.kv_cache_manager.prefix_cache_hit_rate
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens to verify with this decode; none without a speculator or room."""
+        if self.speculator is None or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        # A draft of d tokens yields up to d + 1: never past max_tokens or the context.
+        max_drafts = min(budget - 1,
+                         request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                         self.max_model_len - request.num_tokens - 1)
+        return self.speculator.propose(request, max_drafts) if max_drafts > 0 else []
+
+    def _roll_back(self, request: Request, draft: list[int], sampled: list[int]) -> None:
+        """Count the accepted draft tokens as computed; free blocks past the accepted ones.
+
+        The rejected positions' KV stays in blocks the request keeps, past its computed
+        tokens, where the next step overwrites it; it was never offered to the prefix cache.
+        """
+        num_accepted = max(len(sampled) - 1, 0)
+        request.num_computed_tokens += num_accepted
+        assert self.speculator is not None
+        self.speculator.record(request, len(draft), num_accepted)
+        self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
 
     def _order_key(self, request: Request) -> tuple[float, float, int]:
         return self._order_keys[request.request_id]

@@ -1,0 +1,247 @@
+"""Speculative decoding is exact: the same tokens (greedy, seeded) or the same distribution
+(unseeded) as plain decoding, through preemption, prefix-cache hits and stops inside a run.
+
+Tiny random Llama, float32. Drafts come from `OracleSpeculator` (what a plain run produced,
+with every fifth token wrong), since the tiny model never copies its prompt; prompt lookup
+itself is tested on the real model below (slow) and in tests/unit/test_spec_decode_units.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+
+from llmq.worker.engine.config import EngineConfig
+from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.sampling_params import SamplingParams
+from tests.engine.spec_oracle import use_oracle
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(tiny_model, tiny_model_path, speculative: bool, **overrides) -> EngineCore:
+    fields = {"model": str(tiny_model_path), "dtype": "float32", "num_kv_blocks": 256,
+              "speculative_method": "ngram" if speculative else None}
+    fields.update(overrides)
+    return EngineCore(EngineConfig(**fields), loaded=tiny_model)
+
+
+def prompts_of(n: int) -> list[list[int]]:
+    return [[100 + (i * 31 + j * 17) % 400 for j in range(5 + i)] for i in range(n)]
+
+
+def references(tiny_model, tiny_model_path, prompts, params) -> dict[tuple[int, ...], list[int]]:
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False)
+    outs = plain.generate(prompts, params)
+    return {tuple(p): o.new_token_ids for p, o in zip(prompts, outs, strict=True)}
+
+
+def test_greedy_output_is_identical_with_and_without_speculation(tiny_model, tiny_model_path):
+    # Given 12 prompts, their greedy outputs without speculation, and drafts often wrong
+    prompts = prompts_of(12)
+    expected = references(tiny_model, tiny_model_path, prompts, GREEDY)
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True)
+    speculator = use_oracle(engine, expected)
+    # When they run together with speculation
+    outs = engine.generate(prompts, GREEDY)
+    # Then every output is the same, drafts were both accepted and rejected, and no block leaks
+    assert [o.new_token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    stats = speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_position[3] > 0  # whole 4-token drafts were accepted too
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_model, tiny_model_path):
+    # Given sampled requests with seeds, penalties, top-k and top-p
+    prompts = prompts_of(8)
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=i,
+                             frequency_penalty=0.3, repetition_penalty=1.1, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False)
+    expected = [o.new_token_ids for o in plain.generate(prompts, params)]
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True)
+    speculator = use_oracle(engine, {tuple(p): e for p, e in zip(prompts, expected,
+                                                                 strict=True)})
+    # When they run with speculation
+    outs = engine.generate(prompts, params)
+    # Then each row drew with the same uniform as without: the very same tokens
+    assert [o.new_token_ids for o in outs] == expected
+    assert speculator.stats.num_accepted_tokens > 0
+
+
+def _chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (z of the normal), Wilson-Hilferty approximation."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _two_sample_chi_square(a: collections.Counter, b: collections.Counter) -> tuple[float, int]:
+    """Homogeneity chi-square of two samples of tokens; rare tokens pooled into one cell."""
+    n_a, n_b = sum(a.values()), sum(b.values())
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+    cells = [(a[t], b[t]) for t in common]
+    rest = (n_a - sum(c[0] for c in cells), n_b - sum(c[1] for c in cells))
+    if sum(rest) > 0:
+        cells.append(rest)
+    stat = 0.0
+    for count_a, count_b in cells:
+        total = count_a + count_b
+        for count, n in ((count_a, n_a), (count_b, n_b)):
+            expected = total * n / (n_a + n_b)
+            stat += (count - expected) ** 2 / expected
+    return stat, len(cells) - 1
+
+
+def test_unseeded_and_differently_seeded_outputs_have_the_same_distribution(
+        tiny_model, tiny_model_path):
+    # Given one prompt sampled 1500 times without speculation (seeds 0..1499), and 1500 times
+    # with it (seeds 10000..11499, so no run can simply repeat another's draws), drafts being
+    # the greedy continuation (accepted only when the sample happens to agree)
+    prompt = prompts_of(1)[0]
+    n = 1500
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=4, temperature=1.0, top_k=6, seed=seed,
+                              ignore_eos=True)
+
+    greedy = references(tiny_model, tiny_model_path, [prompt], GREEDY)
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False, max_num_seqs=256)
+    base = plain.generate([prompt] * n, [params(s) for s in range(n)])
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True, max_num_seqs=256)
+    speculator = use_oracle(engine, greedy, corrupt_every=0)
+    spec = engine.generate([prompt] * n, [params(10_000 + s) for s in range(n)])
+    # Then the tokens at the drafted positions 1..3 (position 0 comes from the prefill) have
+    # the same frequencies, by a chi-square test at p = 0.001, position by position
+    assert speculator.stats.num_accepted_tokens > 100
+    assert speculator.stats.num_accepted_tokens < speculator.stats.num_draft_tokens
+    for position in (1, 2, 3):
+        a = collections.Counter(o.new_token_ids[position] for o in base)
+        b = collections.Counter(o.new_token_ids[position] for o in spec)
+        stat, dof = _two_sample_chi_square(a, b)
+        assert dof >= 3
+        assert stat < _chi_square_critical(dof), (position, stat, dof, a, b)
+    # And so do the pairs (position 1, position 2), the draft's first two verdicts together
+    a = collections.Counter(tuple(o.new_token_ids[1:3]) for o in base)
+    b = collections.Counter(tuple(o.new_token_ids[1:3]) for o in spec)
+    stat, dof = _two_sample_chi_square(a, b)
+    assert stat < _chi_square_critical(dof), (stat, dof)
+
+
+def test_preemption_and_prefix_cache_hits_in_the_middle_of_speculation(
+        tiny_model, tiny_model_path):
+    # Given 16 prompts sharing a 2-block prefix, on a cache far too small to run them together
+    prefix = list(range(200, 208))
+    prompts = [prefix + p for p in prompts_of(16)]
+    expected = references(tiny_model, tiny_model_path, prompts, GREEDY)
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True, num_kv_blocks=28,
+                         block_size=4)
+    speculator = use_oracle(engine, expected)
+    # When they run together with speculation: requests are preempted between speculated
+    # steps and resumed from blocks the speculated steps wrote and the prefix cache kept
+    outs = engine.generate(prompts, GREEDY)
+    # Then nothing changed, and all of that happened
+    assert [o.new_token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    assert engine.stats().num_preemptions > 0
+    assert engine.scheduler.kv_cache_manager.num_prefix_hits > 0
+    assert speculator.stats.num_accepted_tokens > 0
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_a_prompt_continuing_a_speculated_output_reuses_only_correct_blocks(
+        tiny_model, tiny_model_path):
+    # Given a request run with speculation (rejected drafts wrote KV past its accepted tokens)
+    prompt = prompts_of(3)[2]
+    expected = references(tiny_model, tiny_model_path, [prompt], GREEDY)
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True, block_size=4)
+    use_oracle(engine, expected)
+    (first,) = engine.generate([prompt], GREEDY)
+    # When a second prompt is the first one's prompt and output, so its blocks hit the cache
+    follow_up = prompt + first.new_token_ids[:-3]
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False, block_size=4)
+    (reference,) = plain.generate([follow_up], GREEDY)
+    (second,) = engine.generate([follow_up], GREEDY)
+    # Then it found them cached, and their KV is what a plain run computes: same output
+    assert second.usage.cached_prompt_tokens >= len(follow_up) - 4
+    assert second.new_token_ids == reference.new_token_ids
+
+
+@pytest.mark.parametrize("stop", [
+    {"max_tokens": 7},
+    {"stop_token_ids": "token 5"},
+    {"stop": "text of tokens 3..4"},
+    {"max_model_len": 20},
+])
+def test_stops_inside_an_accepted_run_are_honoured(tiny_model, tiny_model_path, stop):
+    # Given a request whose drafts are all right, 8 at a time, and a stop condition that
+    # falls inside an accepted run
+    prompt = prompts_of(6)[5]  # 10 tokens
+    reference = references(tiny_model, tiny_model_path, [prompt], GREEDY)[tuple(prompt)]
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False,
+                        max_model_len=stop.get("max_model_len"))
+    text = plain.tokenizer.decode(reference[3:5])
+    fields = {"max_tokens": 7} if "max_tokens" in stop else \
+        {"stop_token_ids": (reference[5],)} if "stop_token_ids" in stop else \
+        {"stop": (text,)} if "stop" in stop else {}
+    params = SamplingParams(**{"max_tokens": 24, "temperature": 0.0, "ignore_eos": True,
+                               **fields})
+    (expected,) = plain.generate([prompt], params)
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True,
+                         max_model_len=stop.get("max_model_len"))
+    speculator = use_oracle(engine, {tuple(prompt): reference}, corrupt_every=0, k=8)
+    # When it runs with speculation, streaming
+    engine.add_request("r", prompt, params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    # Then it stops exactly where the plain run did, with the same text and reason
+    assert [t for d in deltas for t in d.new_token_ids] == expected.new_token_ids
+    assert "".join(d.new_text for d in deltas) == expected.text
+    last = deltas[-1]
+    assert (last.text, last.finish_reason, last.stop_reason) == (
+        expected.text, expected.finish_reason, expected.stop_reason)
+    # And a delta carried several tokens at once
+    assert max(len(d.new_token_ids) for d in deltas) > 1
+    assert speculator.stats.num_accepted_tokens > 0
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def streamed_logprobs(engine: EngineCore, prompt: list[int], params: SamplingParams) -> list:
+    """The logprobs of every output, as the steps streamed them."""
+    engine.add_request("r", prompt, params)
+    logprobs = []
+    while engine.has_unfinished_requests():
+        logprobs += [lp for out in engine.step() for lp in out.new_logprobs]
+    return logprobs
+
+
+def test_logprobs_come_for_every_accepted_token(tiny_model, tiny_model_path):
+    prompt = prompts_of(4)[3]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False)
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True)
+    # Given a greedy request asking for logprobs, and drafts from its plain run
+    expected = streamed_logprobs(plain, prompt, params)
+    use_oracle(engine, {tuple(prompt): [lp.token_id for lp in expected]})
+    # When it runs with speculation
+    logprobs = streamed_logprobs(engine, prompt, params)
+    # Then each accepted token has its logprob and top logprobs, as without speculation
+    assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in expected]
+    for got, want in zip(logprobs, expected, strict=True):
+        assert got.top_token_ids == want.top_token_ids
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_a_request_that_opts_out_never_drafts(tiny_model, tiny_model_path):
+    # Given a speculating engine
+    prompts = prompts_of(3)
+    expected = references(tiny_model, tiny_model_path, prompts, GREEDY)
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True)
+    speculator = use_oracle(engine, expected)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculative=False)
+    # When requests opt out of speculation on an engine that runs it
+    outs = engine.generate(prompts, params)
+    assert [o.new_token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+    # Then they never draft, and produce the same tokens
+    assert speculator.stats.num_draft_tokens == 0

@@ -1,0 +1,1 @@
+"""Speculative decoding: propose draft tokens cheaply, verify them in one forward pass."""

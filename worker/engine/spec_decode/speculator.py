@@ -1,0 +1,119 @@
+"""The scheduler's side of speculative decoding: which requests draft, how many tokens, and the
+acceptance counts.
+
+One decode step of a request normally computes one position. With speculation, the scheduler
+appends the request's draft tokens (`propose`) to that position, the model runner computes all
+of them in one pass (a decode that looks like a small prefill chunk) and keeps the longest
+prefix of the draft the target model agrees with, plus one token of its own
+(worker/engine/spec_decode/rejection_sampler.py), and the scheduler rolls the KV cache back over
+the rejected positions (`Scheduler._roll_back`).
+
+A request drafts only where the draft cannot change what it would sample:
+- not when it opted out (`SamplingParams.speculative`), nor under structured output (the grammar
+  would have to advance through, and rewind over, the draft);
+- not before `min_tokens` are out (the stop-token suppression is per position);
+- never past `max_tokens` or the context length (the last position's token is the run's end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from llmq.worker.engine.spec_decode.draft_length import DraftLength
+from llmq.worker.engine.spec_decode.ngram_proposer import NgramIndex
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.request import Request
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config` names: method, num_speculative_tokens, prompt_lookup_max/min."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most draft tokens verified per step (k)
+    prompt_lookup_max: int = 3  # the longest n-gram matched (n)
+    prompt_lookup_min: int = 2  # the shortest: 1 matches single tokens, mostly by chance
+
+    def problem(self) -> str | None:
+        if self.method not in SPECULATIVE_METHODS:
+            return f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+        if not 1 <= self.num_speculative_tokens <= 32:
+            return f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}"
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            return (f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                    f"prompt_lookup_max ({self.prompt_lookup_max}) <= 16")
+        return None
+
+
+@dataclass
+class RequestSpecState:
+    """A request's own drafting state, kept across preemptions (its tokens do not change)."""
+
+    index: NgramIndex
+    draft_length: DraftLength
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since the engine started, for heartbeats and metrics."""
+
+    num_drafts: int = 0  # verified drafts (steps that speculated, summed over requests)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        problem = config.problem()
+        if problem:
+            raise ValueError(problem)
+        self.config = config
+        self.stats = SpecDecodeStats(
+            accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        """Draft tokens to verify after the request's last token this step (maybe none)."""
+        params = request.sampling_params
+        if (not params.speculative or params.structured_output is not None
+                or request.num_output_tokens < params.min_tokens or request.fork_at is not None):
+            return []
+        state: RequestSpecState | None = request.spec_state
+        if state is None:
+            cfg = self.config
+            state = request.spec_state = RequestSpecState(
+                NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
+                DraftLength(cfg.num_speculative_tokens))
+        k = min(state.draft_length.next_k(), max_drafts)
+        if k <= 0:
+            return []
+        return self.draft(request, state, k)
+
+    def draft(self, request: Request, state: RequestSpecState, k: int) -> list[int]:
+        """Up to k draft tokens: the proposer (tests substitute their own here)."""
+        return state.index.propose(request.all_token_ids, k)
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """What verification kept of the request's draft this step."""
+        state: RequestSpecState | None = request.spec_state
+        if state is None or num_drafts == 0:
+            return
+        state.draft_length.record(num_drafts, num_accepted)
+        state.num_draft_tokens += num_drafts
+        state.num_accepted_tokens += num_accepted
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
