@@ -78,7 +78,8 @@ def engine_config_kwargs(kwargs: dict) -> dict:
 
 
 sampling_options = _apply([
-    click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+    click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+                 help="Default 256, or fewer when the model's context leaves less room."),
     click.option("--temperature", type=click.FloatRange(min=0), default=None,
                  help="0 is greedy. Default 1.0."),
     click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None),

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from llmq.broker.commands import Followed
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.transcript import Fold
-from llmq.gateway.errors import bad_request, not_found
+from llmq.gateway.errors import APIError, bad_request, not_found
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, Endpoint, decode_body
 from llmq.gateway.openai_response import (
     DONE_FRAME,
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 KEEP_HEADER = "x-keep-on-disconnect"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_sorted_json = msgspec.json.Encoder(order="sorted")
 
 
 async def create_chat(request: Request) -> Response:
@@ -95,7 +98,14 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     request_id = f"{tenant}:{public_id}"
     keep = _truthy(request.headers.get(KEEP_HEADER))
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
-               "keep": int(keep), "model": parsed.model or "", "n": parsed.n}
+               "keep": int(keep), "model": parsed.model or "", "n": parsed.n,
+               "body": _digest(endpoint, parsed.request)}
+    if request.headers.get(REQUEST_ID_HEADER) is not None:
+        known = await state.stream_options(request_id)
+        if known is not None and known.get("body", options["body"]) != options["body"]:
+            raise APIError(409, f"X-Request-Id {public_id!r} was used already for another "
+                           "request: a retry must send the same body", "invalid_request_error",
+                           code="request_id_conflict", param="X-Request-Id")
     # NOTE: deltas are only needed to stream, or to collect logprobs; otherwise the worker
     # writes just `start` and `done`. The stream options and the request go in parallel: a
     # resume can only come once the client has the id, after this returns.
@@ -109,8 +119,17 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,
                                   parsed.logprobs is not None, parsed.n)
         cancel_queue = None if keep else queue
-        return StreamingResponse(_sse(state, request_id, stream, cancel_queue), headers={
-            **_SSE_HEADERS, **headers}, media_type="text/event-stream")
+        events = state.client.follow(request_id, timeout=state.settings.request_timeout)
+        admission = await _admission(state, request, request_id, queue, keep, events)
+        if isinstance(admission, Response):
+            await _close(events)
+            if admission.status_code == 504 and not keep:
+                await state.cancel(request_id, queue)
+            admission.headers.update(headers)
+            return admission
+        return StreamingResponse(_sse(state, request_id, stream, cancel_queue, opened=(
+            events, admission)), headers={**_SSE_HEADERS, **headers},
+            media_type="text/event-stream")
     answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -158,9 +177,7 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                     status, kind = error_status(event.code)
                     return status, error_body(event.message, kind, _openai_code(event.code))
     except ResultTimeout:
-        return 504, error_body(f"no answer within the gateway's request timeout "
-                               f"({state.settings.request_timeout:g}s)", "server_error",
-                               "timeout")
+        return 504, _timeout_body(state)
     except LLMQError as exc:
         return 503, error_body(str(exc), "server_error", "broker_unavailable")
     raise AssertionError("follow() ends only after a terminal event")
@@ -179,30 +196,92 @@ async def _disconnected(request: Request) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _following(state: GatewayState, request_id: str, after: str | None = None
+async def _following(state: GatewayState, request_id: str, after: str | None = None,
+                     events: AsyncIterator[Followed] | None = None
                      ) -> AsyncGenerator[AsyncIterator[Followed], None]:
-    """The request's events, closed on leaving, however that happens: its follower unsubscribes
-    at once rather than whenever the garbage collector finalizes the generator."""
-    events = state.client.follow(request_id, timeout=state.settings.request_timeout, after=after)
+    """The request's events (`events` when already open), closed on leaving, however that
+    happens: its follower unsubscribes at once rather than whenever the garbage collector
+    finalizes the generator."""
+    if events is None:
+        events = state.client.follow(request_id, timeout=state.settings.request_timeout,
+                                     after=after)
     try:
         yield events
     finally:
-        # NOTE: AsyncClient.follow is an async generator, though typed as an AsyncIterator.
-        if isinstance(events, AsyncGenerator):
-            await events.aclose()
+        await _close(events)
+
+
+async def _close(events: AsyncIterator[Followed]) -> None:
+    # NOTE: AsyncClient.follow is an async generator, though typed as an AsyncIterator.
+    if isinstance(events, AsyncGenerator):
+        await events.aclose()
+
+
+async def _admission(state: GatewayState, request: Request, request_id: str, queue: str,
+                     keep: bool, events: AsyncIterator[Followed]) -> list[Followed] | Response:
+    """The events up to the worker's admission (`start`, or the error refusing the request),
+    so a stream's HTTP status says whether it runs, as OpenAI's and vLLM's do: the events read,
+    or the error Response (a refusal, a timeout, a client gone meanwhile)."""
+    read: list[Followed] = []
+
+    async def admitted() -> Response | None:
+        try:
+            async for followed in events:
+                read.append(followed)
+                event = followed.event
+                if isinstance(event, Error):
+                    status, kind = error_status(event.code)
+                    return json_response(error_body(event.message, kind,
+                                                    _openai_code(event.code)), status)
+                if isinstance(event, Start | Done):
+                    return None
+        except ResultTimeout:
+            return json_response(_timeout_body(state), 504)
+        except LLMQError as exc:
+            return json_response(error_body(str(exc), "server_error", "broker_unavailable"),
+                                 503)
+        raise AssertionError("follow() ends only after a terminal event")
+
+    answer = asyncio.ensure_future(admitted())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not answer.done():
+        answer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answer
+        if not keep and not state.shutting_down():
+            await state.cancel(request_id, queue)
+        return Response(status_code=499)  # nobody is there to read it
+    return answer.result() or read
+
+
+def _timeout_body(state: GatewayState) -> dict[str, Any]:
+    return error_body(f"no answer within the gateway's request timeout "
+                      f"({state.settings.request_timeout:g}s)", "server_error", "timeout")
 
 
 # -- streaming ------------------------------------------------------------------------------------
 
 
 async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
-               cancel_queue: str | None, after: str | None = None
+               cancel_queue: str | None, after: str | None = None,
+               opened: tuple[AsyncIterator[Followed], list[Followed]] | None = None
                ) -> AsyncGenerator[bytes, None]:
     """The request's events as SSE frames; a client that goes away cancels the request when
-    `cancel_queue` names its queue (Starlette cancels this generator on a disconnect)."""
+    `cancel_queue` names its queue (Starlette cancels this generator on a disconnect).
+    `opened`: the events already followed to the admission, and those read so far."""
     state.metrics.open_streams.inc()
     try:
-        async with _following(state, request_id, after) as events:
+        async with _following(state, request_id, after,
+                              None if opened is None else opened[0]) as events:
+            for followed in [] if opened is None else opened[1]:
+                for frame in stream.feed(followed):
+                    yield frame
+                if stream.finished:
+                    return
             async for followed in events:
                 for frame in stream.feed(followed):
                     yield frame
@@ -210,8 +289,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                     return
     except ResultTimeout:
         stream.finished = True
-        yield sse(error_body(f"no answer within the gateway's request timeout "
-                             f"({state.settings.request_timeout:g}s)", "server_error", "timeout"))
+        yield sse(_timeout_body(state))
         yield DONE_FRAME
     except LLMQError as exc:
         stream.finished = True
@@ -287,6 +365,12 @@ def _path_id(request: Request, endpoint: Endpoint) -> str:
         raise not_found(f"no request {raw!r:.60}")
     request.state.request_id = public_id
     return public_id
+
+
+def _digest(endpoint: Endpoint, llmq_request: dict[str, Any]) -> str:
+    """What a retry with the same X-Request-Id must repeat: the endpoint and the request."""
+    encoded = _sorted_json.encode([endpoint, llmq_request])
+    return hashlib.sha256(encoded).hexdigest()[:32]
 
 
 def _truthy(value: str | None) -> bool:

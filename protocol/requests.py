@@ -89,7 +89,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt_token_ids: Annotated[
         list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] = DEFAULT_MAX_TOKENS
+    # None: DEFAULT_MAX_TOKENS, or fewer when the context leaves less room (as vLLM defaults);
+    # a number given must fit the context with the prompt, or the request is prompt_too_long
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # 0 means greedy
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0  # 1 disables
     top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] = 0  # 0 or -1 (vLLM's spelling) disable
@@ -127,9 +129,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             got = " and ".join(f"`{n}`" for n in given) if given else "none"
             raise ValueError(
                 f"exactly one of `prompt`, `messages`, `prompt_token_ids` is required, got {got}")
-        if self.min_tokens > self.max_tokens:
+        if self.min_tokens > (max_tokens := self.max_tokens or DEFAULT_MAX_TOKENS):
             raise ValueError(f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` "
-                             f"({self.max_tokens})")
+                             f"({max_tokens})")
         if self.guided is not None and constrains(self.response_format):
             raise ValueError("`response_format` and `guided` both constrain the output: give one")
         if self.metadata is not None:
@@ -147,7 +149,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `llmq.worker.engine.sampling_params.SamplingParams`."""
         return {
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.max_tokens or DEFAULT_MAX_TOKENS,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": max(self.top_k, 0),

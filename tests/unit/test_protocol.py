@@ -111,7 +111,7 @@ BAD_ENTRIES: list[tuple[str, Any, str, str | None]] = [
     ("unknown nested field", _json({"messages": [{"role": "user", "content": "x", "name": "a"}]}),
      "unknown field `name` - at `$.messages[0]`", KNOWN),
     ("wrong type", _json({"prompt": "x", "max_tokens": "8"}),
-     "Expected `int`, got `str` - at `$.max_tokens`", KNOWN),
+     "Expected `int | null`, got `str` - at `$.max_tokens`", KNOWN),
     ("float max_tokens", _json({"prompt": "x", "max_tokens": 8.5}), "at `$.max_tokens`", KNOWN),
     ("negative max_tokens", _json({"prompt": "x", "max_tokens": -1}),
      "Expected `int` >= 1 - at `$.max_tokens`", KNOWN),
