@@ -9,14 +9,15 @@ its line, is converted into the same Struct (`parse_body`).
 Sampling fields carry the llmq request's names and pass onto it as they are
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority` too); `user` and `metadata` ride in the
-request's `metadata`. `n` (completions sampled over one prefill) and `response_format` (`text`,
-`json_object`, `json_schema`: decoding follows it) pass through as they are. A field llmq cannot
-honour (`tools`, `logit_bias`, `best_of`...) is refused, and so is a field no Struct declares:
-never silently ignored. The whole request is then checked by the worker's own decoder, so what
-passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one place, the
-wire contract (llmq.protocol.requests): the Structs check types.
+request's `metadata`. `n` (completions sampled over one prefill) passes through as it is; the
+output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llmq's
+`guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py). A
+field llmq cannot honour (`logit_bias`, `best_of`...) is refused, and so is a field no Struct
+declares: never silently ignored. The whole request is then checked by the worker's own decoder,
+so what passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one
+place, the wire contract (llmq.protocol.requests): the Structs check types.
 
-To take a new OpenAI or vLLM field (`tools`, `structured_outputs`, `guided_*`...): declare it,
+To take a new OpenAI or vLLM field (`logit_bias`, `prompt_logprobs`...): declare it,
 typed and defaulting to None, on the Struct of each endpoint that has it (until then a body naming
 it is a 400), and map it onto the llmq request in that Struct's `llmq_request`.
 
@@ -34,6 +35,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from llmq.broker.commands import build_submission
+from llmq.gateway.structured_outputs import ConstraintError, StructuredOutputs, constraint_of
 from llmq.protocol import MAX_LOGPROBS
 from llmq.protocol.errors import InvalidRequest
 
@@ -48,7 +50,6 @@ Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
              "ignore_eos", "stop_token_ids", "priority")
-_DEFAULT_RESPONSE_FORMAT = {"type": "text"}
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -94,6 +95,13 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = None
     n: int | None = None
     response_format: dict[str, Any] | None = None  # checked as the wire's ResponseFormat
+    # vLLM's and llmq's output constraints (gateway/structured_outputs.py)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided: dict[str, Any] | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -136,8 +144,13 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
         request = {name: value for name in _SAMPLING if (value := getattr(self, name)) is not None}
         if self.n is not None and self.n != 1:
             request["n"] = self.n
-        if self.response_format is not None and self.response_format != _DEFAULT_RESPONSE_FORMAT:
-            request["response_format"] = self.response_format
+        try:
+            request.update(constraint_of(
+                response_format=self.response_format, structured_outputs=self.structured_outputs,
+                guided=self.guided, guided_json=self.guided_json, guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice, guided_grammar=self.guided_grammar))
+        except ConstraintError as exc:
+            raise BodyError(str(exc), exc.param) from None
         return request
 
     def logprobs_count(self) -> int | None:

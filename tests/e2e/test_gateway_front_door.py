@@ -5,6 +5,8 @@ constraint over HTTP, tool calls. One valkey-server, one tiny-model `llmq worker
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +86,62 @@ def test_the_same_request_id_with_another_body_is_a_409(client: openai.OpenAI,
                                   extra_headers=headers)
     assert info.value.body["code"] == "request_id_conflict"
     assert info.value.body["param"] == "X-Request-Id"
+
+
+# -- every constraint over HTTP -------------------------------------------------------------------
+
+CONSTRAINED = {"max_tokens": 24, "temperature": 1.0}
+REGEX = r"(yes|no), [0-9]{2,3}"
+GRAMMAR = 'start: "say " WORD "!"\nWORD: /[a-z]{1,6}/'
+
+
+@pytest.mark.parametrize(("extra", "matches"), [
+    ({"structured_outputs": {"regex": REGEX}}, lambda t: re.fullmatch(REGEX, t)),
+    ({"structured_outputs": {"choice": ["red", "green", "blue"]}},
+     lambda t: t in ("red", "green", "blue")),
+    ({"structured_outputs": {"grammar": GRAMMAR}},
+     lambda t: re.fullmatch(r"say [a-z]{1,6}!", t)),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {
+        "n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}},
+     lambda t: isinstance(json.loads(t)["n"], int)),
+    ({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
+    ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ({"guided_grammar": GRAMMAR}, lambda t: re.fullmatch(r"say [a-z]{1,6}!", t)),
+    ({"guided_json": '{"type": "array", "items": {"type": "boolean"}, "maxItems": 3}'},
+     lambda t: all(isinstance(x, bool) for x in json.loads(t))),
+    ({"guided": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"guided": {"regex": "[A-Z]{3}"}}, lambda t: re.fullmatch("[A-Z]{3}", t)),
+], ids=["so-regex", "so-choice", "so-grammar", "so-json", "guided_regex", "guided_choice",
+        "guided_grammar", "guided_json", "guided-choice", "guided-regex"])
+def test_every_constraint_holds_over_http(client: openai.OpenAI, model: str,
+                                          extra: dict, matches) -> None:
+    # Given a constraint in each of the spellings vLLM and llmq accept, on both endpoints
+    for seed in (1, 2, 3):
+        chat = client.chat.completions.create(model=model, messages=MESSAGES, seed=seed,
+                                              extra_body=extra, **CONSTRAINED)
+        text = client.completions.create(model=model, prompt="Answer:", seed=seed,
+                                         extra_body=extra, **CONSTRAINED)
+        # Then every output matches it
+        for output in (chat.choices[0].message.content, text.choices[0].text):
+            assert matches(output), (extra, output)
+
+
+def test_a_streamed_constrained_answer_matches_too(client: openai.OpenAI, model: str) -> None:
+    stream = client.chat.completions.create(
+        model=model, messages=MESSAGES, stream=True, extra_body={
+            "structured_outputs": {"regex": REGEX}}, **CONSTRAINED)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert re.fullmatch(REGEX, text)
+
+
+def test_two_constraints_at_once_are_a_400_naming_them(client: openai.OpenAI,
+                                                       model: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="both constrain") as info:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"guided_regex": "a+"})
+    assert info.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError, match="cannot|regex|invalid") as bad:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                       extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert bad.value.status_code == 400

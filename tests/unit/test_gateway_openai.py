@@ -95,6 +95,46 @@ def test_a_body_llmq_cannot_run_names_the_field(endpoint, body, param, words) ->
         assert info.value.param == param and words in str(info.value)
 
 
+INTEGER_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {
+    "name": "response", "schema": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize("extra, wire", [
+    ({"structured_outputs": {"regex": "a+"}}, {"guided": {"regex": "a+"}}),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, {"guided": {"choice": ["x", "y"]}}),
+    ({"structured_outputs": {"grammar": "start: \"a\""}}, {"guided": {"grammar": "start: \"a\""}}),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, INTEGER_SCHEMA),
+    ({"structured_outputs": {"json_object": True}}, {"response_format": {"type": "json_object"}}),
+    ({"guided_json": '{"type": "integer"}'}, INTEGER_SCHEMA),
+    ({"guided_regex": "a+"}, {"guided": {"regex": "a+"}}),
+    ({"guided_choice": ["x"]}, {"guided": {"choice": ["x"]}}),
+    ({"guided_grammar": "g"}, {"guided": {"grammar": "g"}}),
+    ({"guided": {"regex": "a+"}}, {"guided": {"regex": "a+"}}),
+])
+def test_every_spelling_of_a_constraint_becomes_the_wire_s(extra, wire) -> None:
+    for endpoint, body in ((CHAT, {"messages": [{"role": "user", "content": "x"}]}),
+                           (COMPLETIONS, {"prompt": "x"})):
+        parsed = parse_body(endpoint, {**body, **extra})
+        assert {k: parsed.request[k] for k in wire} == wire
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "both constrain"),
+    ({"response_format": {"type": "json_object"}, "guided": {"regex": "a"}}, "guided",
+     "both constrain"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown field"),
+    ({"guided_json": "{nope"}, "guided_json", "not JSON"),
+    ({"guided": {"regex": "a", "choice": ["b"]}}, "guided", "exactly one"),
+])
+def test_a_constraint_given_twice_or_malformed_is_refused_naming_it(extra, param,
+                                                                    words) -> None:
+    with pytest.raises(BodyError) as info:
+        parse_body(COMPLETIONS, {"prompt": "x", **extra})
+    assert info.value.param == param and words in str(info.value)
+
+
 def test_an_http_body_that_is_not_json_says_so() -> None:
     with pytest.raises(BodyError, match="not valid JSON"):
         decode_body(CHAT, b'{"model": "m", ')
