@@ -99,7 +99,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     keep = _truthy(request.headers.get(KEEP_HEADER))
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
                "keep": int(keep), "model": parsed.model or "", "n": parsed.n,
-               "body": _digest(endpoint, parsed.request)}
+               "body": _digest(endpoint, parsed.request), "tool_calls": int(parsed.tool_calls)}
     if request.headers.get(REQUEST_ID_HEADER) is not None:
         known = await state.stream_options(request_id)
         if known is not None and known.get("body", options["body"]) != options["body"]:
@@ -117,7 +117,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     headers = {"X-Request-Id": public_id}
     if parsed.stream:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,
-                                  parsed.logprobs is not None, parsed.n)
+                                  parsed.logprobs is not None, parsed.n, parsed.tool_calls)
         cancel_queue = None if keep else queue
         events = state.client.follow(request_id, timeout=state.settings.request_timeout)
         admission = await _admission(state, request, request_id, queue, keep, events)
@@ -130,7 +130,8 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
         return StreamingResponse(_sse(state, request_id, stream, cancel_queue, opened=(
             events, admission)), headers={**_SSE_HEADERS, **headers},
             media_type="text/event-stream")
-    answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model))
+    answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
+                                            parsed.tool_calls))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -149,7 +150,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
 
 
 async def _collect(state: GatewayState, endpoint: str, public_id: str, request_id: str,
-                   model: str | None) -> tuple[int, Any]:
+                   model: str | None, tool_calls: bool = False) -> tuple[int, Any]:
     """(status, body) of a request followed to its end."""
     logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
@@ -172,7 +173,8 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                                                "cancelled")
                     return 200, completion_object(
                         endpoint, completion_id(endpoint, public_id), served, created, event,
-                        {index: b.result() for index, b in logprobs.items()})
+                        {index: b.result() for index, b in logprobs.items()},
+                        tool_calls=tool_calls)
                 elif isinstance(event, Error):
                     status, kind = error_status(event.code)
                     return status, error_body(event.message, kind, _openai_code(event.code))
@@ -321,7 +323,7 @@ async def _resume(request: Request, endpoint: Endpoint) -> Response:
                               "stream", "Last-Event-ID") from None
     stream = CompletionStream(endpoint, public_id, options.get("model", ""),
                               options.get("include_usage") == "1", True,
-                              int(options.get("n") or 1))
+                              int(options.get("n") or 1), options.get("tool_calls") == "1")
     # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer.
     return StreamingResponse(_sse(state, request_id, stream, None, after), headers={
         **_SSE_HEADERS, "X-Request-Id": public_id}, media_type="text/event-stream")

@@ -36,6 +36,7 @@ from msgspec import Meta, Struct
 
 from llmq.broker.commands import build_submission
 from llmq.gateway.structured_outputs import ConstraintError, StructuredOutputs, constraint_of
+from llmq.gateway.tool_calls import ToolCallError, grammar_for
 from llmq.protocol import MAX_LOGPROBS
 from llmq.protocol.errors import InvalidRequest
 
@@ -70,6 +71,7 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage
     logprobs: int | None = None  # None: no log-probabilities; n: the sampled token's + top n
     n: int = 1  # completions: the response has choices 0..n-1
+    tool_calls: bool = False  # the output is read as tool calls (gateway/tool_calls.py)
 
 
 # -- the bodies -----------------------------------------------------------------------------------
@@ -118,14 +120,14 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     # accepted, with no effect on the generated text
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # refused unless empty or null (tool_choice: unless "none" or "auto"): llmq has no tool
-    # calls nor logit biases yet
+    # chat only (gateway/tool_calls.py); on /v1/completions refused unless empty or null
     tools: list[Any] | None = None
-    functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # refused unless empty or null: OpenAI's deprecated functions, and logit biases
+    functions: list[Any] | None = None
     logit_bias: dict[str, Any] | None = None
 
     # Fields a batch line refuses, as it refuses a field no Struct declares: those that shape
@@ -136,11 +138,9 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     def llmq_request(self) -> dict[str, Any]:
         """The llmq request's fields (without `id`, `stream` and `metadata`); BodyError for a
         field llmq cannot honour."""
-        for name in ("tools", "functions", "logit_bias"):
+        for name in ("functions", "logit_bias"):
             if getattr(self, name):
                 raise BodyError(f"`{name}` is not supported", name)
-        if self.tool_choice not in (None, "none", "auto"):
-            raise BodyError("`tool_choice` is not supported", "tool_choice")
         request = {name: value for name in _SAMPLING if (value := getattr(self, name)) is not None}
         if self.n is not None and self.n != 1:
             request["n"] = self.n
@@ -151,7 +151,23 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
                 guided_choice=self.guided_choice, guided_grammar=self.guided_grammar))
         except ConstraintError as exc:
             raise BodyError(str(exc), exc.param) from None
+        try:
+            request.update(self.tool_fields("guided" in request or "response_format" in request))
+        except ToolCallError as exc:
+            raise BodyError(str(exc), exc.param) from None
         return request
+
+    def tool_fields(self, constrained: bool) -> dict[str, Any]:
+        """The wire fields for `tools` and `tool_choice` (here: none; chat takes tools)."""
+        if self.tools:
+            raise BodyError("`tools` are only for /v1/chat/completions", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise BodyError("`tool_choice` needs `tools`", "tool_choice")
+        return {}
+
+    def reads_tool_calls(self) -> bool:
+        """Whether the output is read as tool calls (`tool_choice` other than none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def logprobs_count(self) -> int | None:
         """Log-probabilities to return: None for none, n for the sampled token's and the top n."""
@@ -170,10 +186,14 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True):
-    """One chat message; other keys (`name`...) are ignored."""
+    """One chat message; other keys (`refusal`, `audio`...) are ignored."""
 
     role: str  # the worker's decoder checks it is one it renders
     content: str | list[ContentPart] | None = None
+    # an assistant turn's calls, a tool turn's answer to one (checked by the wire's Message)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
@@ -196,6 +216,17 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
             request["logprobs"] = logprobs
         return request
 
+    def tool_fields(self, constrained: bool) -> dict[str, Any]:
+        if not self.tools:
+            return super().tool_fields(constrained)
+        grammar = grammar_for(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        if grammar is None:
+            return {"tools": self.tools}
+        if constrained:
+            raise ToolCallError("`tool_choice` constrains the output to tool calls, and so does "
+                                "a response format or guided decoding: give one", "tool_choice")
+        return {"tools": self.tools, "guided": {"grammar": grammar}}
+
     def logprobs_count(self) -> int | None:
         if self.logprobs:
             return self.top_logprobs or 0
@@ -216,7 +247,10 @@ def _llmq_message(index: int, message: ChatMessage) -> dict[str, Any]:
             raise BodyError(f"messages[{index}]: only text content parts are supported",
                             f"messages[{index}].content")
         content = "".join(part.text or "" for part in content)
-    return {"role": message.role, "content": content}
+    fields = {"tool_calls": message.tool_calls, "tool_call_id": message.tool_call_id,
+              "name": message.name}
+    return {"role": message.role, "content": content,
+            **{name: value for name, value in fields.items() if value is not None}}
 
 
 # `prompt`: a string, token ids, or a list of one of those (the OpenAI client's batch shape).
@@ -326,7 +360,7 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
         field = _path_of(str(exc))
         raise BodyError(str(exc), None if field is None else body.param_of(field)) from None
     return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
-                         body.logprobs_count(), request.get("n", 1))
+                         body.logprobs_count(), request.get("n", 1), body.reads_tool_calls())
 
 
 # msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.

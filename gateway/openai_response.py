@@ -26,10 +26,12 @@ import msgspec
 from llmq.broker.commands import Followed
 from llmq.broker.transcript import Fold
 from llmq.gateway.openai_request import CHAT
+from llmq.gateway.tool_calls import parse_tool_calls, streamable_length, tool_call_id
 from llmq.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
 
 __all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
-           "completion_object", "error_body", "error_status", "sse", "usage_object"]
+           "completion_object", "error_body", "error_status", "sse", "tool_call_objects",
+           "usage_object"]
 
 _json = msgspec.json.Encoder()
 _NEG_INF = -9999.0  # what OpenAI reports for a log-probability of -inf
@@ -50,16 +52,25 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 
 
 def completion_object(endpoint: str, object_id: str, model: str, created: int, done: Done,
-                      logprobs: Mapping[int, Any] | None = None) -> dict[str, Any]:
+                      logprobs: Mapping[int, Any] | None = None, *,
+                      tool_calls: bool = False) -> dict[str, Any]:
     """A whole `chat.completion` or `text_completion` object for a finished request: one choice,
-    or with n > 1 every one by index. `logprobs`: each choice's, by index."""
+    or with n > 1 every one by index. `logprobs`: each choice's, by index. `tool_calls`: read
+    each choice's text as tool calls when it is written as some (gateway/tool_calls.py)."""
     completions = ([(c.index, c.text, c.finish_reason) for c in done.choices] if done.choices
                    else [(0, done.text, done.finish_reason)])
     chat = endpoint == CHAT
     choices = []
-    for index, text, finish_reason in completions:
+    for index, text, reason in completions:
+        finish_reason: str = reason
         choice: dict[str, Any] = {"index": index}
-        if chat:
+        calls = parse_tool_calls(text) if chat and tool_calls else None
+        if calls is not None:
+            content, parsed = calls
+            choice["message"] = {"role": "assistant", "content": content,
+                                 "tool_calls": tool_call_objects(object_id, index, parsed)}
+            finish_reason = "tool_calls"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -68,6 +79,17 @@ def completion_object(endpoint: str, object_id: str, model: str, created: int, d
     return {"id": object_id, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices,
             "usage": usage_object(done.usage)}
+
+
+def tool_call_objects(object_id: str, choice: int, calls: list[tuple[str, str]],
+                      streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's `tool_calls` of (name, arguments) pairs; in a stream each carries its index."""
+    objects = []
+    for i, (name, arguments) in enumerate(calls):
+        call: dict[str, Any] = {"id": tool_call_id(object_id, choice, i), "type": "function",
+                                "function": {"name": name, "arguments": arguments}}
+        objects.append({"index": i, **call} if streamed else call)
+    return objects
 
 
 def error_status(code: str) -> tuple[int, str]:
@@ -169,6 +191,7 @@ class CompletionStream:
     include_usage: bool = False
     logprobs: bool = False
     n: int = 1  # choices 0..n-1
+    tool_calls: bool = False  # read the output as tool calls (chat): hold back what may be one
     created: int = 0
     finished: bool = False
     _role_sent: bool = False
@@ -208,7 +231,10 @@ class CompletionStream:
                 return []  # not a choice this stream was asked for
             choice = self._choices[event.index]
             choice.attempt_text += event.text
-            return self._extend(event.index, choice.attempt_text, entry_id, event)
+            text = choice.attempt_text
+            if self.tool_calls:  # NOTE: a call is sent whole at the end, as `tool_calls`
+                text = text[:streamable_length(text)]
+            return self._extend(event.index, text, entry_id, event)
         if isinstance(event, Error):
             self.finished = True
             _, kind = error_status(event.code)
@@ -221,14 +247,24 @@ class CompletionStream:
         ends = ([(c.index, c.text, c.finish_reason) for c in event.choices if c.index < self.n]
                 if event.choices else [(0, event.text, event.finish_reason)])
         frames: list[bytes] = []
-        for index, text, _ in ends:
+        reasons: dict[int, str] = {}
+        for index, text, finish_reason in ends:
+            reason: str = finish_reason
+            calls = parse_tool_calls(text) if self.tool_calls else None
+            if calls is not None:  # what was held back is calls: send them, not their text
+                text, reason = text[:streamable_length(text)], "tool_calls"
             # NOTE: only the first frame of the end carries the entry id (see `feed`).
             frames += self._extend(index, text, None if frames else entry_id, None)
             if self.finished:  # the rerun diverged
                 return frames
+            if calls is not None:
+                deltas = tool_call_objects(self.object_id, index, calls[1], streamed=True)
+                frames.append(sse(self._chunk([(index, {"tool_calls": deltas}, None, None)]),
+                                  None if frames else entry_id))
+            reasons[index] = reason
         self.finished = True
-        final = self._chunk([(index, {} if self.chat else "", reason, self._take_logprobs(index))
-                             for index, _, reason in ends])
+        final = self._chunk([(index, {} if self.chat else "", reasons[index],
+                              self._take_logprobs(index)) for index, _, _ in ends])
         frames.append(sse(final, None if frames else entry_id))
         if self.include_usage:
             usage = {"id": self.object_id, "object": self._object(), "created": self.created,

@@ -35,6 +35,7 @@ from llmq.protocol.response_format import (
     constrains,
     output_constraint,
 )
+from llmq.protocol.tools import MAX_TOOLS, Tool, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,24 @@ StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
-class Message(Struct, forbid_unknown_fields=True):
-    """One chat message; the worker renders `messages` with the model's chat template."""
+class Message(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One chat message; the worker renders `messages` with the model's chat template.
+
+    `content` may be null only on an assistant turn that called tools (`tool_calls`); a `tool`
+    turn answers the call `tool_call_id` (llmq.protocol.tools)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+    name: Annotated[str, Meta(max_length=256)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs `content` (null only on an assistant "
+                             "turn with `tool_calls`)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"`tool_calls` belong on assistant messages, not {self.role}")
 
 
 class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -113,6 +127,10 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions, sampled over one prefill
     response_format: ResponseFormat | None = None  # OpenAI's shapes
     guided: Guided | None = None  # regex, choice or grammar
+    # chat: the functions the model may call, rendered by its chat template (protocol/tools.py)
+    tools: Annotated[list[Tool], Meta(min_length=1, max_length=MAX_TOOLS)] | None = None
+    # chat: extra variables for the chat template (e.g. Qwen3's `enable_thinking`)
+    chat_template_kwargs: dict[str, Any] | None = None
     # True: special-token text in the prompt or message content is parsed as control tokens
     # (trusted callers only; by default it is encoded as the text it is).
     allow_special_tokens: bool = False
@@ -134,6 +152,8 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
                              f"({max_tokens})")
         if self.guided is not None and constrains(self.response_format):
             raise ValueError("`response_format` and `guided` both constrain the output: give one")
+        if self.messages is None and (self.tools or self.chat_template_kwargs):
+            raise ValueError("`tools` and `chat_template_kwargs` need `messages`")
         if self.metadata is not None:
             size = _metadata_size(self.metadata)
             if size > MAX_METADATA_BYTES:

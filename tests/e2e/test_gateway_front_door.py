@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
+import redis
 
-from tests.e2e.cli_harness import serve
 from tests.e2e.gateway_harness import KEYS, GatewayProcess
+from tests.integration.worker_harness import WorkerProcess
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -26,7 +28,13 @@ AUTH = {"Authorization": f"Bearer {KEYS['alice']}"}
 @pytest.fixture(scope="module")
 def pool(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[GatewayProcess]:
     logs = tmp_path_factory.mktemp("gateway-front-door")
-    worker = serve(valkey_server.url, tiny_model_path, logs, "gw-fd-w1")
+    # NOTE: a context of 2048, so the tool prompt of a template without tool support fits.
+    worker = WorkerProcess(valkey_server.url, tiny_model_path, logs, "gw-fd-w1",
+                           extra=["--max-model-len", "2048", "--kv-cache-memory-bytes",
+                                  str(32 << 20)]).start()
+    r = redis.Redis.from_url(valkey_server.url)
+    worker.wait_ready(r)
+    r.close()
     gateway = GatewayProcess(valkey_server.url, logs)
     try:
         yield gateway.start()
@@ -50,7 +58,7 @@ def model(client: openai.OpenAI) -> str:
 
 def test_a_too_long_prompt_is_a_400_on_a_stream_too(pool: GatewayProcess, model: str) -> None:
     # Given a prompt longer than the model's context, asked for as a stream
-    body = {"model": model, "prompt": "word " * 3000, "max_tokens": 4, "stream": True}
+    body = {"model": model, "prompt": "word " * 9000, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{pool.base_url}/v1/completions", json=body, headers=AUTH,
                       timeout=60) as response:
         response.read()
@@ -145,3 +153,98 @@ def test_two_constraints_at_once_are_a_400_naming_them(client: openai.OpenAI,
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
                                        extra_body={"structured_outputs": {"regex": "(unclosed"}})
     assert bad.value.status_code == 400
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def valid_calls(calls) -> list:
+    """Every call names an offered tool and its arguments validate against its schema."""
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+def streamed_calls(stream) -> tuple[str, list, str]:
+    """(content, tool calls, finish_reason) of a chat stream, its tool_calls deltas joined."""
+    content, calls, finish = "", {}, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    objects = [openai.types.chat.ChatCompletionMessageToolCall(
+        id=c["id"], type="function", function={"name": c["name"], "arguments": c["arguments"]})
+        for _, c in sorted(calls.items())]
+    return content, objects, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_agent_loop_calls_a_tool_reads_its_answer_and_answers(client: openai.OpenAI,
+                                                                 model: str,
+                                                                 stream: bool) -> None:
+    messages: list = list(QUESTION)
+    for seed in (1, 2, 3):
+        # Given tools with required arguments, and the model required to call one
+        kwargs = {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": 400,
+                  "seed": seed, "tool_choice": "required"}
+        if stream:
+            content, calls, finish = streamed_calls(
+                client.chat.completions.create(stream=True, **kwargs))
+        else:
+            message = (answer := client.chat.completions.create(**kwargs)).choices[0].message
+            content, calls, finish = message.content, message.tool_calls, \
+                answer.choices[0].finish_reason
+        # Then it calls one, with arguments its schema accepts
+        assert finish == "tool_calls" and not content
+        valid_calls(calls)
+    # When the call is answered with a tool message (the assistant turn's content null)
+    messages += [{"role": "assistant", "content": None, "tool_calls": [c.model_dump()
+                                                                       for c in calls]},
+                 *[{"role": "tool", "tool_call_id": c.id, "content": "12 C, clear"}
+                   for c in calls]]
+    # Then with tool_choice auto the model answers: text, or calls that validate
+    final = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                           max_tokens=12, tool_choice="auto")
+    choice = final.choices[0]
+    if choice.finish_reason == "tool_calls":
+        valid_calls(choice.message.tool_calls)
+    else:
+        assert choice.message.content is not None and not choice.message.tool_calls
+
+
+def test_a_named_tool_choice_calls_that_tool_alone(client: openai.OpenAI, model: str) -> None:
+    for name, parallel in (("get_time", True), ("get_weather", False)):
+        answer = client.chat.completions.create(
+            model=model, messages=QUESTION, tools=TOOLS, max_tokens=400, seed=4,
+            parallel_tool_calls=parallel,
+            tool_choice={"type": "function", "function": {"name": name}})
+        calls = valid_calls(answer.choices[0].message.tool_calls)
+        assert [c.function.name for c in calls] == [name]
+        assert answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_answers_text(client: openai.OpenAI, model: str) -> None:
+    answer = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS,
+                                            max_tokens=6, tool_choice="none")
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason in ("stop", "length")

@@ -13,7 +13,11 @@ from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, decode_body, parse_body
 from llmq.gateway.openai_response import CompletionStream, completion_object, sse
+from llmq.gateway.tool_calls import parse_tool_calls, streamable_length
 from llmq.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 # -- bodies ---------------------------------------------------------------------------------------
 
@@ -56,7 +60,18 @@ def test_completions_logprobs_are_a_count() -> None:
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9},
      "temperature", "temperature"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-            "tools": [{"type": "function"}]}, "tools", "not supported"),
+            "tools": [{"type": "function"}]}, "tools[0]", "`function`"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, "tools",
+     "only for /v1/chat/completions"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tool_choice": "required"}, "tool_choice", "needs `tools`"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among `tools`"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "give one"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0]",
+     "needs `content`"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -358,3 +373,55 @@ def test_a_whole_answer_lists_every_choice_with_its_own_logprobs() -> None:
     assert [(c["index"], c["message"]["content"], c["logprobs"]) for c in body["choices"]] == [
         (0, "A", None), (1, "B", {"content": []})]
 
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', None, [("f", '{"a": 1}')]),
+    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "g", "arguments": {"b": "x"}}\n</tool_call>', "Sure.",
+     [("f", "{}"), ("g", '{"b": "x"}')]),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', None,
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    ('{"name": "f", "parameters": {"a": {"b": 1}}}; {"name": "g", "parameters": {}}', None,
+     [("f", '{"a": {"b": 1}}'), ("g", "{}")]),
+    ('<|python_tag|>{"name": "f", "parameters": {"q": "x"}}', None, [("f", '{"q": "x"}')]),
+])
+def test_each_family_s_tool_calls_are_read(text, content, calls) -> None:
+    assert parse_tool_calls(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text", ["Hello there", '{"not": "a call"}', "<tool_call>\n{oops",
+                                  "[TOOL_CALLS] nothing"])
+def test_text_that_is_no_call_stays_content(text) -> None:
+    assert parse_tool_calls(text) is None
+
+
+def test_streamed_content_stops_where_a_call_may_begin() -> None:
+    assert streamable_length("Hello <b>") == len("Hello <b>")
+    assert streamable_length("Hello <tool") == len("Hello ")
+    assert streamable_length("Hi [TOOL_CALLS][") == len("Hi ")
+    assert streamable_length('  {"name"') == 0
+
+
+def test_a_streamed_tool_call_comes_as_tool_calls_deltas_and_finish_reason() -> None:
+    # Given a chat stream whose output is a call, in three deltas
+    stream = CompletionStream(CHAT, "t1", "m", tool_calls=True)
+    text = 'Ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    chunks = [data for _, data in parsed(feed(stream, events(texts=(
+        text[:5], text[5:20], text[20:])))) if data != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    # Then the content before the call streams, the call comes whole with its id and index
+    assert "".join(d.get("content") or "" for d in deltas) == "Ok "
+    (call,) = [d["tool_calls"] for d in deltas if "tool_calls" in d][0]
+    assert call["index"] == 0 and call["id"].startswith("call_")
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # And the whole answer names the same call
+    done = Done(request_id="r", attempt=1, text=text, finish_reason="stop", usage=USAGE,
+                timings=TIMINGS)
+    whole = completion_object(CHAT, "chatcmpl-t1", "m", 0, done, tool_calls=True)
+    message = whole["choices"][0]["message"]
+    assert message["tool_calls"][0]["id"] == call["id"] and message["content"] == "Ok"

@@ -38,6 +38,7 @@ from llmq.protocol import Request
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
+from llmq.worker.engine.tool_prompt import chat_for_template
 
 if TYPE_CHECKING:
     from llmq.worker.engine.engine_core import EngineCore
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 class PromptTokenizer(Protocol):
     """What the gate needs of a tokenizer (worker/engine/model/tokenizer.py)."""
+
+    chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True, *,
                split_special_tokens: bool = False) -> list[int]: ...
@@ -167,10 +170,14 @@ class InputProcessor:
             raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                   "this engine takes prompt_token_ids only (no tokenizer)")
         if request.messages is not None:
-            chat = [msgspec.structs.asdict(m) for m in request.messages]
+            chat, tools = chat_for_template(
+                self.tokenizer.chat_template, msgspec.to_builtins(request.messages),
+                None if request.tools is None else msgspec.to_builtins(request.tools))
+            variables = {**(request.chat_template_kwargs or {}),
+                         **({} if tools is None else {"tools": tools})}
             try:
                 return self.tokenizer.encode_chat(
-                    chat, allow_special_tokens=request.allow_special_tokens)
+                    chat, allow_special_tokens=request.allow_special_tokens, **variables)
             except Exception as e:  # noqa: BLE001 - a template is untrusted code: any failure
                 raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                       f"messages: the chat template failed: {e}") from None
