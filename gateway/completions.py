@@ -48,7 +48,7 @@ from llmq.protocol import Delta, Done, Error, Start
 from llmq.protocol.errors import LLMQError, ResultTimeout
 from llmq.protocol.names import is_valid_name
 
-__all__ = ["cancel_chat", "cancel_completion", "create_chat", "create_completion",
+__all__ = ["admission", "cancel_chat", "cancel_completion", "create_chat", "create_completion",
            "resume_chat", "resume_completion"]
 
 logger = logging.getLogger(__name__)
@@ -120,15 +120,15 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
                                   parsed.logprobs is not None, parsed.n, parsed.tool_calls)
         cancel_queue = None if keep else queue
         events = state.client.follow(request_id, timeout=state.settings.request_timeout)
-        admission = await _admission(state, request, request_id, queue, keep, events)
-        if isinstance(admission, Response):
+        admitted = await admission(state, request, request_id, queue, keep, events)
+        if isinstance(admitted, Response):
             await _close(events)
-            if admission.status_code == 504 and not keep:
+            if admitted.status_code == 504 and not keep:
                 await state.cancel(request_id, queue)
-            admission.headers.update(headers)
-            return admission
+            admitted.headers.update(headers)
+            return admitted
         return StreamingResponse(_sse(state, request_id, stream, cancel_queue, opened=(
-            events, admission)), headers={**_SSE_HEADERS, **headers},
+            events, admitted)), headers={**_SSE_HEADERS, **headers},
             media_type="text/event-stream")
     answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
                                             parsed.tool_calls))
@@ -219,7 +219,7 @@ async def _close(events: AsyncIterator[Followed]) -> None:
         await events.aclose()
 
 
-async def _admission(state: GatewayState, request: Request, request_id: str, queue: str,
+async def admission(state: GatewayState, request: Request, request_id: str, queue: str,
                      keep: bool, events: AsyncIterator[Followed]) -> list[Followed] | Response:
     """The events up to the worker's admission (`start`, or the error refusing the request),
     so a stream's HTTP status says whether it runs, as OpenAI's and vLLM's do: the events read,

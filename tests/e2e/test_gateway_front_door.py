@@ -248,3 +248,82 @@ def test_tool_choice_none_answers_text(client: openai.OpenAI, model: str) -> Non
                                             max_tokens=6, tool_choice="none")
     assert answer.choices[0].message.tool_calls is None
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+# -- more endpoints -------------------------------------------------------------------------------
+
+
+def test_models_retrieve_names_a_served_model_and_404s_others(client: openai.OpenAI,
+                                                             model: str) -> None:
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_version_and_openapi_describe_the_server(pool: GatewayProcess) -> None:
+    assert httpx.get(f"{pool.base_url}/version").json()["version"]
+    spec = httpx.get(f"{pool.base_url}/openapi.json").json()
+    assert spec["openapi"].startswith("3.") and "post" in spec["paths"]["/v1/responses"]
+    assert "get" in spec["paths"]["/v1/models/{model_id}"]
+
+
+def test_a_response_answers_text_and_continues_from_its_id(client: openai.OpenAI,
+                                                           model: str) -> None:
+    # Given a first response, then one continuing it by id
+    first = client.responses.create(model=model, input="Tell me about the sea.",
+                                    max_output_tokens=8, temperature=0,
+                                    instructions="Be brief.")
+    assert first.id.startswith("resp_") and first.status in ("completed", "incomplete")
+    assert first.output_text and first.usage.output_tokens == 8
+    second = client.responses.create(model=model, input="And the sky?", max_output_tokens=4,
+                                     previous_response_id=first.id, temperature=0)
+    # Then the second prompt held the first exchange: it is longer by the first's tokens
+    assert second.usage.input_tokens > first.usage.input_tokens + 8
+    assert second.previous_response_id == first.id
+    # And another tenant cannot continue it
+    with pytest.raises(openai.NotFoundError):
+        client.with_options(api_key=KEYS["bob"]).responses.create(
+            model=model, input="Hi", previous_response_id=first.id)
+
+
+def test_a_streamed_response_sends_typed_events_that_add_up(client: openai.OpenAI,
+                                                            model: str) -> None:
+    whole = client.responses.create(model=model, input="Go on.", max_output_tokens=8,
+                                    temperature=0)
+    events = list(client.responses.create(model=model, input="Go on.", max_output_tokens=8,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                            "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+
+
+def test_a_response_follows_a_json_schema_and_calls_tools(client: openai.OpenAI,
+                                                          model: str) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    answer = client.responses.create(model=model, input="A number?", max_output_tokens=40,
+                                     text={"format": {"type": "json_schema", "name": "num",
+                                                      "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(answer.output_text), schema)
+    tool = {"type": "function", "name": "get_time", "parameters": SCHEMAS["get_time"]}
+    called = client.responses.create(model=model, input="Time?", tools=[tool],
+                                     tool_choice="required", max_output_tokens=200)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_time"])
+    # When the call's output is sent back, continuing the response
+    after = client.responses.create(model=model, previous_response_id=called.id,
+                                    input=[{"type": "function_call_output",
+                                            "call_id": call.call_id, "output": "noon"}],
+                                    max_output_tokens=4)
+    assert after.status in ("completed", "incomplete")
+
+
+def test_a_too_long_response_stream_is_a_400(pool: GatewayProcess, model: str) -> None:
+    body = {"model": model, "input": "word " * 9000, "stream": True, "max_output_tokens": 4}
+    response = httpx.post(f"{pool.base_url}/v1/responses", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
