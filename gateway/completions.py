@@ -9,8 +9,11 @@ POST with the same id is queued once and answered from the same run) or a fresh 
 carries it back in `X-Request-Id`, and the response objects' ids are `chatcmpl-<id>` /
 `cmpl-<id>`. Streams send `id: <result stream entry id>` with every event; resuming with
 `Last-Event-ID` (header, or `?after=`) continues exactly after that event, on any replica, until
-the result expires. A client that goes away cancels its request, unless it sent
-`X-Keep-On-Disconnect: true` (to resume later).
+the result expires. A stream whose client goes away is cancelled after a grace period
+(`--disconnect-grace`, 30 s) unless it is resumed by then, so a dropped connection can resume
+without having planned to; `X-Keep-On-Disconnect: true` keeps it running however long, `false`
+cancels it at once (as does the cancel route). A client waiting for a whole (non-streamed)
+answer that goes away cancels it at once.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any
 
 import anyio
@@ -96,7 +100,8 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
         raise bad_request(str(exc), exc.param) from None
     queue = await state.pool.route(parsed.model)
     request_id = f"{tenant}:{public_id}"
-    keep = _truthy(request.headers.get(KEEP_HEADER))
+    keep_header = request.headers.get(KEEP_HEADER)  # absent: a drop has a grace period
+    keep = _truthy(keep_header)
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
                "keep": int(keep), "model": parsed.model or "", "n": parsed.n,
                "body": _digest(endpoint, parsed.request), "tool_calls": int(parsed.tool_calls)}
@@ -128,7 +133,8 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
             admitted.headers.update(headers)
             return admitted
         return StreamingResponse(_sse(state, request_id, stream, cancel_queue, opened=(
-            events, admitted)), headers={**_SSE_HEADERS, **headers},
+            events, admitted), grace=0.0 if keep_header is not None
+            else state.settings.disconnect_grace), headers={**_SSE_HEADERS, **headers},
             media_type="text/event-stream")
     answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
                                             parsed.tool_calls))
@@ -209,14 +215,39 @@ async def _following(state: GatewayState, request_id: str, after: str | None = N
                                      after=after)
     try:
         yield events
-    finally:
+    except BaseException:
         await _close(events)
+        raise
+    # NOTE: closing a follower can wait for the reader's blocking read to return (seconds):
+    # after a terminal event the response ends first, and the follower closes behind it.
+    _in_background(_close(events))
 
 
 async def _close(events: AsyncIterator[Followed]) -> None:
     # NOTE: AsyncClient.follow is an async generator, though typed as an AsyncIterator.
     if isinstance(events, AsyncGenerator):
         await events.aclose()
+
+
+_background: set[asyncio.Task[None]] = set()  # held, so the loop does not drop them unrun
+
+
+def _in_background(work: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(work)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _cancel_unless_resumed(state: GatewayState, request_id: str, queue: str,
+                                 grace: float) -> None:
+    """Cancel a request whose stream dropped, unless it is resumed within `grace` seconds."""
+    dropped = time.time()
+    await asyncio.sleep(grace)
+    options = await state.stream_options(request_id) or {}
+    if float(options.get("resumed") or 0) >= dropped:
+        return
+    state.metrics.cancelled.inc()
+    await state.cancel(request_id, queue)
 
 
 async def admission(state: GatewayState, request: Request, request_id: str, queue: str,
@@ -270,11 +301,12 @@ def _timeout_body(state: GatewayState) -> dict[str, Any]:
 
 async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                cancel_queue: str | None, after: str | None = None,
-               opened: tuple[AsyncIterator[Followed], list[Followed]] | None = None
-               ) -> AsyncGenerator[bytes, None]:
+               opened: tuple[AsyncIterator[Followed], list[Followed]] | None = None,
+               grace: float = 0.0) -> AsyncGenerator[bytes, None]:
     """The request's events as SSE frames; a client that goes away cancels the request when
-    `cancel_queue` names its queue (Starlette cancels this generator on a disconnect).
-    `opened`: the events already followed to the admission, and those read so far."""
+    `cancel_queue` names its queue (Starlette cancels this generator on a disconnect), after
+    `grace` seconds unless it is resumed by then. `opened`: the events already followed to
+    the admission, and those read so far."""
     state.metrics.open_streams.inc()
     try:
         async with _following(state, request_id, after,
@@ -300,10 +332,13 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
     finally:
         state.metrics.open_streams.dec()
         if not stream.finished and cancel_queue is not None and not state.shutting_down():
-            # NOTE: shielded: the disconnect cancelled this task, and the cancel must still go.
-            with anyio.CancelScope(shield=True):
-                state.metrics.cancelled.inc()
-                await state.cancel(request_id, cancel_queue)
+            if grace > 0:  # a resume within the grace period keeps it running
+                _in_background(_cancel_unless_resumed(state, request_id, cancel_queue, grace))
+            else:
+                # NOTE: shielded: the disconnect cancelled this task, and the cancel must go.
+                with anyio.CancelScope(shield=True):
+                    state.metrics.cancelled.inc()
+                    await state.cancel(request_id, cancel_queue)
 
 
 async def _resume(request: Request, endpoint: Endpoint) -> Response:
@@ -324,7 +359,9 @@ async def _resume(request: Request, endpoint: Endpoint) -> Response:
     stream = CompletionStream(endpoint, public_id, options.get("model", ""),
                               options.get("include_usage") == "1", True,
                               int(options.get("n") or 1), options.get("tool_calls") == "1")
-    # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer.
+    # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer;
+    # and a stream dropped in its grace period is not cancelled once resumed.
+    await state.remember_stream(request_id, {"resumed": time.time()})
     return StreamingResponse(_sse(state, request_id, stream, None, after), headers={
         **_SSE_HEADERS, "X-Request-Id": public_id}, media_type="text/event-stream")
 
