@@ -5,8 +5,9 @@ string, or message, `function_call` and `function_call_output` items) the messag
 `instructions` a system message, `max_output_tokens` `max_tokens`, `text.format` the
 `response_format`, `tools` (`{"type": "function", "name": ...}`) and `tool_choice` the chat
 ones. `previous_response_id` continues a conversation: each finished response keeps its whole
-conversation (input and output, not its instructions, as OpenAI does) in Redis under the tenant,
-for as long as results are kept (`result_ttl`); another tenant's id is unknown.
+conversation (input and output, not its instructions, as OpenAI does) in Redis beside its
+request's stream options, for as long as results are kept (`result_ttl`); another tenant's id
+is unknown.
 
 A streamed response is server-sent events typed as OpenAI's (`response.created`,
 `response.output_text.delta`, ..., `response.completed`), its HTTP status waiting for the
@@ -37,6 +38,7 @@ from llmq.gateway.responses_shape import ResponseShape, response_event
 from llmq.gateway.state import GatewayState, json_response
 from llmq.protocol import Done, Error, Start
 from llmq.protocol.errors import LLMQError, ResultTimeout
+from llmq.protocol.names import is_valid_name
 
 __all__ = ["create_response", "get_response"]
 
@@ -286,21 +288,19 @@ def _echo(body: ResponsesBody) -> dict[str, Any]:
 # -- the conversations kept -----------------------------------------------------------------------
 
 
-def _key(state: GatewayState, tenant: str, response_id: str) -> str:
-    return f"{state.keys.prefix}:resp:{{{tenant}}}:{response_id}"
-
-
 async def _keep(state: GatewayState, tenant: str, response_id: str,
                 messages: list[dict[str, Any]]) -> None:
-    key, ttl = _key(state, tenant, response_id), state.settings.broker.result_ttl
-    await state.client.call(lambda: state.client.redis.set(key, _json.encode(messages), ex=ttl))
+    # NOTE: beside the request's stream options, so it is the tenant's alone, expires with the
+    # results, and needs no key the gateway's Redis user lacks (deploy/acl.conf).
+    await state.remember_stream(f"{tenant}:{response_id}",
+                                {"conversation": _json.encode(messages)})
 
 
 async def _load(state: GatewayState, tenant: str, response_id: str
                 ) -> list[dict[str, Any]] | None:
-    if not response_id.startswith("resp_") or len(response_id) > 64:
+    if not response_id.startswith("resp_") or not is_valid_name(response_id) or len(
+            response_id) > 64:
         return None
-    raw = await state.client.call(lambda: state.client.redis.get(
-        _key(state, tenant, response_id)))
-    return None if raw is None else msgspec.json.decode(raw)
-
+    options = await state.stream_options(f"{tenant}:{response_id}")
+    kept = None if options is None else options.get("conversation")
+    return None if kept is None else msgspec.json.decode(kept)
