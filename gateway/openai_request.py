@@ -201,6 +201,7 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's new name for max_tokens
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
@@ -212,6 +213,8 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         if self.max_completion_tokens is not None:
             request["max_tokens"] = self.max_completion_tokens
         request["messages"] = [_llmq_message(i, m) for i, m in enumerate(self.messages)]
+        if self.chat_template_kwargs:
+            request["chat_template_kwargs"] = self.chat_template_kwargs
         if (logprobs := self.logprobs_count()) is not None:
             request["logprobs"] = logprobs
         return request

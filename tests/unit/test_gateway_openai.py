@@ -425,3 +425,18 @@ def test_a_streamed_tool_call_comes_as_tool_calls_deltas_and_finish_reason() -> 
     whole = completion_object(CHAT, "chatcmpl-t1", "m", 0, done, tool_calls=True)
     message = whole["choices"][0]["message"]
     assert message["tool_calls"][0]["id"] == call["id"] and message["content"] == "Ok"
+
+
+def test_chat_template_kwargs_and_a_tool_history_reach_the_wire() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    parsed = parse_body(CHAT, {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}],
+        "tools": [TOOL], "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": False}})
+    assert parsed.request["chat_template_kwargs"] == {"enable_thinking": False}
+    assert parsed.request["messages"][1] == {"role": "assistant", "content": None,
+                                             "tool_calls": [call]}
+    assert parsed.request["tools"] == [TOOL] and "guided" not in parsed.request
+    assert parsed.tool_calls
