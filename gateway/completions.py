@@ -36,7 +36,14 @@ from llmq.broker.commands import Followed
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.transcript import Fold
 from llmq.gateway.errors import APIError, bad_request, not_found
-from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, Endpoint, decode_body
+from llmq.gateway.openai_request import (
+    CHAT,
+    COMPLETIONS,
+    BodyError,
+    Endpoint,
+    OpenAIRequest,
+    decode_body,
+)
 from llmq.gateway.openai_response import (
     DONE_FRAME,
     CompletionStream,
@@ -45,6 +52,7 @@ from llmq.gateway.openai_response import (
     completion_object,
     error_body,
     error_status,
+    merge_completions,
     sse,
 )
 from llmq.gateway.state import GatewayState, json_response
@@ -99,6 +107,8 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     except BodyError as exc:
         raise bad_request(str(exc), exc.param) from None
     queue = await state.pool.route(parsed.model)
+    if parsed.more_prompts:
+        return await _create_many(request, state, queue, tenant, public_id, parsed)
     request_id = f"{tenant}:{public_id}"
     keep_header = request.headers.get(KEEP_HEADER)  # absent: a drop has a grace period
     keep = _truthy(keep_header)
@@ -153,6 +163,29 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     if status == 504 and not keep:
         await state.cancel(request_id, queue)
     return json_response(payload, status, headers)
+
+
+async def _create_many(request: Request, state: GatewayState, queue: str, tenant: str,
+                       public_id: str, parsed: OpenAIRequest) -> Response:
+    """Several prompts in one completions body: request `<id>.<k>` each, one answer whose
+    choices are prompt k's completion j at index k * n + j, as OpenAI numbers them."""
+    requests = [parsed.request, *parsed.more_prompts]
+    ids = [f"{tenant}:{public_id}.{k}" for k in range(len(requests))]
+    await asyncio.gather(*(state.client.submit(
+        request_id=i, queue=queue, stream=parsed.logprobs is not None, **r)
+        for i, r in zip(ids, requests, strict=True)))
+    answers = asyncio.ensure_future(asyncio.gather(*(
+        _collect(state, COMPLETIONS, public_id, i, parsed.model) for i in ids)))
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not answers.done():
+        answers.cancel()
+        for request_id in ids:
+            await state.cancel(request_id, queue)
+        return Response(status_code=499)
+    status, body = merge_completions(answers.result(), parsed.n)
+    return json_response(body, status, {"X-Request-Id": public_id})
 
 
 async def _collect(state: GatewayState, endpoint: str, public_id: str, request_id: str,

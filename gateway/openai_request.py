@@ -72,6 +72,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # None: no log-probabilities; n: the sampled token's + top n
     n: int = 1  # completions: the response has choices 0..n-1
     tool_calls: bool = False  # the output is read as tool calls (gateway/tool_calls.py)
+    more_prompts: tuple[dict[str, Any], ...] = ()  # completions: the requests of prompts 1...
 
 
 # -- the bodies -----------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
             if getattr(self, name) not in (None, harmless):
                 raise BodyError(f"`{name}` is not supported", name)
         request = super().llmq_request()
-        request.update(_llmq_prompt(self.prompt))
+        request.update(llmq_prompts(self.prompt)[0])
         if self.logprobs is not None:
             request["logprobs"] = self.logprobs
         return request
@@ -290,15 +291,19 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         return "prompt" if llmq_field.startswith("prompt_token_ids") else llmq_field
 
 
-def _llmq_prompt(prompt: Prompt) -> dict[str, Any]:
-    one: Prompt | list[int] = prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        one = prompt[0]  # one prompt in a list, as the OpenAI client sends it
-    if isinstance(one, str):
-        return {"prompt": one}
-    if one and all(isinstance(token, int) for token in one):
-        return {"prompt_token_ids": one}
-    raise BodyError("`prompt` must be a string or a list of token ids (one prompt per line)",
+def llmq_prompts(prompt: Prompt) -> list[dict[str, Any]]:
+    """Each prompt of `prompt` as llmq request fields: a string, token ids, or a list of
+    either (several prompts, as the OpenAI client sends a batch of them)."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if prompt and all(isinstance(token, int) for token in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if prompt and all(isinstance(one, str) for one in prompt):
+        return [{"prompt": one} for one in prompt]
+    if prompt and all(isinstance(one, list) and one and all(isinstance(t, int) for t in one)
+                      for one in prompt):
+        return [{"prompt_token_ids": one} for one in prompt]
+    raise BodyError("`prompt` must be a string, a list of token ids, or a list of either",
                     "prompt")
 
 
@@ -362,8 +367,21 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
     except InvalidRequest as exc:
         field = _path_of(str(exc))
         raise BodyError(str(exc), None if field is None else body.param_of(field)) from None
+    more: list[dict[str, Any]] = []
+    if isinstance(body, CompletionBody) and len(prompts := llmq_prompts(body.prompt)) > 1:
+        if batch or body.stream:
+            raise BodyError("several prompts in one body are answered whole, not streamed nor "
+                            "in a batch (one prompt per line): send one request per prompt",
+                            "prompt")
+        more = [{**request, **prompt} for prompt in prompts[1:]]
+        for index, one in enumerate(more, 1):
+            try:
+                build_submission(one)
+            except InvalidRequest as exc:
+                raise BodyError(f"prompt[{index}]: {exc}", "prompt") from None
     return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
-                         body.logprobs_count(), request.get("n", 1), body.reads_tool_calls())
+                         body.logprobs_count(), request.get("n", 1), body.reads_tool_calls(),
+                         tuple(more))
 
 
 # msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.

@@ -30,7 +30,8 @@ from llmq.gateway.tool_calls import parse_tool_calls, streamable_length, tool_ca
 from llmq.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
 
 __all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
-           "completion_object", "error_body", "error_status", "sse", "tool_call_objects",
+           "completion_object", "error_body", "error_status", "merge_completions", "sse",
+           "tool_call_objects",
            "usage_object"]
 
 _json = msgspec.json.Encoder()
@@ -90,6 +91,23 @@ def tool_call_objects(object_id: str, choice: int, calls: list[tuple[str, str]],
                                 "function": {"name": name, "arguments": arguments}}
         objects.append({"index": i, **call} if streamed else call)
     return objects
+
+
+def merge_completions(answers: list[tuple[int, Any]], n: int) -> tuple[int, Any]:
+    """One `text_completion` of several prompts' (status, body): the first failure as it is,
+    else prompt k's choice j at index k * n + j and the usage summed."""
+    for status, body in answers:
+        if status != 200:
+            return status, body
+    merged = {**answers[0][1], "choices": []}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for k, (_, body) in enumerate(answers):
+        merged["choices"] += [{**c, "index": k * n + c["index"]} for c in body["choices"]]
+        for name in usage:
+            usage[name] += body["usage"][name]
+    merged["usage"] = {**usage, "prompt_tokens_details": {"cached_tokens": sum(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"] for _, b in answers)}}
+    return 200, merged
 
 
 def error_status(code: str) -> tuple[int, str]:

@@ -327,3 +327,16 @@ def test_a_too_long_response_stream_is_a_400(pool: GatewayProcess, model: str) -
     response = httpx.post(f"{pool.base_url}/v1/responses", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_several_prompts_answer_as_one_with_choices_by_prompt(client: openai.OpenAI,
+                                                              model: str) -> None:
+    prompts = ["Once upon", "The sea", "Hello"]
+    together = client.completions.create(model=model, prompt=prompts, max_tokens=4, n=2,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    assert [c.index for c in together.choices] == list(range(6))
+    assert [together.choices[2 * k].text for k in range(3)] == [a.choices[0].text
+                                                                for a in alone]
+    assert together.usage.completion_tokens == 24

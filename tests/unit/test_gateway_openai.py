@@ -81,7 +81,9 @@ def test_completions_logprobs_are_a_count() -> None:
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     (CHAT, {"model": "m"}, "messages", "needs `messages`"),
-    (COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "prompt", "one prompt"),
+    (COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "stream": True}, "prompt",
+     "one request per prompt"),
+    (COMPLETIONS, {"model": "m", "prompt": ["a", [5]]}, "prompt", "a list of either"),
     (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True}, "echo", "`echo`"),
     # API keys are untrusted callers: their special-token text always stays text
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
@@ -440,3 +442,12 @@ def test_chat_template_kwargs_and_a_tool_history_reach_the_wire() -> None:
                                              "tool_calls": [call]}
     assert parsed.request["tools"] == [TOOL] and "guided" not in parsed.request
     assert parsed.tool_calls
+
+
+def test_several_prompts_are_one_request_each_and_one_answer() -> None:
+    parsed = parse_body(COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3})
+    assert parsed.request["prompt"] == "a"
+    assert [r["prompt"] for r in parsed.more_prompts] == ["b", "c"]
+    assert all(r["n"] == 2 and r["max_tokens"] == 3 for r in parsed.more_prompts)
+    with pytest.raises(BodyError, match="one request per prompt"):
+        parse_body(COMPLETIONS, {"prompt": ["a", "b"]}, batch=True)
