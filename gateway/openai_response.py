@@ -11,8 +11,8 @@ Two things llmq knows that OpenAI's format has no word for:
 - a request that ran again on another worker (attempt 2 after a crash): its new text is checked
   against what the client already has, and only what extends it is sent; a sampled rerun that
   differs ends the stream with an error instead of sending text that contradicts the old;
-- token strings: the gateway has no tokenizer, so a delta's text goes with its last token and
-  alternatives in `top_logprobs` are named `token_id:<id>` (vLLM's `return_tokens_as_token_ids`).
+- token strings: the gateway has no tokenizer; the worker names each token of a logprob (its
+  text, or vLLM's `bytes:\\xNN` form for part of a character: protocol/token_text.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from llmq.broker.transcript import Fold
 from llmq.gateway.openai_request import CHAT
 from llmq.gateway.tool_calls import parse_tool_calls, streamable_length, tool_call_id
 from llmq.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
+from llmq.protocol.token_text import token_bytes
 
 __all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
            "completion_object", "error_body", "error_status", "merge_completions", "sse",
@@ -148,23 +149,29 @@ class LogprobsBuilder:
         self._taken = 0
 
     def add(self, text: str, token_logprobs: list[TokenLogprob]) -> None:
-        """Fold in one delta's logprobs (its text goes with its last token)."""
+        """Fold in one delta's logprobs: each token with its own text when the worker named it
+        (else the delta's text goes with its last token, and alternatives are `token_id:<id>`,
+        vLLM's `return_tokens_as_token_ids`)."""
         for i, lp in enumerate(token_logprobs):
-            token = text if i == len(token_logprobs) - 1 else ""
+            if lp.token is not None:
+                token = lp.token
+            else:
+                token = text if i == len(token_logprobs) - 1 else ""
+            names = lp.top_tokens or [f"token_id:{t}" for t in lp.top_token_ids]
             logprob = _finite(lp.logprob)
-            top = [(f"token_id:{t}", _finite(v)) for t, v in zip(lp.top_token_ids,
-                                                                  lp.top_logprobs, strict=False)]
+            top = [(t, _finite(v)) for t, v in zip(names, lp.top_logprobs, strict=False)]
             if self.chat:
                 self.content.append({
-                    "token": token, "logprob": logprob, "bytes": list(token.encode()),
-                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                    "token": token, "logprob": logprob, "bytes": list(token_bytes(token)),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(token_bytes(t))}
                                      for t, v in top]})
             else:
                 self.tokens.append(token)
                 self.token_logprobs.append(logprob)
                 self.top_logprobs.append(dict(top))
                 self.text_offset.append(self._offset)
-            self._offset += len(token)
+            self._offset += len(token_bytes(token).decode(errors="replace")) if lp.token \
+                is not None else len(token)
 
     def take(self) -> Any:
         """The logprobs added since the last take (for the next chunk); None if there are none."""

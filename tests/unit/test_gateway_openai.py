@@ -12,9 +12,15 @@ from llmq.broker.commands import Followed
 from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, decode_body, parse_body
-from llmq.gateway.openai_response import CompletionStream, completion_object, sse
+from llmq.gateway.openai_response import (
+    CompletionStream,
+    LogprobsBuilder,
+    completion_object,
+    sse,
+)
 from llmq.gateway.tool_calls import parse_tool_calls, streamable_length
 from llmq.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
+from llmq.protocol.token_text import token_bytes, token_text
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -451,3 +457,22 @@ def test_several_prompts_are_one_request_each_and_one_answer() -> None:
     assert all(r["n"] == 2 and r["max_tokens"] == 3 for r in parsed.more_prompts)
     with pytest.raises(BodyError, match="one request per prompt"):
         parse_body(COMPLETIONS, {"prompt": ["a", "b"]}, batch=True)
+
+
+@pytest.mark.parametrize("raw", [b"hello", b" \xe2\x80", b"\xa6", b"bytes:x", "é".encode()])
+def test_a_token_s_text_gives_back_its_bytes(raw: bytes) -> None:
+    assert token_bytes(token_text(raw)) == raw
+
+
+def test_named_tokens_carry_their_own_text_and_bytes_in_logprobs() -> None:
+    # Given a delta of two tokens, the first half of a character and the rest
+    lps = [TokenLogprob(token_id=1, logprob=-0.1, top_token_ids=[1], top_logprobs=[-0.1],
+                        token=token_text(b"\xc3"), top_tokens=[token_text(b"\xc3")]),
+           TokenLogprob(token_id=2, logprob=-0.2, top_token_ids=[2, 3], top_logprobs=[-0.2, -3],
+                        token=token_text(b"\xa9!"), top_tokens=[token_text(b"\xa9!"), "x"])]
+    builder = LogprobsBuilder(CHAT)
+    builder.add("é!", lps)
+    content = builder.result()["content"]
+    # Then each token has its own bytes, which add up to the text
+    assert b"".join(bytes(t["bytes"]) for t in content).decode() == "é!"
+    assert content[1]["top_logprobs"][1] == {"token": "x", "logprob": -3, "bytes": [120]}
