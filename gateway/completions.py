@@ -19,12 +19,11 @@ answer that goes away cancels it at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -36,6 +35,16 @@ from llmq.broker.commands import Followed
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.transcript import Fold
 from llmq.gateway.errors import APIError, bad_request, not_found
+from llmq.gateway.following import (
+    admission,
+    cancel_unless_resumed,
+    close_follower,
+    disconnected,
+    following,
+    in_background,
+    openai_code,
+    timeout_body,
+)
 from llmq.gateway.openai_request import (
     CHAT,
     COMPLETIONS,
@@ -60,7 +69,7 @@ from llmq.protocol import Delta, Done, Error, Start
 from llmq.protocol.errors import LLMQError, ResultTimeout
 from llmq.protocol.names import is_valid_name
 
-__all__ = ["admission", "cancel_chat", "cancel_completion", "create_chat", "create_completion",
+__all__ = ["cancel_chat", "cancel_completion", "create_chat", "create_completion",
            "resume_chat", "resume_completion"]
 
 logger = logging.getLogger(__name__)
@@ -114,7 +123,8 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     keep = _truthy(keep_header)
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
                "keep": int(keep), "model": parsed.model or "", "n": parsed.n,
-               "body": _digest(endpoint, parsed.request), "tool_calls": int(parsed.tool_calls)}
+               "body": _digest(endpoint, parsed.request), "tool_calls": int(parsed.tool_calls),
+               "continuous_usage": int(parsed.continuous_usage)}
     if request.headers.get(REQUEST_ID_HEADER) is not None:
         known = await state.stream_options(request_id)
         if known is not None and known.get("body", options["body"]) != options["body"]:
@@ -132,12 +142,13 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     headers = {"X-Request-Id": public_id}
     if parsed.stream:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,
-                                  parsed.logprobs is not None, parsed.n, parsed.tool_calls)
+                                  parsed.logprobs is not None, parsed.n, parsed.tool_calls,
+                                  parsed.continuous_usage)
         cancel_queue = None if keep else queue
         events = state.client.follow(request_id, timeout=state.settings.request_timeout)
         admitted = await admission(state, request, request_id, queue, keep, events)
         if isinstance(admitted, Response):
-            await _close(events)
+            await close_follower(events)
             if admitted.status_code == 504 and not keep:
                 await state.cancel(request_id, queue)
             admitted.headers.update(headers)
@@ -148,7 +159,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
             media_type="text/event-stream")
     answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
                                             parsed.tool_calls))
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -176,7 +187,7 @@ async def _create_many(request: Request, state: GatewayState, queue: str, tenant
         for i, r in zip(ids, requests, strict=True)))
     answers = asyncio.ensure_future(asyncio.gather(*(
         _collect(state, COMPLETIONS, public_id, i, parsed.model) for i in ids)))
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
     if not answers.done():
@@ -194,7 +205,7 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
     logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
     try:
-        async with _following(state, request_id) as events:
+        async with following(state, request_id) as events:
             async for followed in events:
                 event = followed.event
                 created = created or parse_entry_id(followed.entry_id)[0] // 1000
@@ -216,117 +227,12 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                         tool_calls=tool_calls)
                 elif isinstance(event, Error):
                     status, kind = error_status(event.code)
-                    return status, error_body(event.message, kind, _openai_code(event.code))
+                    return status, error_body(event.message, kind, openai_code(event.code))
     except ResultTimeout:
-        return 504, _timeout_body(state)
+        return 504, timeout_body(state)
     except LLMQError as exc:
         return 503, error_body(str(exc), "server_error", "broker_unavailable")
     raise AssertionError("follow() ends only after a terminal event")
-
-
-def _openai_code(code: str) -> str:
-    return "context_length_exceeded" if code == "prompt_too_long" else code
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone away (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-@contextlib.asynccontextmanager
-async def _following(state: GatewayState, request_id: str, after: str | None = None,
-                     events: AsyncIterator[Followed] | None = None
-                     ) -> AsyncGenerator[AsyncIterator[Followed], None]:
-    """The request's events (`events` when already open), closed on leaving, however that
-    happens: its follower unsubscribes at once rather than whenever the garbage collector
-    finalizes the generator."""
-    if events is None:
-        events = state.client.follow(request_id, timeout=state.settings.request_timeout,
-                                     after=after)
-    try:
-        yield events
-    except BaseException:
-        await _close(events)
-        raise
-    # NOTE: closing a follower can wait for the reader's blocking read to return (seconds):
-    # after a terminal event the response ends first, and the follower closes behind it.
-    _in_background(_close(events))
-
-
-async def _close(events: AsyncIterator[Followed]) -> None:
-    # NOTE: AsyncClient.follow is an async generator, though typed as an AsyncIterator.
-    if isinstance(events, AsyncGenerator):
-        await events.aclose()
-
-
-_background: set[asyncio.Task[None]] = set()  # held, so the loop does not drop them unrun
-
-
-def _in_background(work: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.get_running_loop().create_task(work)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-async def _cancel_unless_resumed(state: GatewayState, request_id: str, queue: str,
-                                 grace: float) -> None:
-    """Cancel a request whose stream dropped, unless it is resumed within `grace` seconds."""
-    dropped = time.time()
-    await asyncio.sleep(grace)
-    options = await state.stream_options(request_id) or {}
-    if float(options.get("resumed") or 0) >= dropped:
-        return
-    state.metrics.cancelled.inc()
-    await state.cancel(request_id, queue)
-
-
-async def admission(state: GatewayState, request: Request, request_id: str, queue: str,
-                     keep: bool, events: AsyncIterator[Followed]) -> list[Followed] | Response:
-    """The events up to the worker's admission (`start`, or the error refusing the request),
-    so a stream's HTTP status says whether it runs, as OpenAI's and vLLM's do: the events read,
-    or the error Response (a refusal, a timeout, a client gone meanwhile)."""
-    read: list[Followed] = []
-
-    async def admitted() -> Response | None:
-        try:
-            async for followed in events:
-                read.append(followed)
-                event = followed.event
-                if isinstance(event, Error):
-                    status, kind = error_status(event.code)
-                    return json_response(error_body(event.message, kind,
-                                                    _openai_code(event.code)), status)
-                if isinstance(event, Start | Done):
-                    return None
-        except ResultTimeout:
-            return json_response(_timeout_body(state), 504)
-        except LLMQError as exc:
-            return json_response(error_body(str(exc), "server_error", "broker_unavailable"),
-                                 503)
-        raise AssertionError("follow() ends only after a terminal event")
-
-    answer = asyncio.ensure_future(admitted())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not answer.done():
-        answer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await answer
-        if not keep and not state.shutting_down():
-            await state.cancel(request_id, queue)
-        return Response(status_code=499)  # nobody is there to read it
-    return answer.result() or read
-
-
-def _timeout_body(state: GatewayState) -> dict[str, Any]:
-    return error_body(f"no answer within the gateway's request timeout "
-                      f"({state.settings.request_timeout:g}s)", "server_error", "timeout")
 
 
 # -- streaming ------------------------------------------------------------------------------------
@@ -342,7 +248,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
     the admission, and those read so far."""
     state.metrics.open_streams.inc()
     try:
-        async with _following(state, request_id, after,
+        async with following(state, request_id, after,
                               None if opened is None else opened[0]) as events:
             for followed in [] if opened is None else opened[1]:
                 for frame in stream.feed(followed):
@@ -356,7 +262,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                     return
     except ResultTimeout:
         stream.finished = True
-        yield sse(_timeout_body(state))
+        yield sse(timeout_body(state))
         yield DONE_FRAME
     except LLMQError as exc:
         stream.finished = True
@@ -366,7 +272,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
         state.metrics.open_streams.dec()
         if not stream.finished and cancel_queue is not None and not state.shutting_down():
             if grace > 0:  # a resume within the grace period keeps it running
-                _in_background(_cancel_unless_resumed(state, request_id, cancel_queue, grace))
+                in_background(cancel_unless_resumed(state, request_id, cancel_queue, grace))
             else:
                 # NOTE: shielded: the disconnect cancelled this task, and the cancel must go.
                 with anyio.CancelScope(shield=True):
@@ -391,7 +297,8 @@ async def _resume(request: Request, endpoint: Endpoint) -> Response:
                               "stream", "Last-Event-ID") from None
     stream = CompletionStream(endpoint, public_id, options.get("model", ""),
                               options.get("include_usage") == "1", True,
-                              int(options.get("n") or 1), options.get("tool_calls") == "1")
+                              int(options.get("n") or 1), options.get("tool_calls") == "1",
+                              options.get("continuous_usage") == "1")
     # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer;
     # and a stream dropped in its grace period is not cancelled once resumed.
     await state.remember_stream(request_id, {"resumed": time.time()})

@@ -8,8 +8,9 @@ its line, is converted into the same Struct (`parse_body`).
 
 Sampling fields carry the llmq request's names and pass onto it as they are
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority` too); `user` and `metadata` ride in the
-request's `metadata`. `n` (completions sampled over one prefill) passes through as it is; the
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `include_stop_str_in_output` too; chat:
+`chat_template_kwargs`, `add_generation_prompt`); `user` and `metadata` ride in the request's
+`metadata`. `n` (completions sampled over one prefill) passes through as it is; the
 output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llmq's
 `guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py). A
 field llmq cannot honour (`logit_bias`, `best_of`...) is refused, and so is a field no Struct
@@ -50,7 +51,7 @@ Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 # OpenAI body fields that are llmq request fields of the same name.
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-             "ignore_eos", "stop_token_ids", "priority")
+             "ignore_eos", "stop_token_ids", "priority", "include_stop_str_in_output")
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -73,15 +74,19 @@ class OpenAIRequest:
     n: int = 1  # completions: the response has choices 0..n-1
     tool_calls: bool = False  # the output is read as tool calls (gateway/tool_calls.py)
     more_prompts: tuple[dict[str, Any], ...] = ()  # completions: the requests of prompts 1...
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
 
 # -- the bodies -----------------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, kw_only=True):
-    """`stream_options`; other keys (vLLM's `continuous_usage_stats`...) are ignored."""
+class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`stream_options`: usage at the end, and with vLLM's `continuous_usage_stats` on every
+    chunk (the tokens so far)."""
 
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's: accepted, llmq sends no padding
 
 
 class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -113,6 +118,7 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
+    include_stop_str_in_output: bool | None = None
     # the response's shape, and what rides along
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -203,6 +209,7 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's new name for max_tokens
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
+    add_generation_prompt: bool | None = None  # vLLM's: false, no assistant turn is opened
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
@@ -216,6 +223,8 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         request["messages"] = [_llmq_message(i, m) for i, m in enumerate(self.messages)]
         if self.chat_template_kwargs:
             request["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.add_generation_prompt is False:
+            request["add_generation_prompt"] = False
         if (logprobs := self.logprobs_count()) is not None:
             request["logprobs"] = logprobs
         return request
@@ -355,6 +364,8 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
             if getattr(body, name) is not None:
                 raise BodyError(f"body field `{name}` is not supported for {endpoint}", name)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(include_usage and body.stream_options
+                      and body.stream_options.continuous_usage_stats)
     if include_usage and not body.stream:
         raise BodyError("`stream_options` is only allowed with `stream: true`", "stream_options")
     request = body.llmq_request()
@@ -381,7 +392,7 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
                 raise BodyError(f"prompt[{index}]: {exc}", "prompt") from None
     return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
                          body.logprobs_count(), request.get("n", 1), body.reads_tool_calls(),
-                         tuple(more))
+                         tuple(more), continuous)
 
 
 # msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.

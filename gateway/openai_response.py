@@ -217,9 +217,11 @@ class CompletionStream:
     logprobs: bool = False
     n: int = 1  # choices 0..n-1
     tool_calls: bool = False  # read the output as tool calls (chat): hold back what may be one
+    continuous_usage: bool = False  # usage on every chunk (vLLM's continuous_usage_stats)
     created: int = 0
     finished: bool = False
     _role_sent: bool = False
+    _usage: list[int] = field(default_factory=lambda: [0, 0])  # the attempt's prompt, output
     _choices: list[_ChoiceStream] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -244,6 +246,7 @@ class CompletionStream:
                 choice.attempt_text, choice.rerun = "", True
         if isinstance(event, Start):
             self.model = event.model or self.model
+            self._usage = [event.prompt_tokens, 0]
             if self._role_sent or not self.chat:
                 return []
             self._role_sent = True
@@ -256,6 +259,7 @@ class CompletionStream:
                 return []  # not a choice this stream was asked for
             choice = self._choices[event.index]
             choice.attempt_text += event.text
+            self._usage[1] += len(event.token_ids)
             text = choice.attempt_text
             if self.tool_calls:  # NOTE: a call is sent whole at the end, as `tool_calls`
                 text = text[:streamable_length(text)]
@@ -339,4 +343,8 @@ class CompletionStream:
                              for index, content, finish_reason, logprobs in choices]}
         if self.include_usage:
             chunk["usage"] = None
+        if self.continuous_usage:
+            prompt, completion = self._usage
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
         return chunk

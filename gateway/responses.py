@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from llmq.broker.commands import Followed
-from llmq.gateway.completions import admission
 from llmq.gateway.errors import bad_request, not_found
+from llmq.gateway.following import admission, openai_code
 from llmq.gateway.openai_request import CHAT, BodyError, parse_body
 from llmq.gateway.openai_response import error_body, error_status
 from llmq.gateway.responses_shape import ResponseShape, response_event
@@ -156,7 +156,8 @@ async def create_response(request: Request) -> Response:
                 shape.model = event.model or shape.model
             elif isinstance(event, Error):
                 status, kind = error_status(event.code)
-                return json_response(error_body(event.message, kind, event.code), status)
+                return json_response(error_body(event.message, kind, openai_code(event.code)),
+                                     status)
             elif isinstance(event, Done):
                 answer = shape.finish(event)
                 await _keep(state, tenant, response_id, messages + [shape.assistant_turn()])

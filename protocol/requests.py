@@ -131,6 +131,10 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     tools: Annotated[list[Tool], Meta(min_length=1, max_length=MAX_TOOLS)] | None = None
     # chat: extra variables for the chat template (e.g. Qwen3's `enable_thinking`)
     chat_template_kwargs: dict[str, Any] | None = None
+    # chat: false renders no opening of the assistant's turn (the prompt ends with the last
+    # message, e.g. for a base model's completion of a transcript)
+    add_generation_prompt: bool = True
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     # True: special-token text in the prompt or message content is parsed as control tokens
     # (trusted callers only; by default it is encoded as the text it is).
     allow_special_tokens: bool = False
@@ -152,8 +156,10 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
                              f"({max_tokens})")
         if self.guided is not None and constrains(self.response_format):
             raise ValueError("`response_format` and `guided` both constrain the output: give one")
-        if self.messages is None and (self.tools or self.chat_template_kwargs):
-            raise ValueError("`tools` and `chat_template_kwargs` need `messages`")
+        if self.messages is None and (self.tools or self.chat_template_kwargs
+                                      or not self.add_generation_prompt):
+            raise ValueError("`tools`, `chat_template_kwargs` and `add_generation_prompt` need "
+                             "`messages`")
         if self.metadata is not None:
             size = _metadata_size(self.metadata)
             if size > MAX_METADATA_BYTES:
@@ -184,6 +190,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             "repetition_penalty": self.repetition_penalty,
             "logprobs": self.logprobs,
             "n": self.n,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
 
     def structured_output(self) -> tuple[str, str] | None:

@@ -340,3 +340,40 @@ def test_several_prompts_answer_as_one_with_choices_by_prompt(client: openai.Ope
     assert [together.choices[2 * k].text for k in range(3)] == [a.choices[0].text
                                                                 for a in alone]
     assert together.usage.completion_tokens == 24
+
+
+# -- vLLM's extras --------------------------------------------------------------------------------
+
+
+def test_continuous_usage_stats_count_tokens_on_every_chunk(client: openai.OpenAI,
+                                                            model: str) -> None:
+    stream = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=6, stream=True, temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts)
+    assert counts[-1] == 6 and chunks[-1].usage.prompt_tokens == chunks[0].usage.prompt_tokens
+
+
+def test_a_stop_string_stays_in_the_output_when_asked(client: openai.OpenAI,
+                                                      model: str) -> None:
+    free = client.completions.create(model=model, prompt="Go", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[3:5]
+    assert stop.strip()
+    kept = client.completions.create(model=model, prompt="Go", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={
+                                         "ignore_eos": True,
+                                         "include_stop_str_in_output": True}).choices[0].text
+    assert kept.endswith(stop) and free.startswith(kept)
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened(
+        client: openai.OpenAI, model: str) -> None:
+    opened, closed = (client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=1,
+        extra_body={"add_generation_prompt": flag}).usage.prompt_tokens for flag in (True, False))
+    assert closed < opened  # `<|im_start|>assistant\n` is not in the prompt

@@ -177,7 +177,8 @@ class InputProcessor:
                          **({} if tools is None else {"tools": tools})}
             try:
                 return self.tokenizer.encode_chat(
-                    chat, allow_special_tokens=request.allow_special_tokens, **variables)
+                    chat, request.add_generation_prompt,
+                    allow_special_tokens=request.allow_special_tokens, **variables)
             except Exception as e:  # noqa: BLE001 - a template is untrusted code: any failure
                 raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                       f"messages: the chat template failed: {e}") from None
