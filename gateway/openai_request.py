@@ -213,8 +213,9 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
+    # NOTE: `tools` too: a batch output line is not read for tool calls (yet).
     not_in_batch: ClassVar[tuple[str, ...]] = (*OpenAIBody.not_in_batch, "logprobs",
-                                               "top_logprobs")
+                                               "top_logprobs", "tools")
 
     def llmq_request(self) -> dict[str, Any]:
         request = super().llmq_request()

@@ -160,7 +160,7 @@ async def create_response(request: Request) -> Response:
                                      status)
             elif isinstance(event, Done):
                 answer = shape.finish(event)
-                await _keep(state, tenant, response_id, messages + [shape.assistant_turn()])
+                await _keep(state, tenant, shape, messages)
                 return json_response(answer)
     except ResultTimeout:
         await state.cancel(request_id, queue)
@@ -175,17 +175,14 @@ async def create_response(request: Request) -> Response:
 
 
 async def get_response(request: Request) -> Response:
-    """GET /v1/responses/{id}: the conversation is kept, the response object is not: 404 unless
-    it is known, then the stored turns as its `output` (a reduced object)."""
+    """GET /v1/responses/{id}: a finished response of this tenant's, as it was answered."""
     state = GatewayState.of(request)
     tenant = state.tenant(request)
     response_id = request.path_params["response_id"]
-    kept = await _load(state, tenant, response_id)
+    kept = await _kept(state, tenant, response_id, "response")
     if kept is None:
         raise not_found(f"Response with id {response_id!r} not found")
-    last = kept[-1] if kept else {}
-    return json_response({"id": response_id, "object": "response", "status": "completed",
-                          "output_text": last.get("content") or ""})
+    return json_response(kept)
 
 
 async def _stream(state: GatewayState, tenant: str, request_id: str, queue: str,
@@ -206,7 +203,7 @@ async def _stream(state: GatewayState, tenant: str, request_id: str, queue: str,
                     break
         finished = True
         if shape.failed is None:
-            await _keep(state, tenant, shape.response_id, messages + [shape.assistant_turn()])
+            await _keep(state, tenant, shape, messages)
     except ResultTimeout:
         finished = True
         yield response_event(shape.fail("timeout", "no answer within the gateway's request "
@@ -289,19 +286,26 @@ def _echo(body: ResponsesBody) -> dict[str, Any]:
 # -- the conversations kept -----------------------------------------------------------------------
 
 
-async def _keep(state: GatewayState, tenant: str, response_id: str,
+async def _keep(state: GatewayState, tenant: str, shape: ResponseShape,
                 messages: list[dict[str, Any]]) -> None:
+    """A finished response: its object, and its conversation to continue from."""
     # NOTE: beside the request's stream options, so it is the tenant's alone, expires with the
     # results, and needs no key the gateway's Redis user lacks (deploy/acl.conf).
-    await state.remember_stream(f"{tenant}:{response_id}",
-                                {"conversation": _json.encode(messages)})
+    await state.remember_stream(f"{tenant}:{shape.response_id}", {
+        "conversation": _json.encode(messages + [shape.assistant_turn()]),
+        "response": _json.encode(shape.final)})
 
 
 async def _load(state: GatewayState, tenant: str, response_id: str
                 ) -> list[dict[str, Any]] | None:
+    """The conversation of a finished response of this tenant's; None if there is none."""
+    return await _kept(state, tenant, response_id, "conversation")
+
+
+async def _kept(state: GatewayState, tenant: str, response_id: str, what: str) -> Any:
     if not response_id.startswith("resp_") or not is_valid_name(response_id) or len(
             response_id) > 64:
         return None
     options = await state.stream_options(f"{tenant}:{response_id}")
-    kept = None if options is None else options.get("conversation")
+    kept = None if options is None else options.get(what)
     return None if kept is None else msgspec.json.decode(kept)

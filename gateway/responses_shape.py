@@ -38,6 +38,7 @@ class ResponseShape:
     sent: str = ""  # the text streamed so far
     done: bool = False
     failed: dict[str, Any] | None = None
+    final: dict[str, Any] = field(default_factory=dict)  # the response object, once done
     _sequence: int = 0
     _opened: bool = False
     _calls: list[tuple[str, str]] = field(default_factory=list)
@@ -72,7 +73,7 @@ class ResponseShape:
     def finish(self, done: Done) -> dict[str, Any]:
         """The whole response object of a finished request."""
         self._end(done)
-        return self._object(*self._outcome(done))
+        return self.final
 
     def assistant_turn(self) -> dict[str, Any]:
         """The answer as a chat message, for the conversation kept."""
@@ -134,9 +135,9 @@ class ResponseShape:
                 self._event("response.function_call_arguments.done", item_id=item["id"],
                             output_index=first + i, arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=first + i, item=item)]
-        events.append(self._event("response.completed" if self._outcome(done)[0] == "completed"
-                                  else "response.incomplete",
-                                  response=self._object(*self._outcome(done))))
+        self.final = self._object(*self._outcome(done))
+        events.append(self._event("response.completed" if self.final["status"] == "completed"
+                                  else "response.incomplete", response=self.final))
         return events
 
     # -- the objects ------------------------------------------------------------------------------

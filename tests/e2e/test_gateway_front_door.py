@@ -281,6 +281,7 @@ def test_a_response_answers_text_and_continues_from_its_id(client: openai.OpenAI
     # Then the second prompt held the first exchange: it is longer by the first's tokens
     assert second.usage.input_tokens > first.usage.input_tokens + 8
     assert second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
     # And another tenant cannot continue it
     with pytest.raises(openai.NotFoundError):
         client.with_options(api_key=KEYS["bob"]).responses.create(
