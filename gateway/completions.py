@@ -124,7 +124,8 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
                "keep": int(keep), "model": parsed.model or "", "n": parsed.n,
                "body": _digest(endpoint, parsed.request), "tool_calls": int(parsed.tool_calls),
-               "continuous_usage": int(parsed.continuous_usage)}
+               "continuous_usage": int(parsed.continuous_usage),
+               "echo": _echo(parsed.request, parsed.echo)}
     if request.headers.get(REQUEST_ID_HEADER) is not None:
         known = await state.stream_options(request_id)
         if known is not None and known.get("body", options["body"]) != options["body"]:
@@ -143,7 +144,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     if parsed.stream:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,
                                   parsed.logprobs is not None, parsed.n, parsed.tool_calls,
-                                  parsed.continuous_usage)
+                                  parsed.continuous_usage, _echo(parsed.request, parsed.echo))
         cancel_queue = None if keep else queue
         events = state.client.follow(request_id, timeout=state.settings.request_timeout)
         admitted = await admission(state, request, request_id, queue, keep, events)
@@ -158,7 +159,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
             else state.settings.disconnect_grace), headers={**_SSE_HEADERS, **headers},
             media_type="text/event-stream")
     answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
-                                            parsed.tool_calls))
+                                            parsed.tool_calls, _echo(parsed.request, parsed.echo)))
     gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -186,7 +187,8 @@ async def _create_many(request: Request, state: GatewayState, queue: str, tenant
         request_id=i, queue=queue, stream=parsed.logprobs is not None, **r)
         for i, r in zip(ids, requests, strict=True)))
     answers = asyncio.ensure_future(asyncio.gather(*(
-        _collect(state, COMPLETIONS, public_id, i, parsed.model) for i in ids)))
+        _collect(state, COMPLETIONS, public_id, i, parsed.model, echo=_echo(r, parsed.echo))
+        for i, r in zip(ids, requests, strict=True))))
     gone = asyncio.ensure_future(disconnected(request))
     await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
@@ -200,7 +202,8 @@ async def _create_many(request: Request, state: GatewayState, queue: str, tenant
 
 
 async def _collect(state: GatewayState, endpoint: str, public_id: str, request_id: str,
-                   model: str | None, tool_calls: bool = False) -> tuple[int, Any]:
+                   model: str | None, tool_calls: bool = False, echo: str = ""
+                   ) -> tuple[int, Any]:
     """(status, body) of a request followed to its end."""
     logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
@@ -224,7 +227,7 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                     return 200, completion_object(
                         endpoint, completion_id(endpoint, public_id), served, created, event,
                         {index: b.result() for index, b in logprobs.items()},
-                        tool_calls=tool_calls)
+                        tool_calls=tool_calls, echo=echo)
                 elif isinstance(event, Error):
                     status, kind = error_status(event.code)
                     return status, error_body(event.message, kind, openai_code(event.code))
@@ -298,7 +301,7 @@ async def _resume(request: Request, endpoint: Endpoint) -> Response:
     stream = CompletionStream(endpoint, public_id, options.get("model", ""),
                               options.get("include_usage") == "1", True,
                               int(options.get("n") or 1), options.get("tool_calls") == "1",
-                              options.get("continuous_usage") == "1")
+                              options.get("continuous_usage") == "1", options.get("echo", ""))
     # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer;
     # and a stream dropped in its grace period is not cancelled once resumed.
     await state.remember_stream(request_id, {"resumed": time.time()})
@@ -350,6 +353,11 @@ def _digest(endpoint: Endpoint, llmq_request: dict[str, Any]) -> str:
     """What a retry with the same X-Request-Id must repeat: the endpoint and the request."""
     encoded = _sorted_json.encode([endpoint, llmq_request])
     return hashlib.sha256(encoded).hexdigest()[:32]
+
+
+def _echo(llmq_request: dict[str, Any], echo: bool) -> str:
+    """The text `echo` puts before a completion: its prompt."""
+    return str(llmq_request.get("prompt", "")) if echo else ""
 
 
 def _truthy(value: str | None) -> bool:

@@ -75,6 +75,7 @@ class OpenAIRequest:
     tool_calls: bool = False  # the output is read as tool calls (gateway/tool_calls.py)
     more_prompts: tuple[dict[str, Any], ...] = ()  # completions: the requests of prompts 1...
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    echo: bool = False  # completions: each choice's text begins with its prompt
 
 
 # -- the bodies -----------------------------------------------------------------------------------
@@ -276,8 +277,8 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
 
     prompt: Prompt
     logprobs: LogprobCount | None = None
+    echo: bool | None = None  # the prompt begins each choice's text (string prompts)
     # accepted at the value that changes nothing
-    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -285,9 +286,13 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
                                                "best_of", "suffix")
 
     def llmq_request(self) -> dict[str, Any]:
-        for name, harmless in (("echo", False), ("best_of", 1), ("suffix", "")):
+        for name, harmless in (("best_of", 1), ("suffix", "")):
             if getattr(self, name) not in (None, harmless):
                 raise BodyError(f"`{name}` is not supported", name)
+        if self.echo and (self.logprobs is not None or not isinstance(self.prompt, str) and not
+                          all(isinstance(one, str) for one in self.prompt)):
+            raise BodyError("`echo` needs text prompts and no `logprobs` (the gateway has the "
+                            "prompt's text, not its tokens' log-probabilities)", "echo")
         request = super().llmq_request()
         request.update(llmq_prompts(self.prompt)[0])
         if self.logprobs is not None:
@@ -393,7 +398,7 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
                 raise BodyError(f"prompt[{index}]: {exc}", "prompt") from None
     return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
                          body.logprobs_count(), request.get("n", 1), body.reads_tool_calls(),
-                         tuple(more), continuous)
+                         tuple(more), continuous, bool(getattr(body, "echo", False)))
 
 
 # msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.

@@ -55,10 +55,11 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 
 def completion_object(endpoint: str, object_id: str, model: str, created: int, done: Done,
                       logprobs: Mapping[int, Any] | None = None, *,
-                      tool_calls: bool = False) -> dict[str, Any]:
+                      tool_calls: bool = False, echo: str = "") -> dict[str, Any]:
     """A whole `chat.completion` or `text_completion` object for a finished request: one choice,
     or with n > 1 every one by index. `logprobs`: each choice's, by index. `tool_calls`: read
-    each choice's text as tool calls when it is written as some (gateway/tool_calls.py)."""
+    each choice's text as tool calls when it is written as some (gateway/tool_calls.py).
+    `echo`: the prompt, which begins each completion's text."""
     completions = ([(c.index, c.text, c.finish_reason) for c in done.choices] if done.choices
                    else [(0, done.text, done.finish_reason)])
     chat = endpoint == CHAT
@@ -75,7 +76,7 @@ def completion_object(endpoint: str, object_id: str, model: str, created: int, d
         elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = echo + text
         choice.update(finish_reason=finish_reason, logprobs=(logprobs or {}).get(index))
         choices.append(choice)
     return {"id": object_id, "object": "chat.completion" if chat else "text_completion",
@@ -218,6 +219,7 @@ class CompletionStream:
     n: int = 1  # choices 0..n-1
     tool_calls: bool = False  # read the output as tool calls (chat): hold back what may be one
     continuous_usage: bool = False  # usage on every chunk (vLLM's continuous_usage_stats)
+    echo: str = ""  # completions: the prompt, sent first as each choice's text
     created: int = 0
     finished: bool = False
     _role_sent: bool = False
@@ -247,9 +249,12 @@ class CompletionStream:
         if isinstance(event, Start):
             self.model = event.model or self.model
             self._usage = [event.prompt_tokens, 0]
-            if self._role_sent or not self.chat:
+            if self._role_sent:
                 return []
             self._role_sent = True
+            if not self.chat:
+                return [sse(self._chunk([(i, self.echo, None, None) for i in range(self.n)]),
+                            entry_id)] if self.echo else []
             return [sse(self._chunk([(i, {"role": "assistant", "content": ""}, None, None)
                                      for i in range(self.n)]), entry_id)]
         if self.finished:

@@ -378,3 +378,15 @@ def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened(
         model=model, messages=MESSAGES, max_tokens=1,
         extra_body={"add_generation_prompt": flag}).usage.prompt_tokens for flag in (True, False))
     assert closed < opened  # `<|im_start|>assistant\n` is not in the prompt
+
+
+def test_echo_begins_each_completion_with_its_prompt(client: openai.OpenAI, model: str) -> None:
+    kwargs = {"model": model, "max_tokens": 5, "temperature": 0, "extra_body": {
+        "ignore_eos": True}}
+    plain = client.completions.create(prompt="Once upon", **kwargs).choices[0].text
+    echoed = client.completions.create(prompt="Once upon", echo=True, **kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        prompt="Once upon", echo=True, stream=True, **kwargs) if c.choices)
+    assert echoed.choices[0].text == streamed == "Once upon" + plain
+    several = client.completions.create(prompt=["A", "B"], echo=True, **kwargs)
+    assert [c.text[:1] for c in several.choices] == ["A", "B"]

@@ -90,7 +90,9 @@ def test_completions_logprobs_are_a_count() -> None:
     (COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "stream": True}, "prompt",
      "one request per prompt"),
     (COMPLETIONS, {"model": "m", "prompt": ["a", [5]]}, "prompt", "a list of either"),
-    (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True}, "echo", "`echo`"),
+    (COMPLETIONS, {"model": "m", "prompt": [5, 6], "echo": True}, "echo", "text prompts"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo",
+     "no `logprobs`"),
     # API keys are untrusted callers: their special-token text always stays text
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "allow_special_tokens": True}, "allow_special_tokens", "not supported"),
