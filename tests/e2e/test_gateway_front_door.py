@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -390,3 +391,30 @@ def test_echo_begins_each_completion_with_its_prompt(client: openai.OpenAI, mode
     assert echoed.choices[0].text == streamed == "Once upon" + plain
     several = client.completions.create(prompt=["A", "B"], echo=True, **kwargs)
     assert [c.text[:1] for c in several.choices] == ["A", "B"]
+
+
+def test_a_streamed_response_sends_its_tool_calls_as_items(client: openai.OpenAI,
+                                                            model: str) -> None:
+    tool = {"type": "function", "name": "get_time", "parameters": SCHEMAS["get_time"]}
+    events = list(client.responses.create(model=model, input="Time?", tools=[tool],
+                                          tool_choice="required", max_output_tokens=200,
+                                          stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.done"
+             and e.item.type == "function_call"]
+    final = events[-1].response
+    assert added and [i.call_id for i in added] == [
+        i.call_id for i in final.output if i.type == "function_call"]
+    for item in added:
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS["get_time"])
+
+
+def test_the_sdk_parses_a_response_into_its_model(client: openai.OpenAI, model: str) -> None:
+    import pydantic
+
+    class Count(pydantic.BaseModel):
+        n: int
+        unit: Literal["C", "F"]
+
+    parsed = client.responses.parse(model=model, input="A count?", text_format=Count,
+                                    max_output_tokens=60)
+    assert isinstance(parsed.output_parsed, Count)
