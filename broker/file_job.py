@@ -20,7 +20,8 @@ progress bar on stderr; the default one logs).
 Result lines:
 
     {"id": "...", "line": 3, "finish_reason": "stop", "text": "...", "usage": {...},
-     "timings": {...}, "metadata": {...}}
+     "timings": {...}, "metadata": {...}}      (with n > 1, also "choices": [{"index", "text",
+                                                 "finish_reason"}, ...], every completion)
     {"id": "...", "line": 4, "error": {"code": "invalid_request", "message": "..."}}
 """
 
@@ -151,6 +152,9 @@ def result_record(line: FileLine, final: Done | Error) -> dict[str, Any]:
         "id": line.request_id, "line": line.number, "finish_reason": final.finish_reason,
         "text": final.text, "usage": msgspec.to_builtins(final.usage),
         "timings": msgspec.to_builtins(final.timings)}
+    if final.choices and len(final.choices) > 1:  # n > 1: every completion, by index
+        record["choices"] = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+                             for c in final.choices]
     if final.metadata is not None:
         record["metadata"] = final.metadata
     return record

@@ -3,6 +3,7 @@
 Shared by `llmq submit` and `llmq result`. It follows the attempt rule of `Transcript`: when a
 newer attempt starts (a worker died and a peer re-runs the request), the text shown so far is
 superseded, so the printer ends the line, says so on stderr, and shows the new attempt's text.
+With n > 1, choice 0 streams and the others follow it, each under a `--- choice i ---` line.
 For scripts that must never see a superseded fragment, `--no-stream` prints only the final text
 and `--json` prints every event (each carries its `attempt`).
 """
@@ -48,7 +49,7 @@ class EventPrinter:
             self.attempt, self.shown = event.attempt, ""
         if self.json_lines:
             self._write(to_json(event) + "\n")
-        elif isinstance(event, Delta) and self.stream:
+        elif isinstance(event, Delta) and self.stream and event.index == 0:
             self._write(event.text)
             self.shown += event.text
         elif isinstance(event, Done):
@@ -72,7 +73,7 @@ class EventPrinter:
             self._write("\n")
             note("some streamed tokens were missed; the full answer follows")
             self._write(done.text)
-        self._write("\n")
+        self._write("\n" + _other_choices(done))
         if done.finish_reason == "cancelled":
             note(f"request {done.request_id} was cancelled")
 
@@ -83,4 +84,12 @@ class EventPrinter:
 
 def echo_final(final: Done, json_lines: bool) -> None:
     """A finished request's answer, for `llmq result` without --follow."""
-    click.echo(to_json(final) if json_lines else final.text)
+    click.echo(to_json(final) if json_lines else final.text + "\n" + _other_choices(final),
+               nl=json_lines)
+
+
+def _other_choices(done: Done) -> str:
+    """Choices 1..n-1 of a request with n > 1, each under a line naming it (choice 0 streams
+    as the answer)."""
+    return "".join(f"--- choice {c.index} ---\n{c.text}\n" for c in done.choices or ()
+                   if c.index != 0)

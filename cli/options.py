@@ -6,6 +6,7 @@ sampling flags onto `SamplingParams`, so a flag, its variable and its field alwa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, TypedDict, TypeVar
 
@@ -103,7 +104,8 @@ def engine_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 sampling_options = _apply([
-    click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+    click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+                 help="Default 256, or fewer when the model's context leaves less room."),
     click.option("--temperature", type=click.FloatRange(min=0), default=None,
                  help="0 is greedy. Default 1.0."),
     click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None),
@@ -112,13 +114,42 @@ sampling_options = _apply([
     click.option("--seed", type=click.IntRange(min=0), default=None),
     click.option("--stop", multiple=True, help="A stop string (repeatable)."),
     click.option("--ignore-eos", is_flag=True, default=False),
+    click.option("-n", "n", type=click.IntRange(min=1), default=None,
+                 help="Completions of the prompt, sampled side by side. Default 1."),
+    click.option("--logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
+                 help="Log-probabilities of each sampled token and its top K alternatives."),
+    click.option("--json-schema", type=click.File("r"), default=None, metavar="FILE",
+                 help="The output is JSON that this JSON schema (a file) accepts."),
+    click.option("--regex", default=None, help="The output matches this regular expression."),
+    click.option("--choice", multiple=True,
+                 help="The output is one of these strings (repeatable)."),
 ])
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "ignore_eos")
+                   "ignore_eos", "n", "logprobs")
 
 
 def sampling_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Pop the sampling flags the user set (unset ones keep the protocol's defaults)."""
+    """Pop the sampling flags the user set (unset ones keep the protocol's defaults); the
+    constraint flags become the wire's `response_format` or `guided`."""
     picked = {name: kwargs.pop(name) for name in SAMPLING_FIELDS}
-    return {k: v for k, v in picked.items() if v is not None and v != () and v is not False}
+    params = {k: v for k, v in picked.items() if v is not None and v != () and v is not False}
+    schema_file, regex, choices = (kwargs.pop("json_schema"), kwargs.pop("regex"),
+                                   kwargs.pop("choice"))
+    given = [flag for flag, value in (("--json-schema", schema_file), ("--regex", regex),
+                                      ("--choice", choices)) if value]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} both constrain the output: give one")
+    if schema_file is not None:
+        try:
+            schema = json.load(schema_file)
+        except ValueError as exc:
+            raise click.BadParameter(f"{schema_file.name} is not JSON: {exc}",
+                                     param_hint="--json-schema") from None
+        params["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "response", "schema": schema}}
+    elif regex is not None:
+        params["guided"] = {"regex": regex}
+    elif choices:
+        params["guided"] = {"choice": list(choices)}
+    return params

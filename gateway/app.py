@@ -3,6 +3,9 @@
     GET  /health                  the gateway answers and Redis is reachable (no key needed)
     GET  /metrics                 Prometheus (with a key, like every route but /health)
     GET  /v1/models               the models live workers serve (from their heartbeats)
+    GET  /v1/models/{id}          one of them
+    GET  /version, /openapi.json  llmq's version; an outline of these routes (no key needed)
+    POST /v1/responses            OpenAI's Responses API (gateway/responses.py)
     GET  /dashboard               the pool's web dashboard and its API (gateway/dashboard.py)
     the completion routes         gateway/completions.py
     the Files and Batch APIs      gateway/files.py, gateway/batches.py
@@ -29,9 +32,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmq import __version__
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
-from llmq.gateway import batches, completions, dashboard, files
+from llmq.gateway import batches, completions, dashboard, files, responses
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView
@@ -69,10 +73,49 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
+async def model(request: Request) -> Response:
+    """GET /v1/models/{model_id}: one served model, or 404 model_not_found."""
+    state = GatewayState.of(request)
+    state.tenant(request)
+    wanted = request.path_params["model_id"]
+    for m in await state.pool.models():
+        if m.name == wanted or m.name.lower() == wanted.lower():
+            return json_response({"id": m.name, "object": "model", "created": m.created,
+                                  "owned_by": "llmq", "queues": list(m.queues)})
+    raise APIError(404, f"the model `{wanted}` does not exist or no worker serves it",
+                   "invalid_request_error", param="model", code="model_not_found")
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": __version__})
+
+
+async def openapi(request: Request) -> Response:
+    """An OpenAPI 3.1 outline of the routes (paths and methods; the bodies are OpenAI's)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        if isinstance(route, Route) and not route.path.startswith("/dashboard"):
+            for method in sorted((route.methods or set()) - {"HEAD"}):
+                paths.setdefault(route.path_format, {})[method.lower()] = {
+                    "operationId": f"{method.lower()}_{route.name}",
+                    "summary": (route.endpoint.__doc__ or route.name).strip().splitlines()[0],
+                    "responses": {"200": {"description": "OK"}}}
+    return json_response({"openapi": "3.1.0", "info": {"title": "llmq gateway",
+                                                       "version": __version__},
+                          "components": {"securitySchemes": {"bearer": {
+                              "type": "http", "scheme": "bearer"}}},
+                          "security": [{"bearer": []}], "paths": paths})
+
+
 ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
     Route("/v1/chat/completions", completions.create_chat, methods=["POST"]),
     Route("/v1/completions", completions.create_completion, methods=["POST"]),
     Route("/v1/chat/completions/{request_id}/stream", completions.resume_chat, methods=["GET"]),

@@ -9,28 +9,50 @@ POST with the same id is queued once and answered from the same run) or a fresh 
 carries it back in `X-Request-Id`, and the response objects' ids are `chatcmpl-<id>` /
 `cmpl-<id>`. Streams send `id: <result stream entry id>` with every event; resuming with
 `Last-Event-ID` (header, or `?after=`) continues exactly after that event, on any replica, until
-the result expires. A client that goes away cancels its request, unless it sent
-`X-Keep-On-Disconnect: true` (to resume later).
+the result expires. A stream whose client goes away is cancelled after a grace period
+(`--disconnect-grace`, 30 s) unless it is resumed by then, so a dropped connection can resume
+without having planned to; `X-Keep-On-Disconnect: true` keeps it running however long, `false`
+cancels it at once (as does the cancel route). A client waiting for a whole (non-streamed)
+answer that goes away cancels it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from llmq.broker.commands import Followed
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.transcript import Fold
-from llmq.gateway.errors import bad_request, not_found
-from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, Endpoint, decode_body
+from llmq.gateway.errors import APIError, bad_request, not_found
+from llmq.gateway.following import (
+    admission,
+    cancel_unless_resumed,
+    close_follower,
+    disconnected,
+    following,
+    in_background,
+    openai_code,
+    timeout_body,
+)
+from llmq.gateway.openai_request import (
+    CHAT,
+    COMPLETIONS,
+    BodyError,
+    Endpoint,
+    OpenAIRequest,
+    decode_body,
+)
 from llmq.gateway.openai_response import (
     DONE_FRAME,
     CompletionStream,
@@ -39,6 +61,7 @@ from llmq.gateway.openai_response import (
     completion_object,
     error_body,
     error_status,
+    merge_completions,
     sse,
 )
 from llmq.gateway.state import GatewayState, json_response
@@ -54,6 +77,7 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 KEEP_HEADER = "x-keep-on-disconnect"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_sorted_json = msgspec.json.Encoder(order="sorted")
 
 
 async def create_chat(request: Request) -> Response:
@@ -92,10 +116,22 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     except BodyError as exc:
         raise bad_request(str(exc), exc.param) from None
     queue = await state.pool.route(parsed.model)
+    if parsed.more_prompts:
+        return await _create_many(request, state, queue, tenant, public_id, parsed)
     request_id = f"{tenant}:{public_id}"
-    keep = _truthy(request.headers.get(KEEP_HEADER))
+    keep_header = request.headers.get(KEEP_HEADER)  # absent: a drop has a grace period
+    keep = _truthy(keep_header)
     options = {"endpoint": endpoint, "include_usage": int(parsed.include_usage),
-               "keep": int(keep), "model": parsed.model or "", "n": parsed.n}
+               "keep": int(keep), "model": parsed.model or "", "n": parsed.n,
+               "body": _digest(endpoint, parsed.request), "tool_calls": int(parsed.tool_calls),
+               "continuous_usage": int(parsed.continuous_usage),
+               "echo": _echo(parsed.request, parsed.echo)}
+    if request.headers.get(REQUEST_ID_HEADER) is not None:
+        known = await state.stream_options(request_id)
+        if known is not None and known.get("body", options["body"]) != options["body"]:
+            raise APIError(409, f"X-Request-Id {public_id!r} was used already for another "
+                           "request: a retry must send the same body", "invalid_request_error",
+                           code="request_id_conflict", param="X-Request-Id")
     # NOTE: deltas are only needed to stream, or to collect logprobs; otherwise the worker
     # writes just `start` and `done`. The stream options and the request go in parallel: a
     # resume can only come once the client has the id, after this returns.
@@ -107,12 +143,24 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     headers = {"X-Request-Id": public_id}
     if parsed.stream:
         stream = CompletionStream(endpoint, public_id, parsed.model or "", parsed.include_usage,
-                                  parsed.logprobs is not None, parsed.n)
+                                  parsed.logprobs is not None, parsed.n, parsed.tool_calls,
+                                  parsed.continuous_usage, _echo(parsed.request, parsed.echo))
         cancel_queue = None if keep else queue
-        return StreamingResponse(_sse(state, request_id, stream, cancel_queue), headers={
-            **_SSE_HEADERS, **headers}, media_type="text/event-stream")
-    answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model))
-    gone = asyncio.ensure_future(_disconnected(request))
+        events = state.client.follow(request_id, timeout=state.settings.request_timeout)
+        admitted = await admission(state, request, request_id, queue, keep, events)
+        if isinstance(admitted, Response):
+            await close_follower(events)
+            if admitted.status_code == 504 and not keep:
+                await state.cancel(request_id, queue)
+            admitted.headers.update(headers)
+            return admitted
+        return StreamingResponse(_sse(state, request_id, stream, cancel_queue, opened=(
+            events, admitted), grace=0.0 if keep_header is not None
+            else state.settings.disconnect_grace), headers={**_SSE_HEADERS, **headers},
+            media_type="text/event-stream")
+    answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
+                                            parsed.tool_calls, _echo(parsed.request, parsed.echo)))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -129,13 +177,38 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
     return json_response(payload, status, headers)
 
 
+async def _create_many(request: Request, state: GatewayState, queue: str, tenant: str,
+                       public_id: str, parsed: OpenAIRequest) -> Response:
+    """Several prompts in one completions body: request `<id>.<k>` each, one answer whose
+    choices are prompt k's completion j at index k * n + j, as OpenAI numbers them."""
+    requests = [parsed.request, *parsed.more_prompts]
+    ids = [f"{tenant}:{public_id}.{k}" for k in range(len(requests))]
+    await asyncio.gather(*(state.client.submit(
+        request_id=i, queue=queue, stream=parsed.logprobs is not None, **r)
+        for i, r in zip(ids, requests, strict=True)))
+    answers = asyncio.ensure_future(asyncio.gather(*(
+        _collect(state, COMPLETIONS, public_id, i, parsed.model, echo=_echo(r, parsed.echo))
+        for i, r in zip(ids, requests, strict=True))))
+    gone = asyncio.ensure_future(disconnected(request))
+    await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not answers.done():
+        answers.cancel()
+        for request_id in ids:
+            await state.cancel(request_id, queue)
+        return Response(status_code=499)
+    status, body = merge_completions(answers.result(), parsed.n)
+    return json_response(body, status, {"X-Request-Id": public_id})
+
+
 async def _collect(state: GatewayState, endpoint: str, public_id: str, request_id: str,
-                   model: str | None) -> tuple[int, Any]:
+                   model: str | None, tool_calls: bool = False, echo: str = ""
+                   ) -> tuple[int, Any]:
     """(status, body) of a request followed to its end."""
     logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
     try:
-        async with _following(state, request_id) as events:
+        async with following(state, request_id) as events:
             async for followed in events:
                 event = followed.event
                 created = created or parse_entry_id(followed.entry_id)[0] // 1000
@@ -153,56 +226,38 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                                                "cancelled")
                     return 200, completion_object(
                         endpoint, completion_id(endpoint, public_id), served, created, event,
-                        {index: b.result() for index, b in logprobs.items()})
+                        {index: b.result() for index, b in logprobs.items()},
+                        tool_calls=tool_calls, echo=echo)
                 elif isinstance(event, Error):
                     status, kind = error_status(event.code)
-                    return status, error_body(event.message, kind, _openai_code(event.code))
+                    return status, error_body(event.message, kind, openai_code(event.code))
     except ResultTimeout:
-        return 504, error_body(f"no answer within the gateway's request timeout "
-                               f"({state.settings.request_timeout:g}s)", "server_error",
-                               "timeout")
+        return 504, timeout_body(state)
     except LLMQError as exc:
         return 503, error_body(str(exc), "server_error", "broker_unavailable")
     raise AssertionError("follow() ends only after a terminal event")
-
-
-def _openai_code(code: str) -> str:
-    return "context_length_exceeded" if code == "prompt_too_long" else code
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone away (the body was read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-@contextlib.asynccontextmanager
-async def _following(state: GatewayState, request_id: str, after: str | None = None
-                     ) -> AsyncGenerator[AsyncIterator[Followed], None]:
-    """The request's events, closed on leaving, however that happens: its follower unsubscribes
-    at once rather than whenever the garbage collector finalizes the generator."""
-    events = state.client.follow(request_id, timeout=state.settings.request_timeout, after=after)
-    try:
-        yield events
-    finally:
-        # NOTE: AsyncClient.follow is an async generator, though typed as an AsyncIterator.
-        if isinstance(events, AsyncGenerator):
-            await events.aclose()
 
 
 # -- streaming ------------------------------------------------------------------------------------
 
 
 async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
-               cancel_queue: str | None, after: str | None = None
-               ) -> AsyncGenerator[bytes, None]:
+               cancel_queue: str | None, after: str | None = None,
+               opened: tuple[AsyncIterator[Followed], list[Followed]] | None = None,
+               grace: float = 0.0) -> AsyncGenerator[bytes, None]:
     """The request's events as SSE frames; a client that goes away cancels the request when
-    `cancel_queue` names its queue (Starlette cancels this generator on a disconnect)."""
+    `cancel_queue` names its queue (Starlette cancels this generator on a disconnect), after
+    `grace` seconds unless it is resumed by then. `opened`: the events already followed to
+    the admission, and those read so far."""
     state.metrics.open_streams.inc()
     try:
-        async with _following(state, request_id, after) as events:
+        async with following(state, request_id, after,
+                              None if opened is None else opened[0]) as events:
+            for followed in [] if opened is None else opened[1]:
+                for frame in stream.feed(followed):
+                    yield frame
+                if stream.finished:
+                    return
             async for followed in events:
                 for frame in stream.feed(followed):
                     yield frame
@@ -210,8 +265,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                     return
     except ResultTimeout:
         stream.finished = True
-        yield sse(error_body(f"no answer within the gateway's request timeout "
-                             f"({state.settings.request_timeout:g}s)", "server_error", "timeout"))
+        yield sse(timeout_body(state))
         yield DONE_FRAME
     except LLMQError as exc:
         stream.finished = True
@@ -220,10 +274,13 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
     finally:
         state.metrics.open_streams.dec()
         if not stream.finished and cancel_queue is not None and not state.shutting_down():
-            # NOTE: shielded: the disconnect cancelled this task, and the cancel must still go.
-            with anyio.CancelScope(shield=True):
-                state.metrics.cancelled.inc()
-                await state.cancel(request_id, cancel_queue)
+            if grace > 0:  # a resume within the grace period keeps it running
+                in_background(cancel_unless_resumed(state, request_id, cancel_queue, grace))
+            else:
+                # NOTE: shielded: the disconnect cancelled this task, and the cancel must go.
+                with anyio.CancelScope(shield=True):
+                    state.metrics.cancelled.inc()
+                    await state.cancel(request_id, cancel_queue)
 
 
 async def _resume(request: Request, endpoint: Endpoint) -> Response:
@@ -243,8 +300,11 @@ async def _resume(request: Request, endpoint: Endpoint) -> Response:
                               "stream", "Last-Event-ID") from None
     stream = CompletionStream(endpoint, public_id, options.get("model", ""),
                               options.get("include_usage") == "1", True,
-                              int(options.get("n") or 1))
-    # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer.
+                              int(options.get("n") or 1), options.get("tool_calls") == "1",
+                              options.get("continuous_usage") == "1", options.get("echo", ""))
+    # NOTE: a resumed stream never cancels on disconnect: whoever resumes wants the answer;
+    # and a stream dropped in its grace period is not cancelled once resumed.
+    await state.remember_stream(request_id, {"resumed": time.time()})
     return StreamingResponse(_sse(state, request_id, stream, None, after), headers={
         **_SSE_HEADERS, "X-Request-Id": public_id}, media_type="text/event-stream")
 
@@ -287,6 +347,17 @@ def _path_id(request: Request, endpoint: Endpoint) -> str:
         raise not_found(f"no request {raw!r:.60}")
     request.state.request_id = public_id
     return public_id
+
+
+def _digest(endpoint: Endpoint, llmq_request: dict[str, Any]) -> str:
+    """What a retry with the same X-Request-Id must repeat: the endpoint and the request."""
+    encoded = _sorted_json.encode([endpoint, llmq_request])
+    return hashlib.sha256(encoded).hexdigest()[:32]
+
+
+def _echo(llmq_request: dict[str, Any], echo: bool) -> str:
+    """The text `echo` puts before a completion: its prompt."""
+    return str(llmq_request.get("prompt", "")) if echo else ""
 
 
 def _truthy(value: str | None) -> bool:

@@ -8,15 +8,17 @@ its line, is converted into the same Struct (`parse_body`).
 
 Sampling fields carry the llmq request's names and pass onto it as they are
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority` too); `user` and `metadata` ride in the
-request's `metadata`. `n` (completions sampled over one prefill) and `response_format` (`text`,
-`json_object`, `json_schema`: decoding follows it) pass through as they are. A field llmq cannot
-honour (`tools`, `logit_bias`, `best_of`...) is refused, and so is a field no Struct declares:
-never silently ignored. The whole request is then checked by the worker's own decoder, so what
-passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one place, the
-wire contract (llmq.protocol.requests): the Structs check types.
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `include_stop_str_in_output` too; chat:
+`chat_template_kwargs`, `add_generation_prompt`); `user` and `metadata` ride in the request's
+`metadata`. `n` (completions sampled over one prefill) passes through as it is; the
+output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llmq's
+`guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py). A
+field llmq cannot honour (`logit_bias`, `best_of`...) is refused, and so is a field no Struct
+declares: never silently ignored. The whole request is then checked by the worker's own decoder,
+so what passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one
+place, the wire contract (llmq.protocol.requests): the Structs check types.
 
-To take a new OpenAI or vLLM field (`tools`, `structured_outputs`, `guided_*`...): declare it,
+To take a new OpenAI or vLLM field (`logit_bias`, `prompt_logprobs`...): declare it,
 typed and defaulting to None, on the Struct of each endpoint that has it (until then a body naming
 it is a 400), and map it onto the llmq request in that Struct's `llmq_request`.
 
@@ -34,6 +36,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from llmq.broker.commands import build_submission
+from llmq.gateway.structured_outputs import ConstraintError, StructuredOutputs, constraint_of
+from llmq.gateway.tool_calls import ToolCallError, grammar_for
 from llmq.protocol import MAX_LOGPROBS
 from llmq.protocol.errors import InvalidRequest
 
@@ -47,8 +51,7 @@ Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 # OpenAI body fields that are llmq request fields of the same name.
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-             "ignore_eos", "stop_token_ids", "priority")
-_DEFAULT_RESPONSE_FORMAT = {"type": "text"}
+             "ignore_eos", "stop_token_ids", "priority", "include_stop_str_in_output")
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -69,15 +72,22 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage
     logprobs: int | None = None  # None: no log-probabilities; n: the sampled token's + top n
     n: int = 1  # completions: the response has choices 0..n-1
+    tool_calls: bool = False  # the output is read as tool calls (gateway/tool_calls.py)
+    more_prompts: tuple[dict[str, Any], ...] = ()  # completions: the requests of prompts 1...
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    echo: bool = False  # completions: each choice's text begins with its prompt
 
 
 # -- the bodies -----------------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, kw_only=True):
-    """`stream_options`; other keys (vLLM's `continuous_usage_stats`...) are ignored."""
+class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`stream_options`: usage at the end, and with vLLM's `continuous_usage_stats` on every
+    chunk (the tokens so far)."""
 
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's: accepted, llmq sends no padding
 
 
 class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -94,6 +104,13 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = None
     n: int | None = None
     response_format: dict[str, Any] | None = None  # checked as the wire's ResponseFormat
+    # vLLM's and llmq's output constraints (gateway/structured_outputs.py)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided: dict[str, Any] | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -102,6 +119,7 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
+    include_stop_str_in_output: bool | None = None
     # the response's shape, and what rides along
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -110,14 +128,14 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     # accepted, with no effect on the generated text
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # refused unless empty or null (tool_choice: unless "none" or "auto"): llmq has no tool
-    # calls nor logit biases yet
+    # chat only (gateway/tool_calls.py); on /v1/completions refused unless empty or null
     tools: list[Any] | None = None
-    functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # refused unless empty or null: OpenAI's deprecated functions, and logit biases
+    functions: list[Any] | None = None
     logit_bias: dict[str, Any] | None = None
 
     # Fields a batch line refuses, as it refuses a field no Struct declares: those that shape
@@ -128,17 +146,36 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     def llmq_request(self) -> dict[str, Any]:
         """The llmq request's fields (without `id`, `stream` and `metadata`); BodyError for a
         field llmq cannot honour."""
-        for name in ("tools", "functions", "logit_bias"):
+        for name in ("functions", "logit_bias"):
             if getattr(self, name):
                 raise BodyError(f"`{name}` is not supported", name)
-        if self.tool_choice not in (None, "none", "auto"):
-            raise BodyError("`tool_choice` is not supported", "tool_choice")
         request = {name: value for name in _SAMPLING if (value := getattr(self, name)) is not None}
         if self.n is not None and self.n != 1:
             request["n"] = self.n
-        if self.response_format is not None and self.response_format != _DEFAULT_RESPONSE_FORMAT:
-            request["response_format"] = self.response_format
+        try:
+            request.update(constraint_of(
+                response_format=self.response_format, structured_outputs=self.structured_outputs,
+                guided=self.guided, guided_json=self.guided_json, guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice, guided_grammar=self.guided_grammar))
+        except ConstraintError as exc:
+            raise BodyError(str(exc), exc.param) from None
+        try:
+            request.update(self.tool_fields("guided" in request or "response_format" in request))
+        except ToolCallError as exc:
+            raise BodyError(str(exc), exc.param) from None
         return request
+
+    def tool_fields(self, constrained: bool) -> dict[str, Any]:
+        """The wire fields for `tools` and `tool_choice` (here: none; chat takes tools)."""
+        if self.tools:
+            raise BodyError("`tools` are only for /v1/chat/completions", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise BodyError("`tool_choice` needs `tools`", "tool_choice")
+        return {}
+
+    def reads_tool_calls(self) -> bool:
+        """Whether the output is read as tool calls (`tool_choice` other than none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def logprobs_count(self) -> int | None:
         """Log-probabilities to return: None for none, n for the sampled token's and the top n."""
@@ -157,10 +194,14 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True):
-    """One chat message; other keys (`name`...) are ignored."""
+    """One chat message; other keys (`refusal`, `audio`...) are ignored."""
 
     role: str  # the worker's decoder checks it is one it renders
     content: str | list[ContentPart] | None = None
+    # an assistant turn's calls, a tool turn's answer to one (checked by the wire's Message)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
@@ -168,20 +209,38 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's new name for max_tokens
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
+    add_generation_prompt: bool | None = None  # vLLM's: false, no assistant turn is opened
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
+    # NOTE: `tools` too: a batch output line is not read for tool calls (yet).
     not_in_batch: ClassVar[tuple[str, ...]] = (*OpenAIBody.not_in_batch, "logprobs",
-                                               "top_logprobs")
+                                               "top_logprobs", "tools")
 
     def llmq_request(self) -> dict[str, Any]:
         request = super().llmq_request()
         if self.max_completion_tokens is not None:
             request["max_tokens"] = self.max_completion_tokens
         request["messages"] = [_llmq_message(i, m) for i, m in enumerate(self.messages)]
+        if self.chat_template_kwargs:
+            request["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.add_generation_prompt is False:
+            request["add_generation_prompt"] = False
         if (logprobs := self.logprobs_count()) is not None:
             request["logprobs"] = logprobs
         return request
+
+    def tool_fields(self, constrained: bool) -> dict[str, Any]:
+        if not self.tools:
+            return super().tool_fields(constrained)
+        grammar = grammar_for(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        if grammar is None:
+            return {"tools": self.tools}
+        if constrained:
+            raise ToolCallError("`tool_choice` constrains the output to tool calls, and so does "
+                                "a response format or guided decoding: give one", "tool_choice")
+        return {"tools": self.tools, "guided": {"grammar": grammar}}
 
     def logprobs_count(self) -> int | None:
         if self.logprobs:
@@ -203,7 +262,10 @@ def _llmq_message(index: int, message: ChatMessage) -> dict[str, Any]:
             raise BodyError(f"messages[{index}]: only text content parts are supported",
                             f"messages[{index}].content")
         content = "".join(part.text or "" for part in content)
-    return {"role": message.role, "content": content}
+    fields = {"tool_calls": message.tool_calls, "tool_call_id": message.tool_call_id,
+              "name": message.name}
+    return {"role": message.role, "content": content,
+            **{name: value for name, value in fields.items() if value is not None}}
 
 
 # `prompt`: a string, token ids, or a list of one of those (the OpenAI client's batch shape).
@@ -215,8 +277,8 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
 
     prompt: Prompt
     logprobs: LogprobCount | None = None
+    echo: bool | None = None  # the prompt begins each choice's text (string prompts)
     # accepted at the value that changes nothing
-    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -224,11 +286,15 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
                                                "best_of", "suffix")
 
     def llmq_request(self) -> dict[str, Any]:
-        for name, harmless in (("echo", False), ("best_of", 1), ("suffix", "")):
+        for name, harmless in (("best_of", 1), ("suffix", "")):
             if getattr(self, name) not in (None, harmless):
                 raise BodyError(f"`{name}` is not supported", name)
+        if self.echo and (self.logprobs is not None or not isinstance(self.prompt, str) and not
+                          all(isinstance(one, str) for one in self.prompt)):
+            raise BodyError("`echo` needs text prompts and no `logprobs` (the gateway has the "
+                            "prompt's text, not its tokens' log-probabilities)", "echo")
         request = super().llmq_request()
-        request.update(_llmq_prompt(self.prompt))
+        request.update(llmq_prompts(self.prompt)[0])
         if self.logprobs is not None:
             request["logprobs"] = self.logprobs
         return request
@@ -240,15 +306,19 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         return "prompt" if llmq_field.startswith("prompt_token_ids") else llmq_field
 
 
-def _llmq_prompt(prompt: Prompt) -> dict[str, Any]:
-    one: Prompt | list[int] = prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        one = prompt[0]  # one prompt in a list, as the OpenAI client sends it
-    if isinstance(one, str):
-        return {"prompt": one}
-    if one and all(isinstance(token, int) for token in one):
-        return {"prompt_token_ids": one}
-    raise BodyError("`prompt` must be a string or a list of token ids (one prompt per line)",
+def llmq_prompts(prompt: Prompt) -> list[dict[str, Any]]:
+    """Each prompt of `prompt` as llmq request fields: a string, token ids, or a list of
+    either (several prompts, as the OpenAI client sends a batch of them)."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if prompt and all(isinstance(token, int) for token in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if prompt and all(isinstance(one, str) for one in prompt):
+        return [{"prompt": one} for one in prompt]
+    if prompt and all(isinstance(one, list) and one and all(isinstance(t, int) for t in one)
+                      for one in prompt):
+        return [{"prompt_token_ids": one} for one in prompt]
+    raise BodyError("`prompt` must be a string, a list of token ids, or a list of either",
                     "prompt")
 
 
@@ -300,6 +370,8 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
             if getattr(body, name) is not None:
                 raise BodyError(f"body field `{name}` is not supported for {endpoint}", name)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(include_usage and body.stream_options
+                      and body.stream_options.continuous_usage_stats)
     if include_usage and not body.stream:
         raise BodyError("`stream_options` is only allowed with `stream: true`", "stream_options")
     request = body.llmq_request()
@@ -312,8 +384,21 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
     except InvalidRequest as exc:
         field = _path_of(str(exc))
         raise BodyError(str(exc), None if field is None else body.param_of(field)) from None
+    more: list[dict[str, Any]] = []
+    if isinstance(body, CompletionBody) and len(prompts := llmq_prompts(body.prompt)) > 1:
+        if batch or body.stream:
+            raise BodyError("several prompts in one body are answered whole, not streamed nor "
+                            "in a batch (one prompt per line): send one request per prompt",
+                            "prompt")
+        more = [{**request, **prompt} for prompt in prompts[1:]]
+        for index, one in enumerate(more, 1):
+            try:
+                build_submission(one)
+            except InvalidRequest as exc:
+                raise BodyError(f"prompt[{index}]: {exc}", "prompt") from None
     return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
-                         body.logprobs_count(), request.get("n", 1))
+                         body.logprobs_count(), request.get("n", 1), body.reads_tool_calls(),
+                         tuple(more), continuous, bool(getattr(body, "echo", False)))
 
 
 # msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.

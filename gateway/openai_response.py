@@ -11,8 +11,8 @@ Two things llmq knows that OpenAI's format has no word for:
 - a request that ran again on another worker (attempt 2 after a crash): its new text is checked
   against what the client already has, and only what extends it is sent; a sampled rerun that
   differs ends the stream with an error instead of sending text that contradicts the old;
-- token strings: the gateway has no tokenizer, so a delta's text goes with its last token and
-  alternatives in `top_logprobs` are named `token_id:<id>` (vLLM's `return_tokens_as_token_ids`).
+- token strings: the gateway has no tokenizer; the worker names each token of a logprob (its
+  text, or vLLM's `bytes:\\xNN` form for part of a character: protocol/token_text.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ import msgspec
 from llmq.broker.commands import Followed
 from llmq.broker.transcript import Fold
 from llmq.gateway.openai_request import CHAT
+from llmq.gateway.tool_calls import parse_tool_calls, streamable_length, tool_call_id
 from llmq.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
+from llmq.protocol.token_text import token_bytes
 
 __all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
-           "completion_object", "error_body", "error_status", "sse", "usage_object"]
+           "completion_object", "error_body", "error_status", "merge_completions", "sse",
+           "tool_call_objects",
+           "usage_object"]
 
 _json = msgspec.json.Encoder()
 _NEG_INF = -9999.0  # what OpenAI reports for a log-probability of -inf
@@ -50,24 +54,62 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 
 
 def completion_object(endpoint: str, object_id: str, model: str, created: int, done: Done,
-                      logprobs: Mapping[int, Any] | None = None) -> dict[str, Any]:
+                      logprobs: Mapping[int, Any] | None = None, *,
+                      tool_calls: bool = False, echo: str = "") -> dict[str, Any]:
     """A whole `chat.completion` or `text_completion` object for a finished request: one choice,
-    or with n > 1 every one by index. `logprobs`: each choice's, by index."""
+    or with n > 1 every one by index. `logprobs`: each choice's, by index. `tool_calls`: read
+    each choice's text as tool calls when it is written as some (gateway/tool_calls.py).
+    `echo`: the prompt, which begins each completion's text."""
     completions = ([(c.index, c.text, c.finish_reason) for c in done.choices] if done.choices
                    else [(0, done.text, done.finish_reason)])
     chat = endpoint == CHAT
     choices = []
-    for index, text, finish_reason in completions:
+    for index, text, reason in completions:
+        finish_reason: str = reason
         choice: dict[str, Any] = {"index": index}
-        if chat:
+        calls = parse_tool_calls(text) if chat and tool_calls else None
+        if calls is not None:
+            content, parsed = calls
+            choice["message"] = {"role": "assistant", "content": content,
+                                 "tool_calls": tool_call_objects(object_id, index, parsed)}
+            finish_reason = "tool_calls"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = echo + text
         choice.update(finish_reason=finish_reason, logprobs=(logprobs or {}).get(index))
         choices.append(choice)
     return {"id": object_id, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices,
             "usage": usage_object(done.usage)}
+
+
+def tool_call_objects(object_id: str, choice: int, calls: list[tuple[str, str]],
+                      streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's `tool_calls` of (name, arguments) pairs; in a stream each carries its index."""
+    objects = []
+    for i, (name, arguments) in enumerate(calls):
+        call: dict[str, Any] = {"id": tool_call_id(object_id, choice, i), "type": "function",
+                                "function": {"name": name, "arguments": arguments}}
+        objects.append({"index": i, **call} if streamed else call)
+    return objects
+
+
+def merge_completions(answers: list[tuple[int, Any]], n: int) -> tuple[int, Any]:
+    """One `text_completion` of several prompts' (status, body): the first failure as it is,
+    else prompt k's choice j at index k * n + j and the usage summed."""
+    for status, body in answers:
+        if status != 200:
+            return status, body
+    merged = {**answers[0][1], "choices": []}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for k, (_, body) in enumerate(answers):
+        merged["choices"] += [{**c, "index": k * n + c["index"]} for c in body["choices"]]
+        for name in usage:
+            usage[name] += body["usage"][name]
+    merged["usage"] = {**usage, "prompt_tokens_details": {"cached_tokens": sum(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"] for _, b in answers)}}
+    return 200, merged
 
 
 def error_status(code: str) -> tuple[int, str]:
@@ -108,23 +150,29 @@ class LogprobsBuilder:
         self._taken = 0
 
     def add(self, text: str, token_logprobs: list[TokenLogprob]) -> None:
-        """Fold in one delta's logprobs (its text goes with its last token)."""
+        """Fold in one delta's logprobs: each token with its own text when the worker named it
+        (else the delta's text goes with its last token, and alternatives are `token_id:<id>`,
+        vLLM's `return_tokens_as_token_ids`)."""
         for i, lp in enumerate(token_logprobs):
-            token = text if i == len(token_logprobs) - 1 else ""
+            if lp.token is not None:
+                token = lp.token
+            else:
+                token = text if i == len(token_logprobs) - 1 else ""
+            names = lp.top_tokens or [f"token_id:{t}" for t in lp.top_token_ids]
             logprob = _finite(lp.logprob)
-            top = [(f"token_id:{t}", _finite(v)) for t, v in zip(lp.top_token_ids,
-                                                                  lp.top_logprobs, strict=False)]
+            top = [(t, _finite(v)) for t, v in zip(names, lp.top_logprobs, strict=False)]
             if self.chat:
                 self.content.append({
-                    "token": token, "logprob": logprob, "bytes": list(token.encode()),
-                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                    "token": token, "logprob": logprob, "bytes": list(token_bytes(token)),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(token_bytes(t))}
                                      for t, v in top]})
             else:
                 self.tokens.append(token)
                 self.token_logprobs.append(logprob)
                 self.top_logprobs.append(dict(top))
                 self.text_offset.append(self._offset)
-            self._offset += len(token)
+            self._offset += len(token_bytes(token).decode(errors="replace")) if lp.token \
+                is not None else len(token)
 
     def take(self) -> Any:
         """The logprobs added since the last take (for the next chunk); None if there are none."""
@@ -169,9 +217,13 @@ class CompletionStream:
     include_usage: bool = False
     logprobs: bool = False
     n: int = 1  # choices 0..n-1
+    tool_calls: bool = False  # read the output as tool calls (chat): hold back what may be one
+    continuous_usage: bool = False  # usage on every chunk (vLLM's continuous_usage_stats)
+    echo: str = ""  # completions: the prompt, sent first as each choice's text
     created: int = 0
     finished: bool = False
     _role_sent: bool = False
+    _usage: list[int] = field(default_factory=lambda: [0, 0])  # the attempt's prompt, output
     _choices: list[_ChoiceStream] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -196,9 +248,13 @@ class CompletionStream:
                 choice.attempt_text, choice.rerun = "", True
         if isinstance(event, Start):
             self.model = event.model or self.model
-            if self._role_sent or not self.chat:
+            self._usage = [event.prompt_tokens, 0]
+            if self._role_sent:
                 return []
             self._role_sent = True
+            if not self.chat:
+                return [sse(self._chunk([(i, self.echo, None, None) for i in range(self.n)]),
+                            entry_id)] if self.echo else []
             return [sse(self._chunk([(i, {"role": "assistant", "content": ""}, None, None)
                                      for i in range(self.n)]), entry_id)]
         if self.finished:
@@ -208,7 +264,11 @@ class CompletionStream:
                 return []  # not a choice this stream was asked for
             choice = self._choices[event.index]
             choice.attempt_text += event.text
-            return self._extend(event.index, choice.attempt_text, entry_id, event)
+            self._usage[1] += len(event.token_ids)
+            text = choice.attempt_text
+            if self.tool_calls:  # NOTE: a call is sent whole at the end, as `tool_calls`
+                text = text[:streamable_length(text)]
+            return self._extend(event.index, text, entry_id, event)
         if isinstance(event, Error):
             self.finished = True
             _, kind = error_status(event.code)
@@ -221,14 +281,24 @@ class CompletionStream:
         ends = ([(c.index, c.text, c.finish_reason) for c in event.choices if c.index < self.n]
                 if event.choices else [(0, event.text, event.finish_reason)])
         frames: list[bytes] = []
-        for index, text, _ in ends:
+        reasons: dict[int, str] = {}
+        for index, text, finish_reason in ends:
+            reason: str = finish_reason
+            calls = parse_tool_calls(text) if self.tool_calls else None
+            if calls is not None:  # what was held back is calls: send them, not their text
+                text, reason = text[:streamable_length(text)], "tool_calls"
             # NOTE: only the first frame of the end carries the entry id (see `feed`).
             frames += self._extend(index, text, None if frames else entry_id, None)
             if self.finished:  # the rerun diverged
                 return frames
+            if calls is not None:
+                deltas = tool_call_objects(self.object_id, index, calls[1], streamed=True)
+                frames.append(sse(self._chunk([(index, {"tool_calls": deltas}, None, None)]),
+                                  None if frames else entry_id))
+            reasons[index] = reason
         self.finished = True
-        final = self._chunk([(index, {} if self.chat else "", reason, self._take_logprobs(index))
-                             for index, _, reason in ends])
+        final = self._chunk([(index, {} if self.chat else "", reasons[index],
+                              self._take_logprobs(index)) for index, _, _ in ends])
         frames.append(sse(final, None if frames else entry_id))
         if self.include_usage:
             usage = {"id": self.object_id, "object": self._object(), "created": self.created,
@@ -278,4 +348,8 @@ class CompletionStream:
                              for index, content, finish_reason, logprobs in choices]}
         if self.include_usage:
             chunk["usage"] = None
+        if self.continuous_usage:
+            prompt, completion = self._usage
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
         return chunk

@@ -26,12 +26,15 @@ class GatewaySettings:
     batch_max_in_flight: int = 1024  # unfinished requests one batch keeps queued at a time
     max_connections: int = 64  # Redis connections for calls (the result reader adds its own)
     dashboard_interval: float = 10.0  # seconds between the dashboard's chart samples
+    disconnect_grace: float = 30.0  # seconds a dropped stream waits for a resume, then cancels
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_file_bytes", "file_ttl", "batch_max_in_flight",
                      "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.disconnect_grace < 0:
+            raise ValueError(f"disconnect_grace must be >= 0, got {self.disconnect_grace}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if not 1.0 <= self.dashboard_interval <= 300.0:

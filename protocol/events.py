@@ -41,6 +41,9 @@ class TokenLogprob(Struct):
     logprob: float | None
     top_token_ids: list[int] = []
     top_logprobs: list[float | None] = []
+    # the tokens' text (protocol/token_text.py), when the worker has a tokenizer
+    token: str | None = None
+    top_tokens: list[str] = []
 
 
 FinishReason = Literal["stop", "length", "cancelled"]  # how a completion of `done` ended

@@ -35,6 +35,7 @@ from llmq.protocol.response_format import (
     constrains,
     output_constraint,
 )
+from llmq.protocol.tools import MAX_TOOLS, Tool, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,24 @@ StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
-class Message(Struct, forbid_unknown_fields=True):
-    """One chat message; the worker renders `messages` with the model's chat template."""
+class Message(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One chat message; the worker renders `messages` with the model's chat template.
+
+    `content` may be null only on an assistant turn that called tools (`tool_calls`); a `tool`
+    turn answers the call `tool_call_id` (llmq.protocol.tools)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+    name: Annotated[str, Meta(max_length=256)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs `content` (null only on an assistant "
+                             "turn with `tool_calls`)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"`tool_calls` belong on assistant messages, not {self.role}")
 
 
 class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -89,7 +103,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt_token_ids: Annotated[
         list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] = DEFAULT_MAX_TOKENS
+    # None: DEFAULT_MAX_TOKENS, or fewer when the context leaves less room (as vLLM defaults);
+    # a number given must fit the context with the prompt, or the request is prompt_too_long
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # 0 means greedy
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0  # 1 disables
     top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] = 0  # 0 or -1 (vLLM's spelling) disable
@@ -111,6 +127,14 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # completions, sampled over one prefill
     response_format: ResponseFormat | None = None  # OpenAI's shapes
     guided: Guided | None = None  # regex, choice or grammar
+    # chat: the functions the model may call, rendered by its chat template (protocol/tools.py)
+    tools: Annotated[list[Tool], Meta(min_length=1, max_length=MAX_TOOLS)] | None = None
+    # chat: extra variables for the chat template (e.g. Qwen3's `enable_thinking`)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # chat: false renders no opening of the assistant's turn (the prompt ends with the last
+    # message, e.g. for a base model's completion of a transcript)
+    add_generation_prompt: bool = True
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     # True: special-token text in the prompt or message content is parsed as control tokens
     # (trusted callers only; by default it is encoded as the text it is).
     allow_special_tokens: bool = False
@@ -130,11 +154,15 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             got = " and ".join(f"`{n}`" for n in given) if given else "none"
             raise ValueError(
                 f"exactly one of `prompt`, `messages`, `prompt_token_ids` is required, got {got}")
-        if self.min_tokens > self.max_tokens:
+        if self.min_tokens > (max_tokens := self.max_tokens or DEFAULT_MAX_TOKENS):
             raise ValueError(f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` "
-                             f"({self.max_tokens})")
+                             f"({max_tokens})")
         if self.guided is not None and constrains(self.response_format):
             raise ValueError("`response_format` and `guided` both constrain the output: give one")
+        if self.messages is None and (self.tools or self.chat_template_kwargs
+                                      or not self.add_generation_prompt):
+            raise ValueError("`tools`, `chat_template_kwargs` and `add_generation_prompt` need "
+                             "`messages`")
         if self.metadata is not None:
             size = _metadata_size(self.metadata)
             if size > MAX_METADATA_BYTES:
@@ -150,7 +178,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `llmq.worker.engine.sampling_params.SamplingParams`."""
         return {
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.max_tokens or DEFAULT_MAX_TOKENS,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": max(self.top_k, 0),
@@ -166,6 +194,7 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             "logprobs": self.logprobs,
             "n": self.n,
             "speculative": self.speculative,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
 
     def structured_output(self) -> tuple[str, str] | None:

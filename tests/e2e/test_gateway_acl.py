@@ -49,6 +49,13 @@ def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_p
             assert resumed.status_code == 200 and "[DONE]" in resumed.text
             assert httpx.post(f"{gateway.base_url}/v1/chat/completions/acl-1/cancel",
                               headers=auth).status_code == 200
+            # a conversation through the Responses API, and several prompts in one body
+            first = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+            second = client.responses.create(model="tiny", input="Go on", max_output_tokens=2,
+                                             previous_response_id=first.id)
+            assert client.responses.retrieve(second.id).id == second.id
+            several = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+            assert len(several.choices) == 2
             # files and a batch, run by a batch worker, then its output
             data = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}})

@@ -128,8 +128,15 @@ def test_logprobs_come_per_token_with_alternatives(client: openai.OpenAI, model:
                                             extra_body={"ignore_eos": True})
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens == 5
-    assert "".join(t.token for t in content) == answer.choices[0].message.content
+    # Each token has its own text and bytes, which add up to the answer (a random model's
+    # bytes need not be UTF-8: decoded as the worker decodes them)
+    assert b"".join(bytes(t.bytes) for t in content).decode(errors="replace") == \
+        answer.choices[0].message.content
     assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    # And the alternatives are named too: greedy, the first is the token itself
+    assert all(t.top_logprobs[0].token == t.token and t.top_logprobs[0].bytes == t.bytes
+               for t in content)
+    assert not any(a.token.startswith("token_id:") for t in content for a in t.top_logprobs)
     streamed = client.completions.create(model=model, prompt="Hi", max_tokens=3, logprobs=1,
                                          stream=True, temperature=0,
                                          extra_body={"ignore_eos": True})
@@ -265,10 +272,9 @@ def test_an_invalid_body_is_a_400_naming_the_field(client: openai.OpenAI, model:
 
 def test_a_field_llmq_does_not_know_or_cannot_honour_is_a_400_naming_it(
         client: openai.OpenAI, model: str) -> None:
-    # Given a misspelt vLLM field, a tool to call, and a message without a role
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    # Given a misspelt vLLM field, a logit bias, and a message without a role
     bodies = [({"messages": MESSAGES, "extra_body": {"top_kk": 4}}, "top_kk", "not supported"),
-              ({"messages": MESSAGES, "tools": [tool]}, "tools", "not supported"),
+              ({"messages": MESSAGES, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
               ({"messages": [{"content": "Hi"}]}, "messages[0].role", "`role`")]
     for kwargs, param, words in bodies:
         # Then each is refused before it is queued, naming the field

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +39,9 @@ def gateways(valkey_server, tiny_model_path: Path, tmp_path_factory
     worker = serve(valkey_server.url, tiny_model_path, logs, "gw-streams-w1",
                    fault="slow_step:15")
     first = GatewayProcess(valkey_server.url, logs, name="gateway-1")
-    second = GatewayProcess(valkey_server.url, logs, name="gateway-2")
+    # NOTE: the second gateway waits 1 s for a dropped stream to resume, the first 30 s.
+    second = GatewayProcess(valkey_server.url, logs, name="gateway-2",
+                            extra=["--disconnect-grace", "1"])
     r = redis.Redis.from_url(valkey_server.url)
     try:
         yield first.start(), second.start(), r
@@ -75,7 +78,12 @@ def text_of(events: list[tuple[str | None, str]]) -> str:
 
 
 def uncut(gateway: GatewayProcess, request_id: str) -> list[tuple[str | None, str]]:
-    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=BODY,
+    return uncut_body(gateway, request_id, BODY)
+
+
+def uncut_body(gateway: GatewayProcess, request_id: str, body: dict
+               ) -> list[tuple[str | None, str]]:
+    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body,
                       headers={**AUTH, "X-Request-Id": request_id}, timeout=60) as response:
         assert response.status_code == 200
         return read_events(response)
@@ -134,30 +142,64 @@ def test_an_unknown_or_foreign_request_cannot_be_resumed(gateways) -> None:
         assert response.json()["error"]["code"] == "not_found"
 
 
-def test_a_client_that_disconnects_cancels_its_request(gateways) -> None:
-    first, _, r = gateways
-    body = {**BODY, "max_tokens": 200}
+@pytest.mark.parametrize(("gateway", "headers"), [
+    (0, {"X-Keep-On-Disconnect": "false"}),  # a client that says so: cancelled at once
+    (1, {}),  # any other: cancelled once the gateway's grace period (1 s) has passed
+], ids=["at-once", "after-the-grace"])
+def test_a_client_that_disconnects_cancels_its_request(gateways, gateway: int,
+                                                       headers: dict[str, str]) -> None:
+    r = gateways[2]
+    request_id = f"gone-1-{gateway}"
+    body = {**BODY, "max_tokens": 150}
     # Given a long streaming request, read for a few events
-    with httpx.stream("POST", f"{first.base_url}/v1/chat/completions", json=body,
-                      headers={**AUTH, "X-Request-Id": "gone-1"}, timeout=60) as response:
+    with httpx.stream("POST", f"{gateways[gateway].base_url}/v1/chat/completions", json=body,
+                      headers={**AUTH, "X-Request-Id": request_id, **headers},
+                      timeout=60) as response:
         read_events(response, limit=3)
-    # When the client has gone, Then the worker stops it: a cancelled done, far short of 200
-    key = Keys().result("alice:gone-1")
+    # When the client has gone, Then the worker stops it: a cancelled done, far short of 150
+    key = Keys().result(f"alice:{request_id}")
 
     def final() -> Done | None:
         events = [decode_event(f) for _, f in r.xrange(key)]
         return events[-1] if events and isinstance(events[-1], Done) else None
 
     done = wait_for(final, 30, "the cancelled request's done event")
-    assert done.finish_reason == "cancelled" and done.usage.completion_tokens < 200
+    assert done.finish_reason == "cancelled" and done.usage.completion_tokens < 150
     # And the worker has freed it
     wait_for(lambda: r.hget(Keys().worker("gw-streams-w1"), "running") == b"0", 15,
              "the worker to report nothing running")
 
 
+def test_a_dropped_stream_resumed_within_the_grace_period_continues(gateways) -> None:
+    first, second, r = gateways
+    body = {**BODY, "max_tokens": 120}
+    whole = text_of(uncut_body(first, "grace-whole-1", body))
+    # Given a stream dropped after 5 events, with no header asking to keep it
+    with httpx.stream("POST", f"{first.base_url}/v1/chat/completions", json=body,
+                      headers={**AUTH, "X-Request-Id": "grace-1"}, timeout=60) as response:
+        head = read_events(response, limit=5)
+    last_id = [event_id for event_id, _ in head if event_id][-1]
+    # When the client comes back 5 s later, on another gateway
+    time.sleep(5)
+    with httpx.stream("GET", f"{second.base_url}/v1/chat/completions/grace-1/stream",
+                      headers={**AUTH, "Last-Event-ID": last_id}, timeout=60) as response:
+        tail, done_at = [], 0.0
+        for event in iter_events(response):
+            tail.append(event)
+            if event[1] == "[DONE]":
+                done_at = time.monotonic()
+        ended = time.monotonic()
+    # Then the text continues to the same whole answer, the request never cancelled
+    assert text_of(head) + text_of(tail) == whole and tail[-1][1] == "[DONE]"
+    done = [decode_event(f) for _, f in r.xrange(Keys().result("alice:grace-1"))][-1]
+    assert isinstance(done, Done) and done.finish_reason == "length"
+    # And the resumed response ends with [DONE], not seconds after it
+    assert ended - done_at < 0.5
+
+
 def test_a_non_streaming_client_that_disconnects_cancels_too(gateways) -> None:
     first, _, r = gateways
-    body = {**BODY, "max_tokens": 200, "stream": False}
+    body = {**BODY, "max_tokens": 150, "stream": False}
     body.pop("stream_options")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{first.base_url}/v1/chat/completions", json=body,
@@ -172,7 +214,7 @@ def test_cancel_stops_a_request_of_ones_own_tenant_only(gateways) -> None:
     first, _, r = gateways
     # Given a kept request of alice's, running
     with httpx.stream("POST", f"{first.base_url}/v1/chat/completions", json={**BODY,
-                      "max_tokens": 200}, headers={**AUTH, "X-Request-Id": "stop-1",
+                      "max_tokens": 150}, headers={**AUTH, "X-Request-Id": "stop-1",
                                                    "X-Keep-On-Disconnect": "1"},
                       timeout=60) as streaming:
         read_events(streaming, limit=2)

@@ -12,8 +12,18 @@ from llmq.broker.commands import Followed
 from llmq.broker.transcript import Fold
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.openai_request import CHAT, COMPLETIONS, BodyError, decode_body, parse_body
-from llmq.gateway.openai_response import CompletionStream, completion_object, sse
+from llmq.gateway.openai_response import (
+    CompletionStream,
+    LogprobsBuilder,
+    completion_object,
+    sse,
+)
+from llmq.gateway.tool_calls import parse_tool_calls, streamable_length
 from llmq.protocol import Choice, Delta, Done, Error, Start, Timings, TokenLogprob, Usage
+from llmq.protocol.token_text import token_bytes, token_text
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 # -- bodies ---------------------------------------------------------------------------------------
 
@@ -56,7 +66,18 @@ def test_completions_logprobs_are_a_count() -> None:
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9},
      "temperature", "temperature"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-            "tools": [{"type": "function"}]}, "tools", "not supported"),
+            "tools": [{"type": "function"}]}, "tools[0]", "`function`"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "tools": [{"type": "function"}]}, "tools",
+     "only for /v1/chat/completions"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tool_choice": "required"}, "tool_choice", "needs `tools`"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among `tools`"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "give one"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0]",
+     "needs `content`"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -66,8 +87,12 @@ def test_completions_logprobs_are_a_count() -> None:
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     (CHAT, {"model": "m"}, "messages", "needs `messages`"),
-    (COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "prompt", "one prompt"),
-    (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True}, "echo", "`echo`"),
+    (COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "stream": True}, "prompt",
+     "one request per prompt"),
+    (COMPLETIONS, {"model": "m", "prompt": ["a", [5]]}, "prompt", "a list of either"),
+    (COMPLETIONS, {"model": "m", "prompt": [5, 6], "echo": True}, "echo", "text prompts"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo",
+     "no `logprobs`"),
     # API keys are untrusted callers: their special-token text always stays text
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "allow_special_tokens": True}, "allow_special_tokens", "not supported"),
@@ -93,6 +118,46 @@ def test_a_body_llmq_cannot_run_names_the_field(endpoint, body, param, words) ->
         with pytest.raises(BodyError) as info:
             parse()
         assert info.value.param == param and words in str(info.value)
+
+
+INTEGER_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {
+    "name": "response", "schema": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize("extra, wire", [
+    ({"structured_outputs": {"regex": "a+"}}, {"guided": {"regex": "a+"}}),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, {"guided": {"choice": ["x", "y"]}}),
+    ({"structured_outputs": {"grammar": "start: \"a\""}}, {"guided": {"grammar": "start: \"a\""}}),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, INTEGER_SCHEMA),
+    ({"structured_outputs": {"json_object": True}}, {"response_format": {"type": "json_object"}}),
+    ({"guided_json": '{"type": "integer"}'}, INTEGER_SCHEMA),
+    ({"guided_regex": "a+"}, {"guided": {"regex": "a+"}}),
+    ({"guided_choice": ["x"]}, {"guided": {"choice": ["x"]}}),
+    ({"guided_grammar": "g"}, {"guided": {"grammar": "g"}}),
+    ({"guided": {"regex": "a+"}}, {"guided": {"regex": "a+"}}),
+])
+def test_every_spelling_of_a_constraint_becomes_the_wire_s(extra, wire) -> None:
+    for endpoint, body in ((CHAT, {"messages": [{"role": "user", "content": "x"}]}),
+                           (COMPLETIONS, {"prompt": "x"})):
+        parsed = parse_body(endpoint, {**body, **extra})
+        assert {k: parsed.request[k] for k in wire} == wire
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "both constrain"),
+    ({"response_format": {"type": "json_object"}, "guided": {"regex": "a"}}, "guided",
+     "both constrain"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown field"),
+    ({"guided_json": "{nope"}, "guided_json", "not JSON"),
+    ({"guided": {"regex": "a", "choice": ["b"]}}, "guided", "exactly one"),
+])
+def test_a_constraint_given_twice_or_malformed_is_refused_naming_it(extra, param,
+                                                                    words) -> None:
+    with pytest.raises(BodyError) as info:
+        parse_body(COMPLETIONS, {"prompt": "x", **extra})
+    assert info.value.param == param and words in str(info.value)
 
 
 def test_an_http_body_that_is_not_json_says_so() -> None:
@@ -318,3 +383,98 @@ def test_a_whole_answer_lists_every_choice_with_its_own_logprobs() -> None:
     assert [(c["index"], c["message"]["content"], c["logprobs"]) for c in body["choices"]] == [
         (0, "A", None), (1, "B", {"content": []})]
 
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', None, [("f", '{"a": 1}')]),
+    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "g", "arguments": {"b": "x"}}\n</tool_call>', "Sure.",
+     [("f", "{}"), ("g", '{"b": "x"}')]),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', None,
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    ('{"name": "f", "parameters": {"a": {"b": 1}}}; {"name": "g", "parameters": {}}', None,
+     [("f", '{"a": {"b": 1}}'), ("g", "{}")]),
+    ('<|python_tag|>{"name": "f", "parameters": {"q": "x"}}', None, [("f", '{"q": "x"}')]),
+])
+def test_each_family_s_tool_calls_are_read(text, content, calls) -> None:
+    assert parse_tool_calls(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text", ["Hello there", '{"not": "a call"}', "<tool_call>\n{oops",
+                                  "[TOOL_CALLS] nothing"])
+def test_text_that_is_no_call_stays_content(text) -> None:
+    assert parse_tool_calls(text) is None
+
+
+def test_streamed_content_stops_where_a_call_may_begin() -> None:
+    assert streamable_length("Hello <b>") == len("Hello <b>")
+    assert streamable_length("Hello <tool") == len("Hello ")
+    assert streamable_length("Hi [TOOL_CALLS][") == len("Hi ")
+    assert streamable_length('  {"name"') == 0
+
+
+def test_a_streamed_tool_call_comes_as_tool_calls_deltas_and_finish_reason() -> None:
+    # Given a chat stream whose output is a call, in three deltas
+    stream = CompletionStream(CHAT, "t1", "m", tool_calls=True)
+    text = 'Ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    chunks = [data for _, data in parsed(feed(stream, events(texts=(
+        text[:5], text[5:20], text[20:])))) if data != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    # Then the content before the call streams, the call comes whole with its id and index
+    assert "".join(d.get("content") or "" for d in deltas) == "Ok "
+    (call,) = [d["tool_calls"] for d in deltas if "tool_calls" in d][0]
+    assert call["index"] == 0 and call["id"].startswith("call_")
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # And the whole answer names the same call
+    done = Done(request_id="r", attempt=1, text=text, finish_reason="stop", usage=USAGE,
+                timings=TIMINGS)
+    whole = completion_object(CHAT, "chatcmpl-t1", "m", 0, done, tool_calls=True)
+    message = whole["choices"][0]["message"]
+    assert message["tool_calls"][0]["id"] == call["id"] and message["content"] == "Ok"
+
+
+def test_chat_template_kwargs_and_a_tool_history_reach_the_wire() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    parsed = parse_body(CHAT, {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}],
+        "tools": [TOOL], "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": False}})
+    assert parsed.request["chat_template_kwargs"] == {"enable_thinking": False}
+    assert parsed.request["messages"][1] == {"role": "assistant", "content": None,
+                                             "tool_calls": [call]}
+    assert parsed.request["tools"] == [TOOL] and "guided" not in parsed.request
+    assert parsed.tool_calls
+
+
+def test_several_prompts_are_one_request_each_and_one_answer() -> None:
+    parsed = parse_body(COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3})
+    assert parsed.request["prompt"] == "a"
+    assert [r["prompt"] for r in parsed.more_prompts] == ["b", "c"]
+    assert all(r["n"] == 2 and r["max_tokens"] == 3 for r in parsed.more_prompts)
+    with pytest.raises(BodyError, match="one request per prompt"):
+        parse_body(COMPLETIONS, {"prompt": ["a", "b"]}, batch=True)
+
+
+@pytest.mark.parametrize("raw", [b"hello", b" \xe2\x80", b"\xa6", b"bytes:x", "é".encode()])
+def test_a_token_s_text_gives_back_its_bytes(raw: bytes) -> None:
+    assert token_bytes(token_text(raw)) == raw
+
+
+def test_named_tokens_carry_their_own_text_and_bytes_in_logprobs() -> None:
+    # Given a delta of two tokens, the first half of a character and the rest
+    lps = [TokenLogprob(token_id=1, logprob=-0.1, top_token_ids=[1], top_logprobs=[-0.1],
+                        token=token_text(b"\xc3"), top_tokens=[token_text(b"\xc3")]),
+           TokenLogprob(token_id=2, logprob=-0.2, top_token_ids=[2, 3], top_logprobs=[-0.2, -3],
+                        token=token_text(b"\xa9!"), top_tokens=[token_text(b"\xa9!"), "x"])]
+    builder = LogprobsBuilder(CHAT)
+    builder.add("é!", lps)
+    content = builder.result()["content"]
+    # Then each token has its own bytes, which add up to the text
+    assert b"".join(bytes(t["bytes"]) for t in content).decode() == "é!"
+    assert content[1]["top_logprobs"][1] == {"token": "x", "logprob": -3, "bytes": [120]}

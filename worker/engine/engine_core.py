@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from llmq.protocol.token_text import token_text
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
 from llmq.worker.engine.outputs import EngineCoreOutput
@@ -125,7 +126,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.tokenizer is not None:
+            _name_tokens(outputs, self.tokenizer.token_bytes)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -216,3 +220,15 @@ class EngineCore:
                 if out.finished:
                     finished[key] = out
         return [dataclasses.replace(finished[key], new_token_ids=tokens[key]) for key in keys]
+
+
+def _name_tokens(outputs: list[EngineCoreOutput], vocabulary: list[bytes]) -> None:
+    """Each new logprob's tokens named by their text.
+
+    NOTE: here, where the tokenizer is: the gateway has none, and OpenAI's logprobs carry each
+    token's text and bytes.
+    """
+    for output in outputs:
+        for lp in output.new_logprobs:
+            lp.token = token_text(vocabulary[lp.token_id])
+            lp.top_tokens = [token_text(vocabulary[t]) for t in lp.top_token_ids]

@@ -19,12 +19,15 @@ Special-token text in a prompt or in message content is encoded as text: only th
 template's own markers become control tokens, so content cannot forge a system turn
 (`allow_special_tokens` on the request lets a trusted caller opt out).
 
-A request whose prompt fits but whose `max_tokens` would run past the context is not refused:
-it stops with finish_reason `length` at the context limit, as llama.cpp's server does.
+- prompt_too_long    also: prompt + `max_tokens` exceed the context, as vLLM and OpenAI refuse
+                     it (docs/protocol.md); a request without `max_tokens` gets 256 or what
+                     room the context leaves, as vLLM's default; the scheduler still stops a
+                     request at the context for the callers that skip this gate
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +38,7 @@ from llmq.protocol import Request
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
+from llmq.worker.engine.tool_prompt import chat_for_template
 
 if TYPE_CHECKING:
     from llmq.worker.engine.config import EngineConfig
@@ -45,11 +49,13 @@ logger = logging.getLogger(__name__)
 class PromptTokenizer(Protocol):
     """What the gate needs of a tokenizer (worker/engine/model/tokenizer.py)."""
 
+    chat_template: str | None
+
     def encode(self, text: str, add_special_tokens: bool = True, *,
                split_special_tokens: bool = False) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    allow_special_tokens: bool = False) -> list[int]: ...
+                    allow_special_tokens: bool = False, **variables: Any) -> list[int]: ...
 
 
 class GatedEngine(Protocol):
@@ -114,6 +120,11 @@ class InputProcessor:
         prompt_token_ids = self._prompt(request)
         self.check_prompt(prompt_token_ids)
         params = self._sampling_params(request)
+        if request.max_tokens is None:  # the default: as many as fit, up to DEFAULT_MAX_TOKENS
+            room = self.max_model_len - len(prompt_token_ids)
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room),
+                                         min_tokens=min(params.min_tokens, room))
+        self.check_room(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids, params.stop_token_ids)
         self.check_sampling_params(params)
         return ProcessedInput(prompt_token_ids, params, request.priority)
@@ -136,6 +147,16 @@ class InputProcessor:
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt has {num_prompt} tokens but {why}: at most {limit - 1} prompt tokens leave "
             "room for one output token", {"prompt_tokens": num_prompt, "limit": limit - 1})
+
+    def check_room(self, num_prompt: int, max_tokens: int) -> None:
+        """RequestRejected(prompt_too_long) when the prompt and `max_tokens` exceed the context."""
+        if num_prompt + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {num_prompt} tokens and max_tokens is {max_tokens}, together more "
+                f"than max_model_len {self.max_model_len}: lower max_tokens to at most "
+                f"{self.max_model_len - num_prompt} or shorten the prompt",
+                {"prompt_tokens": num_prompt, "limit": self.max_model_len - max_tokens})
 
     def check_token_ids(self, prompt_token_ids: list[int], stop_token_ids: tuple[int, ...]) -> None:
         """RequestRejected(invalid_token_id) naming the field when an id is outside the vocabulary.
@@ -172,10 +193,15 @@ class InputProcessor:
             raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                   "this engine takes prompt_token_ids only (no tokenizer)")
         if request.messages is not None:
-            chat = [msgspec.structs.asdict(m) for m in request.messages]
+            chat, tools = chat_for_template(
+                self.tokenizer.chat_template, msgspec.to_builtins(request.messages),
+                None if request.tools is None else msgspec.to_builtins(request.tools))
+            variables = {**(request.chat_template_kwargs or {}),
+                         **({} if tools is None else {"tools": tools})}
             try:
                 return self.tokenizer.encode_chat(
-                    chat, allow_special_tokens=request.allow_special_tokens)
+                    chat, request.add_generation_prompt,
+                    allow_special_tokens=request.allow_special_tokens, **variables)
             except Exception as e:  # noqa: BLE001 - a template is untrusted code: any failure
                 raise RequestRejected(ErrorCode.INVALID_REQUEST,
                                       f"messages: the chat template failed: {e}") from None
