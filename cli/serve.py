@@ -47,13 +47,15 @@ from llmq.cli.options import connection_options
 @click.option("--dashboard-interval", envvar="LLMQ_DASHBOARD_INTERVAL",
               type=click.FloatRange(1.0, 300.0), default=10.0, show_default=True,
               help="Seconds between the dashboard's chart samples (the same on every replica).")
+@click.option("--metrics-require-key", is_flag=True, envvar="LLMQ_METRICS_REQUIRE_KEY",
+              help="Answer /metrics only with an API key (default: open, as scrapers expect).")
 @click.option("--log-requests", is_flag=True, envvar="LLMQ_LOG_REQUESTS",
               help="One access-log line per request.")
 def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
           api_keys: tuple[str, ...], api_keys_file: tuple[str, ...], no_auth: bool,
           admin_tenants: tuple[str, ...], max_queue: int, request_timeout: float,
           max_file_bytes: int, file_ttl: int, dashboard_interval: float,
-          log_requests: bool) -> None:
+          metrics_require_key: bool, log_requests: bool) -> None:
     """Serve the OpenAI API (chat, completions, files, batches) in front of the pool."""
     import uvicorn
 
@@ -69,7 +71,7 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
             keys, BrokerSettings.from_env(redis_url=redis_url, prefix=prefix, queue=queue),
             max_queue=max_queue, request_timeout=request_timeout,
             max_file_bytes=max_file_bytes, file_ttl=file_ttl,
-            dashboard_interval=dashboard_interval)
+            dashboard_interval=dashboard_interval, metrics_require_key=metrics_require_key)
     except (ValueError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
     server: uvicorn.Server | None = None

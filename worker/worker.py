@@ -398,7 +398,6 @@ class Worker:
         rate = (generated - last_n) / (now - last_t) if now > last_t else 0.0
         self._rate = (now, generated)
         s = self._stats
-        requests_total, ttft_hist = self.ctx.counters.snapshot()
         heartbeat = protocol.WorkerHeartbeat(
             worker_id=self.config.worker_id, queue=self.config.queue, model=self.model_name,
             pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
@@ -407,9 +406,9 @@ class Worker:
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2),
             draining=int(self.draining),
             prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4) if s else 0.0,
-            requests_total=requests_total, generated_tokens_total=generated,
-            ttft_hist=ttft_hist, sleeping=self.utility.sleep_level)
-        return protocol.encode_heartbeat(heartbeat)
+            generated_tokens_total=generated, sleeping=self.utility.sleep_level,
+            preemptions_total=s.num_preemptions if s else 0)
+        return protocol.encode_heartbeat(self.ctx.counters.fill(heartbeat))
 
 
 def start_observability(metrics_port: int, model_name: str, queue_name: str
