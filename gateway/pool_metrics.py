@@ -103,8 +103,11 @@ class PoolMetrics(Collector):
 
     async def refresh(self, client: AsyncClient, workers: list[WorkerHeartbeat],
                       queues: list[str]) -> None:
-        stats = [await client.stats(queue) for queue in sorted(set(queues))]
-        self._workers, self._queues = workers, stats
+        self.update(workers, [await client.stats(queue) for queue in sorted(set(queues))])
+
+    def update(self, workers: list[WorkerHeartbeat], queues: list[QueueStats]) -> None:
+        """What the next scrape shows: these heartbeats and queue figures."""
+        self._workers, self._queues = workers, queues
 
     def collect(self) -> Iterator[Metric]:
         beats = self._workers
