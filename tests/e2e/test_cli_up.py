@@ -222,6 +222,37 @@ def test_a_taken_metrics_port_is_a_one_line_error_before_anything_starts(
         else True
 
 
+def test_three_up_down_cycles_leave_two_consumers_not_six(run_dir: Path,
+                                                         env: dict[str, str]) -> None:
+    import json
+    import time
+
+    # Given two cycles of a two-worker pool started and stopped on the same (persistent) server
+    for _ in range(2):
+        started = llmq_run("up", "--detach", "--workers", "2", env=env)
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert llmq_run("down", env=env).returncode == 0
+    # When a third pool starts
+    started = llmq_run("up", "--detach", "--workers", "2", env=env)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        # Then `llmq status` counts the two live consumers, and the group soon forgets the
+        # stopped workers' names (the new workers' reclaimers remove them: they hold nothing)
+        deadline = time.monotonic() + 60
+        while True:
+            status = llmq_run("status", "--json", env=env)
+            assert status.returncode == 0, status.stderr
+            queue = json.loads(status.stdout)["queues"][0]
+            assert queue["consumers"] == 2
+            if queue["group_consumers"] == 2:
+                break
+            assert time.monotonic() < deadline, queue
+            time.sleep(1)
+        assert "CONSUMERS" in llmq_run("status", env=env).stdout
+    finally:
+        llmq_run("down", env=env)
+
+
 def test_down_stops_a_foreground_up_like_ctrl_c(run_dir: Path, env: dict[str, str]) -> None:
     up = Foreground([], env)
     try:
