@@ -10,8 +10,8 @@ Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not
 2. Lapsed leases. Entries idle past `lease_timeout` although their worker still beats (its
    busy loop or process stalled) are taken the same way, and so are entries handed back by a
    draining or failing worker (huge IDLE) at once.
-3. Once a minute (first after two heartbeat timeouts): remove dead workers' consumers that hold
-   nothing (no heartbeat, or idle for ten minutes), and trim acked entries from the request
+3. Once a minute: remove dead workers' consumers that hold nothing (no heartbeat, or idle for
+   ten minutes; the first time after two heartbeat timeouts), and trim acked entries from the request
    stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
    under OOM the trim (not refused: it frees memory) still goes on.
 
@@ -83,9 +83,11 @@ class Reclaimer(IOThread):
         self.claim_interval = config.claim_interval
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
         self.backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
-        # NOTE: the first tidying comes once peers' heartbeats could have expired, so consumers
+        self._next_cleanup = time.monotonic() + 60.0
+        # NOTE: consumers are first tidied once peers' heartbeats could have expired, so those
         # of a pool stopped just before this one started are gone within seconds.
-        self._next_cleanup = time.monotonic() + 2 * config.heartbeat_timeout
+        self._first_consumer_cleanup: float | None = (time.monotonic()
+                                                      + 2 * config.heartbeat_timeout)
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -95,6 +97,10 @@ class Reclaimer(IOThread):
             if self.reclaiming:
                 self._guard(self.take_dead_workers)
                 self._guard(self.take_lapsed)
+            if self._first_consumer_cleanup is not None \
+                    and started >= self._first_consumer_cleanup:
+                self._first_consumer_cleanup = None
+                self._guard(self._cleanup_consumers)
             if started >= self._next_cleanup:
                 self._next_cleanup = started + 60.0
                 self._guard(self._cleanup_consumers)
