@@ -57,6 +57,11 @@ class HeartbeatCounters:
                 if timings.per_token is not None:
                     self._itl.observe(timings.per_token)
 
+    @property
+    def requests_total(self) -> int:
+        with self._lock:
+            return self._requests_total
+
     def fill(self, heartbeat: WorkerHeartbeat) -> WorkerHeartbeat:
         """The heartbeat with every counter set, under its `WorkerHeartbeat` field name."""
         with self._lock:

@@ -11,8 +11,8 @@ Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not
    busy loop or process stalled) are taken the same way, and so are entries handed back by a
    draining or failing worker (huge IDLE) at once.
 3. Once a minute: remove dead workers' consumers that hold nothing (no heartbeat, or idle for
-   ten minutes; the first time after two heartbeat timeouts), and trim acked entries from the request
-   stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
+   ten minutes; the first time after two heartbeat timeouts), and trim acked entries from the
+   request stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
    under OOM the trim (not refused: it frees memory) still goes on.
 
 **Never during a Redis-wide stall.** Both takeovers need `Liveness.healthy_for(...)`: this

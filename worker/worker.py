@@ -59,6 +59,7 @@ from llmq.worker.engine_feeder import EngineFeeder
 from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.reclaimer import Reclaimer
 from llmq.worker.result_writer import ResultWriter
+from llmq.worker.stats_log import EngineStatsLog
 from llmq.worker.stream_reader import StreamReader
 from llmq.worker.utility_calls import UtilityCalls
 from llmq.worker.worker_config import WorkerConfig
@@ -117,6 +118,7 @@ class Worker:
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
         self._stats: EngineStats | None = None
+        self.stats_log = EngineStatsLog(time.monotonic())
         self._group_seen = False  # a group existed once: recreating it later is news
         self._engine_failed = False
 
@@ -377,6 +379,8 @@ class Worker:
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
         self._stats = self.engine.stats()
+        self.stats_log.observe(time.monotonic(), self._stats, self._num_generated,
+                               self.ctx.counters.requests_total)
         if self.health is None or self.metrics is None:
             return
         self.health.beat()
