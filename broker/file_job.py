@@ -68,6 +68,9 @@ class FileJobListener(Protocol):
     def advanced(self, *, done: int, failed: int = 0, tokens: int = 0) -> None:
         """`done` more lines have their result, `failed` of them errors; `tokens` generated."""
 
+    def tick(self) -> None:
+        """Called between rounds (about every 250 ms), results or not: time to redraw."""
+
     def stopped(self) -> None:
         """No more progress: finished, timed out or interrupted."""
 
@@ -85,6 +88,9 @@ class LoggingListener:
         logger.info("file job: submitting %d requests", num_requests)
 
     def advanced(self, *, done: int, failed: int = 0, tokens: int = 0) -> None:
+        pass
+
+    def tick(self) -> None:
         pass
 
     def stopped(self) -> None:
@@ -312,7 +318,7 @@ class FileJob:
         write_record(self._stream, record)
 
     def tick(self, submitted: int) -> None:
-        pass
+        self.listener.tick()
 
     def stop_requested(self) -> bool:
         return False

@@ -3,7 +3,9 @@
 It sends N requests with at most C in flight (random prompts of a fixed token length, or the
 requests of a JSONL file), follows every result stream as a client would, and prints throughput
 and the latency a user sees: time to first token (submit -> first delta), inter-token latency
-(gap between deltas, per token) and end-to-end latency, as mean / p50 / p90 / p99.
+(gap between deltas, per token) and end-to-end latency, as mean / p50 / p90 / p99. While it
+runs, a live bar on stderr shows the requests done and the tokens per second it receives
+(cli/bench_progress.py).
 
 Random prompts are `prompt_token_ids` drawn from [100, 500), valid for any vocabulary of 500 or
 more, with `ignore_eos` so every request produces exactly `--output-len` tokens.
@@ -23,6 +25,7 @@ import click
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.commands import build_submission
+from llmq.cli.bench_progress import BenchProgress
 from llmq.cli.helpers import echo_json
 from llmq.cli.options import ConnectionFlags, connection_kwargs, connection_options
 from llmq.protocol import Delta, Done, Error, Start
@@ -58,7 +61,8 @@ def _requests(num: int, prompt_len: int, output_len: int, file: str | None, seed
             for i in range(num)]
 
 
-async def _one(client: AsyncClient, body: dict[str, Any], timeout: float) -> Sample:
+async def _one(client: AsyncClient, body: dict[str, Any], timeout: float,
+               progress: BenchProgress | None = None) -> Sample:
     sample = Sample()
     sent = time.perf_counter()
     try:
@@ -69,6 +73,8 @@ async def _one(client: AsyncClient, body: dict[str, Any], timeout: float) -> Sam
             if isinstance(event, Start) and event.attempt > 1:
                 sample.ttft, sample.itl = None, []  # a re-run: measure the attempt that counts
             elif isinstance(event, Delta) and event.token_ids:
+                if progress is not None:
+                    progress.token(len(event.token_ids))
                 if sample.ttft is None:
                     sample.ttft = now - sent
                 else:
@@ -84,6 +90,8 @@ async def _one(client: AsyncClient, body: dict[str, Any], timeout: float) -> Sam
                 sample.error = event.code
     except LLMQError as exc:
         sample.error = type(exc).__name__
+    if progress is not None:
+        progress.finished(sample.ok)
     return sample
 
 
@@ -94,7 +102,8 @@ def _split(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _run(client: AsyncClient, bodies: list[dict[str, Any]], concurrency: int,
-               timeout: float) -> tuple[list[Sample], float]:
+               timeout: float, progress: BenchProgress | None = None
+               ) -> tuple[list[Sample], float]:
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
@@ -102,10 +111,21 @@ async def _run(client: AsyncClient, bodies: list[dict[str, Any]], concurrency: i
 
     async def user() -> None:
         while not queue.empty():
-            samples.append(await _one(client, queue.get_nowait(), timeout))
+            samples.append(await _one(client, queue.get_nowait(), timeout, progress))
+
+    async def draw() -> None:
+        while progress is not None:
+            progress.tick()
+            await asyncio.sleep(0.25)
 
     started = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(min(concurrency, len(bodies)))))
+    drawing = asyncio.create_task(draw())
+    try:
+        await asyncio.gather(*(user() for _ in range(min(concurrency, len(bodies)))))
+    finally:
+        drawing.cancel()
+        if progress is not None:
+            progress.stop()
     return samples, time.perf_counter() - started
 
 
@@ -189,4 +209,4 @@ async def _bench(connection: ConnectionFlags, bodies: list[dict[str, Any]], conc
                             "(`llmq up`, or `llmq worker`)")
         for body in bodies:  # fail before sending anything, naming the field
             build_submission(body)
-        return await _run(client, bodies, concurrency, timeout)
+        return await _run(client, bodies, concurrency, timeout, BenchProgress(len(bodies)))

@@ -51,13 +51,15 @@ from llmq.cli.options import connection_options
               type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds a stream whose client went away waits for a resume before its "
                    "request is cancelled (0: at once).")
+@click.option("--metrics-require-key", is_flag=True, envvar="LLMQ_METRICS_REQUIRE_KEY",
+              help="Answer /metrics only with an API key (default: open, as scrapers expect).")
 @click.option("--log-requests", is_flag=True, envvar="LLMQ_LOG_REQUESTS",
               help="One access-log line per request.")
 def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
           api_keys: tuple[str, ...], api_keys_file: tuple[str, ...], no_auth: bool,
           admin_tenants: tuple[str, ...], max_queue: int, request_timeout: float,
           max_file_bytes: int, file_ttl: int, dashboard_interval: float,
-          disconnect_grace: float, log_requests: bool) -> None:
+          disconnect_grace: float, metrics_require_key: bool, log_requests: bool) -> None:
     """Serve the OpenAI API (chat, completions, files, batches) in front of the pool."""
     import uvicorn
 
@@ -73,7 +75,8 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
             keys, BrokerSettings.from_env(redis_url=redis_url, prefix=prefix, queue=queue),
             max_queue=max_queue, request_timeout=request_timeout,
             max_file_bytes=max_file_bytes, file_ttl=file_ttl,
-            dashboard_interval=dashboard_interval, disconnect_grace=disconnect_grace)
+            dashboard_interval=dashboard_interval, disconnect_grace=disconnect_grace,
+            metrics_require_key=metrics_require_key)
     except (ValueError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
     server: uvicorn.Server | None = None

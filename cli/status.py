@@ -1,8 +1,14 @@
-"""`llmq status`: the queues (length, lag, pending, dead letters) and the live workers."""
+"""`llmq status`: the queues (length, lag, pending, dead letters) and the live workers.
+
+CONSUMERS counts the queue's live workers (those with a heartbeat), not every consumer name the
+group still knows: a stopped worker's name stays until a peer's reclaimer removes it (once it
+holds nothing), and counting it would show six consumers for two workers after three restarts.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import click
@@ -26,6 +32,7 @@ def status(as_json: bool, **kwargs: Any) -> None:
         names.append(client.settings.queue)  # the configured queue, even before it exists
     queues = [client.stats(name) for name in sorted(names)]
     workers = sorted(client.workers(), key=lambda w: (w.queue, w.worker_id))
+    live = Counter(w.queue for w in workers)
     now = time.time()
     primary = primary_address(client.redis)
     if as_json:
@@ -34,7 +41,8 @@ def status(as_json: bool, **kwargs: Any) -> None:
             "primary": primary,
             "queues": [{"queue": q.queue, "length": q.length, "lag": q.lag,
                         "pending": q.pending, "dead_letters": q.dead_letters,
-                        "consumers": q.consumers, "exhausted": q.exhausted} for q in queues],
+                        "consumers": live[q.queue], "group_consumers": q.consumers,
+                        "exhausted": q.exhausted} for q in queues],
             "workers": [{**msgspec.structs.asdict(w),
                          "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3)}
                         for w in workers],
@@ -45,7 +53,7 @@ def status(as_json: bool, **kwargs: Any) -> None:
     click.echo(table(
         ["QUEUE", "LENGTH", "LAG", "PENDING", "DEAD LETTERS", "CONSUMERS"],
         [[q.queue, q.length, "?" if q.lag is None else q.lag, q.pending, q.dead_letters,
-          q.consumers] for q in queues]))
+          live[q.queue]] for q in queues]))
     for q in queues:
         if q.exhausted:
             click.echo(f"\nqueue {q.queue!r} is FULL: {exhausted_message(client.keys, q.queue)}")

@@ -47,6 +47,25 @@ def plan_layout(num_workers: int, threads: int, cores: list[int]) -> list[list[i
     return [cores[i * threads:(i + 1) * threads] for i in range(num_workers)]
 
 
+def plan_metrics_ports(base: int, num_workers: int) -> list[int]:
+    """Worker i's metrics port, BASE+i ([] when BASE is 0); ClickException, in one line, when
+    one is out of range or taken, before anything starts: a pool that loses its second worker
+    to a busy port is worse than one that never starts."""
+    if not base:
+        return []
+    from llmq.worker.health_server import port_in_use
+
+    ports = list(range(base, base + num_workers))
+    if ports[-1] > 65535:
+        raise click.ClickException(f"--metrics-port {base} with {num_workers} workers needs "
+                                   f"ports up to {ports[-1]}, past 65535")
+    if taken := [p for p in ports if port_in_use(p)]:
+        raise click.ClickException(
+            f"metrics port(s) {', '.join(map(str, taken))} already in use (worker i gets "
+            f"--metrics-port {base} + i): pick another base or stop what holds them")
+    return ports
+
+
 def _engine_argv(kwargs: dict) -> list[str]:
     """The engine flags given to `llmq up`, passed on to each `llmq worker` as they were."""
     argv: list[str] = []
@@ -65,12 +84,16 @@ def _engine_argv(kwargs: dict) -> list[str]:
               help="Return once the pool is ready; stop it with `llmq down`.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Seconds workers get to finish in-flight requests when stopping.")
+@click.option("--metrics-port", envvar="LLMQ_METRICS_PORT", type=click.IntRange(0, 65535),
+              default=0, show_default=True,
+              help="Base port of the workers' /metrics /healthz /readyz: worker-1 gets BASE, "
+              "worker-2 BASE+1, ... (0: off).")
 @click.option("--ready-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds to wait for every worker to load its model.")
 @connection_options
 @engine_options
-def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: float,
-       **kwargs: Any) -> None:
+def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
+       ready_timeout: float, **kwargs: Any) -> None:
     """Start a Redis-compatible server and N workers on this machine.
 
     Without --redis-url / LLMQ_REDIS_URL a private server is started under the run folder
@@ -83,6 +106,7 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
     threads = kwargs["threads"]
     engine_argv = _engine_argv(kwargs)
     layout = plan_layout(num_workers, threads, sorted(os.sched_getaffinity(0)))
+    metrics_ports = plan_metrics_ports(metrics_port, num_workers)
     run_dir = default_run_dir()
     supervisor = Supervisor(run_dir)
     if pid := supervisor.foreground_pid():
@@ -121,20 +145,25 @@ def up(num_workers: int, detach: bool, drain_timeout: float, ready_timeout: floa
                            f"(log: {server.logfile})")
 
         pins = iter(layout or [])
-        numbers = itertools.count(1)
+        indexes = itertools.count(0)
 
         def worker_argv(worker_id: str) -> list[str]:
+            index = next(indexes)
             cpus = next(pins, None)
+            # NOTE: the port is always given, 0 included: a worker would otherwise read the
+            # LLMQ_METRICS_PORT it inherits, and every worker would try the same port.
+            port = metrics_ports[index] if metrics_ports else 0
             argv = [sys.executable, "-m", "llmq.cli.main", "--log-level", "INFO", "worker",
                     "--redis-url", url, "--prefix", connection["prefix"],
                     "--queue", connection["queue"], "--worker-id", worker_id,
-                    "--drain-timeout", str(drain_timeout), *engine_argv]
+                    "--drain-timeout", str(drain_timeout), "--metrics-port", str(port),
+                    *engine_argv]
             if cpus:
                 argv += ["--cpus", ",".join(map(str, cpus))]
-            supervisor.log(f"worker-{next(numbers)}", f"{threads} torch thread(s), "
+            supervisor.log(f"worker-{index + 1}", f"{threads} torch thread(s), "
                            + (f"cpus {','.join(map(str, cpus))}" if cpus else "not pinned")
-                           + ("" if layout else " (more workers x threads than cores)"),
-                           "white")
+                           + ("" if layout else " (more workers x threads than cores)")
+                           + (f", metrics on :{port}" if port else ""), "white")
             return argv
 
         supervisor.spawn_workers(num_workers, worker_argv, detach=detach)

@@ -103,7 +103,12 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
-    observability = start_observability(metrics_port, model_name, queue)
+    from llmq.worker.health_server import MetricsPortInUse
+
+    try:
+        observability = start_observability(metrics_port, model_name, queue)
+    except MetricsPortInUse as e:
+        raise click.ClickException(e.strerror or str(e)) from None
     engine = EngineCore(engine_config)
     code = Worker(config, engine, model_name=model_name, observability=observability).run()
     # NOTE: everything is written and handed back by now; the interpreter's own teardown of

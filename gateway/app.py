@@ -1,7 +1,8 @@
 """create_app(): the Starlette application `llmq serve` runs under uvicorn.
 
     GET  /health                  the gateway answers and Redis is reachable (no key needed)
-    GET  /metrics                 Prometheus (with a key, like every route but /health)
+    GET  /metrics                 Prometheus: the gateway's and the pool's series (no key needed
+                                  unless --metrics-require-key; gateway/pool_metrics.py)
     GET  /v1/models               the models live workers serve (from their heartbeats)
     GET  /v1/models/{id}          one of them
     GET  /version, /openapi.json  llmq's version; an outline of these routes (no key needed)
@@ -61,7 +62,10 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = GatewayState.of(request)
-    state.tenant(request)
+    if state.settings.metrics_require_key:
+        state.tenant(request)
+    await state.metrics.pool.refresh(state.client, await state.pool.workers(),
+                                     await state.queues())
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

@@ -20,6 +20,7 @@ gateway/dashboard_session.py.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -138,16 +139,20 @@ async def pool(request: Request) -> Response:
     names.sort()
     stats = await asyncio.gather(*(state.client.stats(name) for name in names))
     rates = state.series.rates()
+    beats = await state.pool.workers()
+    # NOTE: consumers counted are live workers (a heartbeat): the group keeps a stopped
+    # worker's name until a peer's reclaimer removes it.
+    live = collections.Counter(w.queue for w in beats)
     queues = []
     for s in stats:
         rate = rates.get(s.queue)
         queues.append({"queue": s.queue, "length": s.length, "lag": s.lag, "pending": s.pending,
-                       "dead_letters": s.dead_letters, "consumers": s.consumers,
+                       "dead_letters": s.dead_letters, "consumers": live[s.queue],
                        "tokens_per_s": round(rate.tokens_per_s, 2) if rate else 0.0,
                        "requests_per_s": round(rate.requests_per_s, 3) if rate else 0.0})
     now = time.time()
     workers = []
-    for w in sorted(await state.pool.workers(), key=lambda w: (w.queue, w.worker_id)):
+    for w in sorted(beats, key=lambda w: (w.queue, w.worker_id)):
         row = msgspec.structs.asdict(w)
         # NOTE: hosts and pids are the operators' business, not a tenant's.
         for name in ("ttft_hist",) if viewer.admin else ("ttft_hist", "host", "pid"):

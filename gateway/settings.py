@@ -27,6 +27,7 @@ class GatewaySettings:
     max_connections: int = 64  # Redis connections for calls (the result reader adds its own)
     dashboard_interval: float = 10.0  # seconds between the dashboard's chart samples
     disconnect_grace: float = 30.0  # seconds a dropped stream waits for a resume, then cancels
+    metrics_require_key: bool = False  # /metrics answers without a key unless set
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_file_bytes", "file_ttl", "batch_max_in_flight",

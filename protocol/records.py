@@ -125,6 +125,19 @@ class WorkerHeartbeat(Struct, kw_only=True):
     # since the worker started, 0..1.
     speculative_method: str = ""
     spec_acceptance_rate: float = 0.0
+    # More cumulative figures, named after vLLM's metrics (the gateway's /metrics shows them as
+    # llmq_* series; the *_hist fields are LatencyHistogram.encode(with_sum=True)):
+    prompt_tokens_total: int = 0  # prompt tokens of finished requests
+    cached_prompt_tokens_total: int = 0  # of those, served from the prefix cache
+    preemptions_total: int = 0  # requests preempted for lack of KV blocks
+    finished_stop_total: int = 0  # requests finished by reason (vLLM's request_success)
+    finished_length_total: int = 0
+    finished_cancelled_total: int = 0
+    finished_error_total: int = 0
+    queue_hist: str = ""  # arrival in the stream to first scheduled
+    ttft_admitted_hist: str = ""  # first scheduled to first token (TTFT without queue time)
+    itl_hist: str = ""  # mean gap between output tokens, one observation per request
+    e2e_hist: str = ""  # arrival in the stream to the terminal event
 
 
 def encode_heartbeat(heartbeat: WorkerHeartbeat) -> dict[str, str]:

@@ -17,7 +17,9 @@ needs.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,13 +29,34 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from llmq.worker.metrics import WorkerMetrics
 
-__all__ = ["HealthServer"]
+__all__ = ["HealthServer", "MetricsPortInUse", "port_in_use"]
 
 logger = logging.getLogger(__name__)
 
 
+class MetricsPortInUse(OSError):
+    """The port asked for is taken: said in one line, never as a traceback."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"metrics port {port} on {host} is in use: pick "
+                         "another --metrics-port (LLMQ_METRICS_PORT), or 0 for none")
+
+
+def port_in_use(port: int, host: str = "0.0.0.0") -> bool:
+    """True when binding `host:port` fails now (checked before starting anything on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # NOTE: SO_REUSEADDR as http.server sets it, so a port in TIME_WAIT counts as free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 class HealthServer:
-    """Serves /metrics, /healthz and /readyz for one worker. Port 0 picks a free port."""
+    """Serves /metrics, /healthz and /readyz for one worker. Port 0 picks a free port; a
+    taken one raises MetricsPortInUse."""
 
     def __init__(
         self,
@@ -52,7 +75,12 @@ class HealthServer:
         self._ready = False
         self._not_ready_reason = "starting: model not loaded"
         self._draining = False
-        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsPortInUse(host, port) from None
+            raise
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever,
                                         name="llmq-health-server", daemon=True)

@@ -53,7 +53,8 @@ class WorkerMetrics:
         generation_tokens = Counter("llmq_generation_tokens", "Generated (completion) tokens.",
                                     _LABELS, registry=reg)
         ttft = Histogram("llmq_time_to_first_token_seconds",
-                         "Arrival in the queue stream to the first generated token.",
+                         "First scheduled to the first generated token: TTFT after "
+                         "admission, queue time apart (llmq_request_queue_time_seconds).",
                          _LABELS, buckets=LATENCY_BUCKETS, registry=reg)
         itl = Histogram("llmq_inter_token_latency_seconds",
                         "Mean time between generated tokens, one observation per request.",
@@ -78,7 +79,7 @@ class WorkerMetrics:
         prefix_hit = Gauge("llmq_prefix_cache_hit_ratio",
                            "Prefix-cache hit rate reported by the KV-cache manager (0-1).",
                            _LABELS, registry=reg)
-        preemptions = Counter("llmq_preemptions", "Requests preempted for lack of KV blocks.",
+        preemptions = Counter("llmq_num_preemptions", "Requests preempted for lack of KV blocks.",
                               _LABELS, registry=reg)
         spec_drafts = Counter("llmq_spec_decode_num_drafts",
                               "Speculative drafts verified (one per request per step).",
@@ -144,7 +145,9 @@ class WorkerMetrics:
         if queue_s is not None:
             self._queue_time.observe(queue_s)
         if ttft_s is not None:
-            self._ttft.observe(ttft_s)
+            # NOTE: the wire's TTFT counts from arrival in the stream; the queue time is its
+            # own histogram, so this one starts at the first schedule, as vLLM's engine does.
+            self._ttft.observe(max(0.0, ttft_s - (queue_s or 0.0)))
         if per_token_s is not None:
             self._itl.observe(per_token_s)
         self._e2e.observe(e2e_s)

@@ -10,8 +10,9 @@ Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not
 2. Lapsed leases. Entries idle past `lease_timeout` although their worker still beats (its
    busy loop or process stalled) are taken the same way, and so are entries handed back by a
    draining or failing worker (huge IDLE) at once.
-3. Once a minute: remove dead workers' idle consumers, and trim acked entries from the request
-   stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
+3. Once a minute: remove dead workers' consumers that hold nothing (no heartbeat, or idle for
+   ten minutes; the first time after two heartbeat timeouts), and trim acked entries from the
+   request stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
    under OOM the trim (not refused: it frees memory) still goes on.
 
 **Never during a Redis-wide stall.** Both takeovers need `Liveness.healthy_for(...)`: this
@@ -83,6 +84,10 @@ class Reclaimer(IOThread):
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
         self.backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
         self._next_cleanup = time.monotonic() + 60.0
+        # NOTE: consumers are first tidied once peers' heartbeats could have expired, so those
+        # of a pool stopped just before this one started are gone within seconds.
+        self._first_consumer_cleanup: float | None = (time.monotonic()
+                                                      + 2 * config.heartbeat_timeout)
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -92,6 +97,10 @@ class Reclaimer(IOThread):
             if self.reclaiming:
                 self._guard(self.take_dead_workers)
                 self._guard(self.take_lapsed)
+            if self._first_consumer_cleanup is not None \
+                    and started >= self._first_consumer_cleanup:
+                self._first_consumer_cleanup = None
+                self._guard(self._cleanup_consumers)
             if started >= self._next_cleanup:
                 self._next_cleanup = started + 60.0
                 self._guard(self._cleanup_consumers)
@@ -288,11 +297,18 @@ class Reclaimer(IOThread):
     # -- 3. tidying -------------------------------------------------------------------------------
 
     def _cleanup_consumers(self) -> None:
-        """Delete consumers of dead workers: nothing pending and idle for a long time."""
-        for consumer in replies.consumers(self.client.xinfo_consumers(self.queue_key, GROUP)):
-            name = consumer.name
-            if (name != self.worker_id and consumer.pending == 0
-                    and consumer.idle_ms > CONSUMER_CLEANUP_IDLE_MS):
+        """Delete consumers of dead workers once they hold nothing: those whose heartbeat is
+        gone (idle past a heartbeat timeout), and any idle for a long time. So `llmq status`
+        and the dashboard count the workers there are, not every one that ever ran."""
+        idle = [c for c in replies.consumers(self.client.xinfo_consumers(self.queue_key, GROUP))
+                if c.name != self.worker_id and c.pending == 0 and c.idle_ms > self.heartbeat_ms]
+        pipe = self.client.pipeline(transaction=False)
+        for consumer in idle:
+            pipe.exists(self.keys.worker(consumer.name))
+        beats = pipe.execute() if idle else []
+        for consumer, beat in zip(idle, beats, strict=True):
+            if consumer.idle_ms > CONSUMER_CLEANUP_IDLE_MS or not replies.integer(beat, "EXISTS"):
                 # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
-                self.client.xgroup_delconsumer(self.queue_key, GROUP, name)
-                logger.info("removed idle consumer %s", name)
+                self.client.xgroup_delconsumer(self.queue_key, GROUP, consumer.name)
+                logger.info("removed idle consumer %s (no heartbeat, nothing pending)",
+                            consumer.name)

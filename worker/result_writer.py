@@ -270,8 +270,8 @@ class ResultWriter:
             self.table.pop(entry_id)
         finished = batch.finished_figures()
         if finished or batch.errors:
-            self.ctx.counters.add_finished([t.ttft for _, _, _, t in finished]
-                                           + [None] * len(batch.errors))
+            self.ctx.counters.add_finished([(r, u, t) for r, _, u, t in finished],
+                                           len(batch.errors))
         if self.metrics is None:
             return
         for reason, code, usage, t in finished:

@@ -59,6 +59,7 @@ from llmq.worker.engine_feeder import EngineFeeder
 from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.reclaimer import Reclaimer
 from llmq.worker.result_writer import ResultWriter
+from llmq.worker.stats_log import EngineStatsLog
 from llmq.worker.stream_reader import StreamReader
 from llmq.worker.utility_calls import UtilityCalls
 from llmq.worker.worker_config import WorkerConfig
@@ -117,6 +118,7 @@ class Worker:
         self._num_generated = 0
         self._rate = (time.monotonic(), 0)
         self._stats: EngineStats | None = None
+        self.stats_log = EngineStatsLog(time.monotonic())
         self._group_seen = False  # a group existed once: recreating it later is news
         self._engine_failed = False
 
@@ -377,6 +379,8 @@ class Worker:
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
         self._stats = self.engine.stats()
+        self.stats_log.observe(time.monotonic(), self._stats, self._num_generated,
+                               self.ctx.counters.requests_total)
         if self.health is None or self.metrics is None:
             return
         self.health.beat()
@@ -400,7 +404,6 @@ class Worker:
         rate = (generated - last_n) / (now - last_t) if now > last_t else 0.0
         self._rate = (now, generated)
         s = self._stats
-        requests_total, ttft_hist = self.ctx.counters.snapshot()
         heartbeat = protocol.WorkerHeartbeat(
             worker_id=self.config.worker_id, queue=self.config.queue, model=self.model_name,
             pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
@@ -409,11 +412,11 @@ class Worker:
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2),
             draining=int(self.draining),
             prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4) if s else 0.0,
-            requests_total=requests_total, generated_tokens_total=generated,
-            ttft_hist=ttft_hist, sleeping=self.utility.sleep_level,
+            generated_tokens_total=generated, sleeping=self.utility.sleep_level,
+            preemptions_total=s.num_preemptions if s else 0,
             speculative_method=self.engine.config.speculative_method or "",
             spec_acceptance_rate=round(s.spec_acceptance_rate, 4) if s else 0.0)
-        return protocol.encode_heartbeat(heartbeat)
+        return protocol.encode_heartbeat(self.ctx.counters.fill(heartbeat))
 
 
 def start_observability(metrics_port: int, model_name: str, queue_name: str

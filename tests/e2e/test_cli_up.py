@@ -156,6 +156,103 @@ def test_detach_status_and_down(run_dir: Path, env: dict[str, str]) -> None:
     assert "llmq is not up" in llmq_run("down", env=env).stdout
 
 
+def free_port_range(count: int) -> int:
+    """A base port with `count` free ports after it (as free as can be told now)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise AssertionError("no free port range")
+
+
+def test_metrics_port_env_gives_each_worker_its_own_port(run_dir: Path,
+                                                         env: dict[str, str]) -> None:
+    import urllib.request
+
+    # Given LLMQ_METRICS_PORT set for a two-worker pool (once a crash of the second worker)
+    base = free_port_range(2)
+    started = llmq_run("up", "--detach", "--workers", "2", env={**env,
+                       "LLMQ_METRICS_PORT": str(base)})
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        # Then both workers answer on BASE and BASE+1 with vLLM-style series
+        for port in (base, base + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                body = r.read().decode()
+            assert "llmq_time_to_first_token_seconds_bucket" in body
+            assert "llmq_kv_cache_usage_ratio" in body
+    finally:
+        down = llmq_run("down", env=env)
+    assert down.returncode == 0, down.stderr
+
+
+def test_a_taken_metrics_port_is_a_one_line_error_before_anything_starts(
+        run_dir: Path, env: dict[str, str]) -> None:
+    import socket
+
+    # Given a port something else listens on
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        # When a pool is asked to put its second worker's metrics there
+        result = llmq_run("up", "--detach", "--workers", "2", "--metrics-port", str(taken - 1),
+                          env=env)
+    # Then it refuses in one line, with no traceback and nothing started
+    assert result.returncode == 1
+    assert "already in use" in result.stderr and str(taken) in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not list((run_dir / "workers").glob("*.pid")) if (run_dir / "workers").exists() \
+        else True
+
+
+def test_three_up_down_cycles_leave_two_consumers_not_six(run_dir: Path,
+                                                         env: dict[str, str]) -> None:
+    import json
+    import time
+
+    # Given two cycles of a two-worker pool started and stopped on the same (persistent) server
+    for _ in range(2):
+        started = llmq_run("up", "--detach", "--workers", "2", env=env)
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert llmq_run("down", env=env).returncode == 0
+    # When a third pool starts
+    started = llmq_run("up", "--detach", "--workers", "2", env=env)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        # Then `llmq status` counts the two live consumers, and the group soon forgets the
+        # stopped workers' names (the new workers' reclaimers remove them: they hold nothing)
+        deadline = time.monotonic() + 60
+        while True:
+            status = llmq_run("status", "--json", env=env)
+            assert status.returncode == 0, status.stderr
+            queue = json.loads(status.stdout)["queues"][0]
+            assert queue["consumers"] == 2
+            if queue["group_consumers"] == 2:
+                break
+            assert time.monotonic() < deadline, queue
+            time.sleep(1)
+        assert "CONSUMERS" in llmq_run("status", env=env).stdout
+    finally:
+        llmq_run("down", env=env)
+
+
 def test_down_stops_a_foreground_up_like_ctrl_c(run_dir: Path, env: dict[str, str]) -> None:
     up = Foreground([], env)
     try:

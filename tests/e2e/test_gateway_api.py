@@ -303,16 +303,18 @@ def test_a_body_that_is_not_json_is_a_400(pool: GatewayProcess) -> None:
     assert response.headers["x-request-id"]
 
 
-def test_a_missing_or_wrong_key_is_a_401_on_every_route_but_health(pool: GatewayProcess,
+def test_a_missing_or_wrong_key_is_a_401_on_every_route_but_health_and_metrics(pool: GatewayProcess,
                                                                    model: str) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         pool.openai().with_options(api_key="sk-wrong").models.list()
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-                         ("GET", "/v1/batches"), ("GET", "/v1/files"), ("GET", "/metrics"),
+                         ("GET", "/v1/batches"), ("GET", "/v1/files"),
                          ("GET", "/v1/chat/completions/x/stream")):
         assert httpx.request(method, pool.base_url + path, json={}).status_code == 401, path
     assert httpx.get(pool.base_url + "/health").status_code == 200
+    # Prometheus scrapes without a key unless the gateway is told to ask for one
+    assert httpx.get(pool.base_url + "/metrics").status_code == 200
 
 
 def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
@@ -360,12 +362,68 @@ def test_no_live_worker_is_a_503(valkey_server, tmp_path: Path) -> None:
 
 
 def test_metrics_count_requests_by_route_and_status(pool: GatewayProcess) -> None:
-    text = httpx.get(f"{pool.base_url}/metrics",
-                     headers={"Authorization": f"Bearer {KEYS['alice']}"}).text
+    text = httpx.get(f"{pool.base_url}/metrics").text
     assert 'llmq_gateway_requests_total{method="POST",route="/v1/chat/completions",status="200"}' \
         in text
     assert 'status="400"' in text and "llmq_gateway_open_streams" in text
     assert "process_cpu_seconds_total" in text
+    assert float(sample(text, "llmq_gateway_errors_total", status_class="4xx")) >= 1
+
+
+def sample(text: str, name: str, **labels: str) -> str:
+    """The value of the one series `name{labels...}` of a scrape (labels in any order)."""
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{", 1)[0] != name:
+            continue
+        found = dict(p.split("=", 1) for p in series.partition("{")[2].rstrip("}").split(",")
+                     if "=" in p)
+        if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
+            return value
+    raise AssertionError(f"no {name}{labels} in the scrape")
+
+
+def test_metrics_hold_every_workers_engine_figures_and_the_queues(pool: GatewayProcess,
+                                                                  client: openai.OpenAI,
+                                                                  model: str) -> None:
+    # Given a request the worker finished (its heartbeat carries it within a renewal)
+    client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8)
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(f"{pool.base_url}/metrics").text
+        worker = {"worker": "gw-api-w1", "queue": "default", "model": model}
+        try:
+            if float(sample(text, "llmq_time_to_first_token_seconds_count", **worker)) > 0:
+                break
+        except AssertionError:
+            pass
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.5)
+    # Then the pool's series carry vLLM's meanings, labelled by queue, worker and model
+    assert float(sample(text, "llmq_generation_tokens_total", **worker)) >= 8
+    assert float(sample(text, "llmq_prompt_tokens_total", **worker)) > 0
+    assert float(sample(text, "llmq_inter_token_latency_seconds_count", **worker)) > 0
+    assert float(sample(text, "llmq_request_queue_time_seconds_sum", **worker)) >= 0
+    assert float(sample(text, "llmq_e2e_request_latency_seconds_bucket", le="+Inf",
+                        **worker)) > 0
+    assert 0 <= float(sample(text, "llmq_kv_cache_usage_ratio", **worker)) <= 1
+    assert float(sample(text, "llmq_requests_total", finish_reason="length", **worker)) >= 1
+    assert sample(text, "llmq_num_requests_running", **worker)
+    # And every queue's depth, lag, pending entries and dead letters
+    for name in ("llmq_queue_length", "llmq_queue_lag", "llmq_queue_pending",
+                 "llmq_queue_dead_letters"):
+        assert float(sample(text, name, queue="default")) >= 0
+    assert float(sample(text, "llmq_queue_workers", queue="default")) == 1
+
+
+def test_metrics_can_require_a_key(valkey_server, tmp_path: Path) -> None:
+    gateway = GatewayProcess(valkey_server.url, tmp_path, extra=["--metrics-require-key"]).start()
+    try:
+        assert httpx.get(gateway.base_url + "/metrics").status_code == 401
+        assert httpx.get(gateway.base_url + "/metrics", headers={
+            "Authorization": f"Bearer {KEYS['alice']}"}).status_code == 200
+    finally:
+        gateway.stop()
 
 
 def test_the_readme_snippet_streams_an_answer(pool: GatewayProcess, capsys) -> None:

@@ -394,3 +394,47 @@ def test_gateway_sets_only_settings_llmq_serve_reads(base):
     for source in container["envFrom"]:
         names |= set(one(base, "ConfigMap", source["configMapRef"]["name"])["data"])
     assert names - {"REDIS_PASSWORD"} <= serve_settings()
+
+
+MONITORING_SCHEMA = json.loads((ROOT / "tests" / "data" / "monitoring-v1.schema.json")
+                               .read_text())
+
+
+@pytest.fixture(scope="module")
+def monitoring() -> list[dict]:
+    return render("k8s/overlays/monitoring")
+
+
+def test_the_monitoring_overlay_validates_and_scrapes_ports_that_exist(monitoring):
+    # Given the base plus the Prometheus Operator's monitors
+    for obj in monitoring:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            jsonschema.validate(obj, MONITORING_SCHEMA)
+        elif obj["apiVersion"].startswith("keda.sh/"):
+            jsonschema.validate(obj, KEDA_SCHEMA)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # Then the ServiceMonitor selects the gateway's Service and scrapes a port it names
+    service_monitor = one(monitoring, "ServiceMonitor")
+    service = one(monitoring, "Service", "llmq-gateway")
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() \
+        <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in service_monitor["spec"]["endpoints"]} \
+        <= {p["name"] for p in service["spec"]["ports"]}
+    # And the PodMonitor selects the worker pods and scrapes their metrics port
+    pod_monitor = one(monitoring, "PodMonitor")
+    template = one(monitoring, "Deployment", "llmq-worker")["spec"]["template"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() \
+        <= template["metadata"]["labels"].items()
+    ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+    assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= ports
+    # And the base alone carries no monitor (its CRDs may not be installed)
+    assert all(o["kind"] not in ("PodMonitor", "ServiceMonitor") for o in render("k8s"))
+
+
+def test_the_monitoring_schema_rejects_what_the_operator_would():
+    bad = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+           "metadata": {"name": "x"},
+           "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "m", "intervall": "5s"}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, MONITORING_SCHEMA)

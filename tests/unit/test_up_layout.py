@@ -35,3 +35,29 @@ def test_worker_cpus_are_read_as_lists_and_ranges():
     assert parse_cpus(None) is None and parse_cpus("") is None
     with pytest.raises(click.BadParameter, match="expected cores"):
         parse_cpus("two")
+
+
+def test_metrics_ports_are_base_plus_index_and_a_taken_one_is_a_one_line_error():
+    import socket
+
+    from llmq.cli.up import plan_metrics_ports
+
+    # Given a port someone else listens on
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+
+        # Then no base means no ports, a free base gives worker i BASE+i
+        assert plan_metrics_ports(0, 3) == []
+        with socket.socket() as probe:
+            probe.bind(("0.0.0.0", 0))
+            base = probe.getsockname()[1]
+        ports = plan_metrics_ports(base, 1)
+        assert ports == [base]
+        # And a range that holds the taken port is refused before anything starts
+        with pytest.raises(click.ClickException) as refused:
+            plan_metrics_ports(taken - 1, 2)
+        assert str(taken) in refused.value.message and "\n" not in refused.value.message
+        with pytest.raises(click.ClickException, match="past 65535"):
+            plan_metrics_ports(65535, 2)
