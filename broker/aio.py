@@ -36,6 +36,7 @@ from llmq.broker.commands import (
     parse_dead_letters,
     parse_heartbeats,
     queue_group_creation,
+    queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
 from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions_async
@@ -228,8 +229,7 @@ class AsyncClient(ClientBase):
         return await self.call(read)
 
     async def queues(self) -> list[str]:
-        members = await self.call(lambda: self.redis.smembers(self.keys.queues()))
-        return sorted(replies.texts(members, "SMEMBERS"))
+        return queue_names(await self.call(lambda: self.redis.smembers(self.keys.queues())))
 
     async def workers(self) -> list[WorkerHeartbeat]:
         async def read() -> list[WorkerHeartbeat]:

@@ -43,6 +43,7 @@ from llmq.broker.commands import (
     parse_dead_letters,
     parse_heartbeats,
     queue_group_creation,
+    queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect
 from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions
@@ -301,8 +302,7 @@ class Client(ClientBase):
 
     def queues(self) -> list[str]:
         """Names of the queues that have a consumer group."""
-        return sorted(as_str(m) for m in self.call(lambda: self.redis.smembers(
-            self.keys.queues())))
+        return queue_names(self.call(lambda: self.redis.smembers(self.keys.queues())))
 
     def workers(self) -> list[WorkerHeartbeat]:
         """Live workers' latest heartbeats; expired ones are removed from the registry."""

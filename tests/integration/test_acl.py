@@ -62,6 +62,8 @@ def connect(acl_server):
 Q, R, DLQ, CANCEL = (
     "llmq:q:{default}", "llmq:r:{req-1}", "llmq:dlq:{default}", "llmq:cancel:{default}")
 HB = "llmq:hb:{default}"
+# A tenant's id `alice:r1`: its keys live in their own space (broker/keys.py)
+T_R, T_FLAG, T_IDEM = "llmq:t:r:{alice:r1}", "llmq:t:x:{alice:r1}", "llmq:t:id:alice:r1:{default}"
 FLAG, IDEM, HEARTBEAT = "llmq:x:{req-1}", "llmq:id:{default}:req-1", "llmq:w:worker-1"
 SUB = "llmq:sub:{default}"
 CTL, CTLR = "llmq:ctl:{default}", "llmq:ctlr:call-1"  # utility calls and their answers
@@ -71,15 +73,14 @@ ALLOWED = {
     "producer": [
         ("PING",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
-        ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # ... and its checks
-        ("SADD", "llmq:queues", "default"),
+        ("EXISTS", "llmq:q:default"),                         # ... and its v1 check
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
         ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),  # the submit function
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
         ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what it runs
         ("HSET", SUB, "1-0", "req-1"),
         ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),  # is a marked entry running
-        ("XINFO", "GROUPS", Q),                               # ... or still queued
+        ("XINFO", "GROUPS", Q), ("HEXISTS", SUB, "1-0"),      # ... or still queued
         ("SET", FLAG, "1", "EX", "86400"),                    # cancel
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "100", "BLOCK", "5000", "STREAMS", R, "0-0"),  # events / result
@@ -114,9 +115,11 @@ ALLOWED = {
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters
         ("XREVRANGE", CANCEL, "+", "-", "COUNT", "1"),             # cancellations
         ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),
-        ("EXISTS", FLAG),
+        ("EXISTS", FLAG), ("EXISTS", T_FLAG),                      # is it the owner's cancel
         ("SET", IDEM, "1-0", "NX", "GET", "EX", "86400"),          # owning a request id
-        ("GET", IDEM),                                             # ... or a tenant's
+        ("GET", IDEM), ("GET", T_IDEM),                            # ... or a tenant's
+        ("XADD", T_R, "MAXLEN", "~", "10000", "*", "json", "{}"),  # a tenant's events
+        ("EXPIRE", T_R, "86400"),
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("PEXPIRE", HEARTBEAT, "5000"), ("DEL", HEARTBEAT),
         ("EXISTS", HEARTBEAT),                                     # is a peer dead?
@@ -136,14 +139,19 @@ ALLOWED = {
         ("CLIENT", "SETNAME", "llmq-gateway"),
         ("XADD", Q, "*", "json", "{}"), ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
-        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"), ("SADD", "llmq:queues", "default"),
+        ("FCALL", "llmq_submit", "3", Q, SUB, T_IDEM, "json", "{}", "86400", "alice:r1"),
+        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),
         ("SMEMBERS", "llmq:queues"), ("SET", FLAG, "1", "EX", "86400"),
+        ("SET", T_FLAG, "1", "EX", "86400"), ("GET", T_IDEM),    # ... for every tenant
+        ("XREAD", "BLOCK", "5000", "STREAMS", T_R, "0-0"), ("DEL", T_R),
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
         ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
         ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),         # marker checks
+        ("HEXISTS", SUB, "1-0"),
         ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
-        ("HSET", "llmq:sse:{alice:r1}", "endpoint", "x"), ("HGETALL", "llmq:sse:{alice:r1}"),
+        ("HSET", "llmq:t:sse:{alice:r1}", "endpoint", "x"),
+        ("HGETALL", "llmq:t:sse:{alice:r1}"), ("HGETALL", "llmq:sse:{r1}"),
         ("SET", "llmq:file:{alice}:file-1", "x", "EX", "60"),
         ("HGETALL", "llmq:file:{alice}:file-1:meta"), ("ZADD", "llmq:files:{alice}", "1", "f"),
         ("ZREVRANGE", "llmq:batches:{alice}", "0", "-1"),
@@ -184,6 +192,12 @@ DENIED = {
         ("XADD", "other:q:default", "*", "json", "{}"),             # outside the prefix
         ("GET", "session:42"), ("SET", "llmq:w:worker-1", "x"),
         ("HSET", HEARTBEAT, "model", "m"), ("SREM", "llmq:queues", "default"),
+        ("SADD", "llmq:queues", "bad name"),      # the registry is the workers'
+        ("XINFO", "STREAM", Q, "FULL"),           # FULL would list queued prompts
+        ("SET", T_IDEM, "1-0"), ("GET", T_IDEM),  # a tenant's ids: marker, flag, results
+        ("FCALL", "llmq_submit", "3", Q, SUB, T_IDEM, "json", "{}", "86400", "alice:r1"),
+        ("SET", T_FLAG, "1"), ("XREAD", "STREAMS", T_R, "0"), ("XLEN", T_R),
+        ("HGET", SUB, "1-0"), ("HGETALL", SUB),   # whose entry is whose
         ("EVALSHA", SHA, "1", "session:42"), ("SCRIPT", "FLUSH"),
         ("EVAL", "return 1", "0"), ("EVALSHA", SHA, "2", Q, IDEM),   # no scripts of its own
         ("SCRIPT", "LOAD", "return 1"), ("FUNCTION", "LOAD", "#!lua name=x\n"),
@@ -216,6 +230,8 @@ DENIED = {
         ("XADD", DLQ, "*", "json", "{}"),                             # or dead letters
         ("XADD", "llmq:dash:other", "*", "json", "{}"), ("DEL", "llmq:dash:series"),
         ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
+        ("XINFO", "STREAM", Q, "FULL"),                               # queued prompts
+        ("SADD", "llmq:queues", "bad name"),                          # the workers' registry
         ("FUNCTION", "LOAD", "#!lua name=x\n"),  # (EVAL stays: rq's scripts need it)
     ],
     "keda": [
