@@ -26,7 +26,6 @@ from llmq.broker.aio_result_reader import AsyncResultReader
 from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
-    RETRY_SCRIPT,
     DeadLetterEntry,
     Followed,
     QueueStats,
@@ -39,7 +38,7 @@ from llmq.broker.commands import (
     queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
-from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions_async
+from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions_async
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
 from llmq.protocol import (
@@ -82,7 +81,6 @@ class AsyncClient(ClientBase):
             connection if connection is not None
             else connect_async(self.url, max_connections=max_connections,
                                client_name=client_name))
-        self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = AsyncResultReader(self.redis, self.url, self._policy)
 
     async def __aenter__(self) -> AsyncClient:
@@ -259,11 +257,14 @@ class AsyncClient(ClientBase):
         entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                              dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-        old_result, keys, args = self._retry_args(entry, queue)
+        old_result, fcall_args = self._retry_args(entry, queue)
         if old_result is not None:  # first, as in Client.retry_dead_letter
             await self.call(lambda: self.redis.delete(old_result))
-        return replies.text(await self.call(lambda: self._retry_script(keys=keys, args=args)),
-                            "the retry script")
+
+        async def send() -> object:
+            return await self.redis.fcall(RETRY_FUNCTION, *fcall_args)
+
+        return replies.text(await self._submitting(send, queue), RETRY_FUNCTION)
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:
         queue = self._queue(queue)

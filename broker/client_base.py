@@ -118,10 +118,10 @@ class ClientBase:
                 raise reply
         return parse_queue_stats(queue, length, groups, dead, info)
 
-    def _retry_args(self, entry: DeadLetterEntry, queue: str
-                    ) -> tuple[str | None, list[str], list[Any]]:
-        """(old result stream to delete first or None, RETRY_SCRIPT's keys, its args)."""
-        keys = [self.keys.queue(queue), self.keys.dlq(queue)]
+    def _retry_args(self, entry: DeadLetterEntry, queue: str) -> tuple[str | None, list[Any]]:
+        """(old result stream to delete first or None, FCALL llmq_retry's numkeys, keys and
+        args: broker/functions.py)."""
+        keys = [self.keys.queue(queue), self.keys.dlq(queue), self.keys.submissions(queue)]
         request_id = entry.dead_letter.request_id
         old_result = None
         # NOTE: only a producer-given id outlives its entry; a default id (the old entry id)
@@ -129,8 +129,11 @@ class ClientBase:
         if request_id and request_id != entry.dead_letter.entry_id:
             keys.append(self.keys.idempotency(queue, request_id))
             old_result = self.keys.result(request_id)
+        else:
+            request_id = ""
         fields = [x for pair in entry.payload.items() for x in pair]
-        return old_result, keys, [entry.dlq_entry_id, self.request_ttl, *fields]
+        return old_result, [len(keys), *keys, entry.dlq_entry_id, self.request_ttl, request_id,
+                            *fields]
 
     def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
         """FCALL llmq_submit's arguments: numkeys, keys, then args (broker/functions.py)."""

@@ -51,7 +51,6 @@ __all__ = [
     "MARKER_CHECK_REPLIES",
     "DEFAULT_REQUEST_TTL",
     "Followed",
-    "RETRY_SCRIPT",
     "DeadLetterEntry",
     "QueueStats",
     "ResultFollower",
@@ -84,21 +83,6 @@ MARKER_CHECK_REPLIES = 5
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
-
-# A dead letter queued again, atomically within the queue's slot: the new entry, the dead letter
-# gone, and, when the request id is the producer's own, its idempotency marker naming the new
-# entry (so `llmq result` knows the id before a worker starts it). The old result stream (another
-# slot) is deleted just before, by the caller: see `Client.retry_dead_letter`.
-# KEYS: queue, dlq [, marker]; ARGV: dlq entry id, ttl seconds, then the original entry's fields
-# and values.
-RETRY_SCRIPT = """
-local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-redis.call('XDEL', KEYS[2], ARGV[1])
-if #KEYS == 3 then
-  redis.call('SET', KEYS[3], entry, 'EX', ARGV[2])
-end
-return entry
-"""
 
 _encoders: dict[str, msgspec.json.Encoder | msgspec.msgpack.Encoder] = {
     "json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}

@@ -163,7 +163,8 @@ ALLOWED = {
         # the dashboard: dead letters listed, retried (the retry script), purged; its charts
         ("XREVRANGE", DLQ, "+", "-", "COUNT", "50"), ("XRANGE", DLQ, "1-0", "1-0"),
         ("XDEL", DLQ, "1-0"), ("DEL", DLQ),
-        ("EVALSHA", SHA, "3", Q, DLQ, IDEM, "1-0", "86400", "json", "{}"),
+        ("FCALL", "llmq_retry", "4", Q, DLQ, SUB, IDEM, "1-0", "86400", "req-1", "json", "{}"),
+        ("XADD", Q, "*", "json", "{}"), ("HSET", SUB, "2-0", "req-1"),  # ... what it runs
         ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
         ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
         ("XRANGE", "llmq:dash:series", "1000-0", "+"),
@@ -202,6 +203,7 @@ DENIED = {
         ("EVAL", "return 1", "0"), ("EVALSHA", SHA, "2", Q, IDEM),   # no scripts of its own
         ("SCRIPT", "LOAD", "return 1"), ("FUNCTION", "LOAD", "#!lua name=x\n"),
         ("FUNCTION", "FLUSH"), ("FCALL", "llmq_submit", "1", "session:42", "json", "{}"),
+        ("FCALL", "llmq_retry", "3", Q, DLQ, SUB, "1-0", "60", "", "json", "{}"),  # the DLQ's
         ("SUBSCRIBE", "llmq"),
         ("XADD", CTL, "*", "json", "{}"),         # putting workers to sleep, profiling them
         ("XREAD", "STREAMS", CTLR, "0"), ("XADD", CTLR, "*", "json", "{}"),
@@ -232,7 +234,11 @@ DENIED = {
         ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
         ("XINFO", "STREAM", Q, "FULL"),                               # queued prompts
         ("SADD", "llmq:queues", "bad name"),                          # the workers' registry
-        ("FUNCTION", "LOAD", "#!lua name=x\n"),  # (EVAL stays: rq's scripts need it)
+        ("FUNCTION", "LOAD", "#!lua name=x\n"),
+        # no code of its own on llmq's keys (rq's scripts keep EVAL on rq:*, which no ACL can
+        # keep from a keyless EVAL: docs/operations.md, "Redis ACL")
+        ("EVAL", "return 1", "1", DLQ), ("EVALSHA", SHA, "3", Q, DLQ, IDEM),
+        ("FCALL", "llmq_retry", "3", Q, DLQ, "session:42", "1-0"),
     ],
     "keda": [
         ("XRANGE", Q, "-", "+"),                  # request payloads stay private
