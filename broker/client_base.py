@@ -109,14 +109,15 @@ class ClientBase:
         pipe.xinfo_groups(self.keys.queue(queue))
         pipe.xlen(self.keys.dlq(queue))
         pipe.xinfo_stream(self.keys.queue(queue))
+        pipe.get(self.keys.lost_unread(queue))
 
     @staticmethod
     def _parse_stats(queue: str, replies: list[Any]) -> QueueStats:
-        length, groups, dead, info = replies
+        length, groups, dead, info, lost = replies
         for reply in (length, dead):
             if isinstance(reply, Exception):
                 raise reply
-        return parse_queue_stats(queue, length, groups, dead, info)
+        return parse_queue_stats(queue, length, groups, dead, info, lost)
 
     def _retry_args(self, entry: DeadLetterEntry, queue: str) -> tuple[str | None, list[Any]]:
         """(old result stream to delete first or None, FCALL llmq_retry's numkeys, keys and

@@ -365,13 +365,20 @@ class QueueStats:
     consumers: int  # consumers the group knows, live or not (see `Client.workers()` for live)
     group_exists: bool
     exhausted: bool = False  # the stream reached the last possible entry id: XADD fails
+    # Entries trimmed before any worker read them, as the workers reported (None: this user may
+    # not read it); worker/unread_loss.py
+    lost_unread: int | None = 0
 
 
 def parse_queue_stats(queue: str, length: object, groups: object, dead_letters: object,
-                      info: object = None) -> QueueStats:
-    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN and
-    XINFO STREAM (its reply, or an error when the stream is missing or the user may not)."""
+                      info: object = None, lost: object = None) -> QueueStats:
+    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN,
+    XINFO STREAM and GET of the lost-unread count (each its reply, or an error when the key is
+    missing or the user may not)."""
     exhausted = not isinstance(info, Exception | None) and stream_exhausted(info)
+    lost_text = None if isinstance(lost, Exception) else replies.optional_text(lost, "GET")
+    lost_unread = (None if isinstance(lost, Exception)
+                   else int(lost_text) if lost_text and lost_text.isdigit() else 0)
     num_entries = replies.integer(length, "XLEN")
     num_dead = replies.integer(dead_letters, "XLEN")
     if isinstance(groups, Exception):
@@ -381,9 +388,10 @@ def parse_queue_stats(queue: str, length: object, groups: object, dead_letters: 
     for group in replies.groups(groups):
         if group.name == GROUP:
             return QueueStats(queue, num_entries, group.lag, group.pending, num_dead,
-                              group.consumers, True, exhausted)
+                              group.consumers, True, exhausted, lost_unread)
     # NOTE: without a group every entry is unread, so the lag is the length.
-    return QueueStats(queue, num_entries, num_entries, 0, num_dead, 0, False, exhausted)
+    return QueueStats(queue, num_entries, num_entries, 0, num_dead, 0, False, exhausted,
+                      lost_unread)
 
 
 @dataclass(frozen=True)

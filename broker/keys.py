@@ -19,6 +19,8 @@ both, no mode flag.
     llmq:sub:{<queue>}      hash      entry id -> request id of each submission through the submit
                                       function until it is acked, so one that vanished unread is
                                       still answered (`lost_payload`)
+    llmq:lost:{<queue>}     string    how many entries were trimmed unread so far (reported once
+                                      each: a dead letter, a metric, `llmq status`)
     llmq:id:{<queue>}:<request_id>    string  idempotency marker set by the submit function: the
                                       entry id of the first submission, with TTL
 
@@ -149,6 +151,11 @@ class Keys:
     def control(self, queue: str) -> str:
         """Utility-call stream every worker of `queue` follows (admin-only)."""
         return f"{self.prefix}:ctl:{_tag('queue', queue)}"
+
+    def lost_unread(self, queue: str) -> str:
+        """How many of `queue`'s entries were trimmed before any worker read them, as reported
+        so far (worker/unread_loss.py)."""
+        return f"{self.prefix}:lost:{_tag('queue', queue)}"
 
     def idempotency(self, queue: str, request_id: str) -> str:
         """Marker of a request id submitted to `queue`: the entry id of its first submission.

@@ -10,9 +10,11 @@ Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not
 2. Lapsed leases. Entries idle past `lease_timeout` although their worker still beats (its
    busy loop or process stalled) are taken the same way, and so are entries handed back by a
    draining or failing worker (huge IDLE) at once.
-3. Once a minute: remove dead workers' idle consumers, and trim acked entries from the request
-   stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
-   under OOM the trim (not refused: it frees memory) still goes on.
+3. Once a minute: remove dead workers' idle consumers, answer submissions whose entry vanished
+   unread, report entries trimmed before any worker read them (worker/unread_loss.py), and trim
+   acked entries from the request stream (broker/retention.py) so it does not grow forever.
+   This runs whatever else fails: under OOM the trim (not refused: it frees memory) still goes
+   on.
 
 **Never during a Redis-wide stall.** Both takeovers need `Liveness.healthy_for(...)`: this
 worker's own heartbeats have gone through steadily for a whole heartbeat timeout (dead
@@ -51,6 +53,7 @@ from llmq.worker.io_thread import IOThread
 from llmq.worker.lease_keeper import HAND_BACK_IDLE_MS, SUSPECT_MIN_IDLE_MS
 from llmq.worker.liveness import Liveness
 from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.unread_loss import UnreadLoss
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class Reclaimer(IOThread):
         self.reclaiming = True  # off while draining: a draining worker takes nothing new
         self.backoff = Backoff("reclaimer", ctx.state, stop=self.stop_event)
         self._next_cleanup = time.monotonic() + 60.0
+        self.unread_loss = UnreadLoss(ctx)
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -96,6 +100,7 @@ class Reclaimer(IOThread):
                 self._next_cleanup = started + 60.0
                 self._guard(self._cleanup_consumers)
                 self._guard(self.answer_vanished_unread)
+                self._guard(lambda: self.unread_loss.check(self.client))
                 self._guard(lambda: trim_acked_requests(self.client, self.keys, self.ctx.queue))
             self.stop_event.wait(max(0.0, self.claim_interval - (time.monotonic() - started)))
 

@@ -25,14 +25,19 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from prometheus_client import CollectorRegistry
 
 from llmq.broker.client import Client
-from llmq.broker.commands import queue_event
+from llmq.broker.commands import parse_dead_letters, queue_event
 from llmq.broker.embedded import free_port
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
 from llmq.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
+from llmq.worker.metrics import WorkerMetrics
+from llmq.worker.unread_loss import UnreadLoss
+from llmq.worker.worker_config import WorkerConfig
+from llmq.worker.worker_context import WorkerContext
 from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url
 
 pytestmark = pytest.mark.redis
@@ -65,7 +70,7 @@ HB = "llmq:hb:{default}"
 # A tenant's id `alice:r1`: its keys live in their own space (broker/keys.py)
 T_R, T_FLAG, T_IDEM = "llmq:t:r:{alice:r1}", "llmq:t:x:{alice:r1}", "llmq:t:id:alice:r1:{default}"
 FLAG, IDEM, HEARTBEAT = "llmq:x:{req-1}", "llmq:id:{default}:req-1", "llmq:w:worker-1"
-SUB = "llmq:sub:{default}"
+SUB, LOST = "llmq:sub:{default}", "llmq:lost:{default}"
 CTL, CTLR = "llmq:ctl:{default}", "llmq:ctlr:call-1"  # utility calls and their answers
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
@@ -129,6 +134,8 @@ ALLOWED = {
         ("XREVRANGE", CTL, "+", "-", "COUNT", "1"),                # utility calls
         ("XREAD", "BLOCK", "200", "STREAMS", CTL, "0-0"),
         ("XADD", CTLR, "*", "json", "{}"), ("EXPIRE", CTLR, "3600"),  # ... their answers
+        ("MULTI",), ("XRANGE", Q, "(1-0", "+", "COUNT", "1"),          # entries trimmed unread
+        ("SET", LOST, "3", "GET"),
     ],
     "admin": [                                # `llmq admin`: the only one who sends calls
         ("XADD", CTL, "MAXLEN", "~", "1000", "*", "json", "{}"),
@@ -168,6 +175,7 @@ ALLOWED = {
         ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
         ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
         ("XRANGE", "llmq:dash:series", "1000-0", "+"),
+        ("GET", LOST),                                                # entries trimmed unread
     ],
     "keda": [
         ("PING",), ("INFO",),                 # the lag mode checks the server version
@@ -207,6 +215,7 @@ DENIED = {
         ("SUBSCRIBE", "llmq"),
         ("XADD", CTL, "*", "json", "{}"),         # putting workers to sleep, profiling them
         ("XREAD", "STREAMS", CTLR, "0"), ("XADD", CTLR, "*", "json", "{}"),
+        ("SET", LOST, "0"), ("DEL", LOST),        # hiding a queue wipe
     ],
     "worker": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -447,3 +456,39 @@ def test_redis_health_check_passes_on_a_live_server_and_fails_on_a_dead_one(acl_
     refused = live.replace("--user healthcheck", "--user nobody")
     assert refused != live
     assert subprocess.run(["sh", "-c", refused], timeout=30, capture_output=True).returncode != 0
+
+
+def test_a_queue_wipe_by_a_raw_producer_is_reported_once(connect, acl_server):
+    worker, producer = connect("worker"), connect("producer")
+    ctx = WorkerContext(WorkerConfig(redis_url=acl_url(acl_server[0], "worker"),
+                                     worker_id="w1"), "tiny", 4,
+                        WorkerMetrics("tiny", "default", registry=CollectorRegistry()))
+    loss = UnreadLoss(ctx)
+    # Given a queue where one request ran and two wait
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    for _ in range(3):
+        producer.xadd(Q, {"json": '{"prompt": "x"}'})
+    ((_, [(ran, _)]),) = worker.xreadgroup(GROUP, "w1", {Q: ">"}, count=1)
+    worker.xack(Q, GROUP, ran)
+    # Then waiting entries are not a loss
+    assert loss.check(worker) == 0
+    # When a producer credential wipes the queue with a raw XADD ... MAXLEN 0
+    producer.xadd(Q, {"json": '{"prompt": "wipe"}'}, maxlen=0, approximate=False)
+    assert worker.xlen(Q) == 0
+    # Then the next look reports the three entries no worker read (the two and the wipe's own),
+    # once, whichever worker looks
+    assert loss.check(worker) == 3
+    assert loss.check(worker) == 0 and UnreadLoss(ctx).check(worker) == 0
+    # ... as a dead letter with no request id, a metric, and in the queue's stats
+    admin = connect("admin")
+    (entry,) = parse_dead_letters(admin.xrange(DLQ))
+    assert entry.dead_letter.code == "lost_payload" and entry.dead_letter.request_id is None
+    assert "3 request entries were trimmed" in entry.dead_letter.message
+    assert ctx.metrics is not None
+    assert ctx.metrics.registry.get_sample_value(
+        "llmq_entries_lost_unread_total", {"model": "tiny", "queue": "default"}) == 3
+    with Client(acl_url(acl_server[0], "admin"), queue="default") as client:
+        assert client.stats().lost_unread == 3
+    # And a later wipe adds to it
+    producer.xadd(Q, {"json": '{"prompt": "again"}'}, maxlen=0, approximate=False)
+    assert loss.check(worker) == 1
