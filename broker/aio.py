@@ -209,12 +209,18 @@ class AsyncClient(ClientBase):
     async def cancel(self, request_id: str, *, queue: str | None = None) -> None:
         queue = self._queue(queue)
 
-        async def send() -> None:
+        async def set_flag() -> None:  # first, as in Client.cancel
             pipe = self.redis.pipeline(transaction=False)
-            self._queue_cancel(pipe, request_id, queue)
+            self._set_cancel_flag(pipe, request_id)
             await pipe.execute()
 
-        await self.call(send)
+        async def notify() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            self._notify_cancel(pipe, request_id, queue)
+            await pipe.execute()
+
+        await self.call(set_flag)
+        await self.call(notify)
 
     async def stats(self, queue: str | None = None) -> QueueStats:
         queue = self._queue(queue)

@@ -278,12 +278,15 @@ class Client(ClientBase):
         """
         queue = self._queue(queue)
 
-        def send() -> None:
+        # NOTE: two round trips, flag first: in a Cluster the two keys live on different nodes,
+        # and a worker that read the notice before the flag landed would ignore it.
+        def send(queue_writes: Callable[[Any], None]) -> None:
             pipe = self.redis.pipeline(transaction=False)
-            self._queue_cancel(pipe, request_id, queue)
+            queue_writes(pipe)
             pipe.execute()
 
-        self.call(send)
+        self.call(lambda: send(lambda pipe: self._set_cancel_flag(pipe, request_id)))
+        self.call(lambda: send(lambda pipe: self._notify_cancel(pipe, request_id, queue)))
 
     # --- inspecting ------------------------------------------------------------------------------
 

@@ -97,9 +97,13 @@ class ClientBase:
                 raise InvalidRequest(f"request {index}: {exc}") from None
         return submissions
 
-    def _queue_cancel(self, pipe: Any, request_id: str, queue: str) -> None:
-        """Queue a cancel's writes on a (sync or asyncio) pipeline: the flag, then the notice."""
+    def _set_cancel_flag(self, pipe: Any, request_id: str) -> None:
+        """Queue a cancel's first write: the flag, which only the request's owner may set and
+        without which no worker aborts it (worker/cancel_listener.py)."""
         pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
+
+    def _notify_cancel(self, pipe: Any, request_id: str, queue: str) -> None:
+        """Queue a cancel's second write, once the flag is set: the notice workers follow."""
         pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
                   maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
 

@@ -13,6 +13,7 @@ load-functions` does for an operator.
     FCALL llmq_submit 3 llmq:q:{<queue>} llmq:sub:{<queue>} llmq:id:{<queue>}:<request_id> \
           json '{"id":"<request_id>",...}' 86400
         -> {1, entry_id}, or {0, first_entry_id} when the id was submitted before (marker TTL s)
+        (a tenant's id `<tenant>:<id>` has its marker at llmq:t:id:<tenant>:<id>:{<queue>})
 
     FCALL llmq_retry 3|4 llmq:q:{<queue>} llmq:dlq:{<queue>} llmq:sub:{<queue>} [<marker>] \
           <dead letter id> <marker ttl s> <request id or ''> <field> <value> ...
