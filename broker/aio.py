@@ -26,7 +26,6 @@ from llmq.broker.aio_result_reader import AsyncResultReader
 from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
-    RETRY_SCRIPT,
     DeadLetterEntry,
     Followed,
     QueueStats,
@@ -36,9 +35,10 @@ from llmq.broker.commands import (
     parse_dead_letters,
     parse_heartbeats,
     queue_group_creation,
+    queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
-from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions_async
+from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions_async
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
 from llmq.protocol import (
@@ -81,7 +81,6 @@ class AsyncClient(ClientBase):
             connection if connection is not None
             else connect_async(self.url, max_connections=max_connections,
                                client_name=client_name))
-        self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = AsyncResultReader(self.redis, self.url, self._policy)
 
     async def __aenter__(self) -> AsyncClient:
@@ -210,12 +209,18 @@ class AsyncClient(ClientBase):
     async def cancel(self, request_id: str, *, queue: str | None = None) -> None:
         queue = self._queue(queue)
 
-        async def send() -> None:
+        async def set_flag() -> None:  # first, as in Client.cancel
             pipe = self.redis.pipeline(transaction=False)
-            self._queue_cancel(pipe, request_id, queue)
+            self._set_cancel_flag(pipe, request_id)
             await pipe.execute()
 
-        await self.call(send)
+        async def notify() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            self._notify_cancel(pipe, request_id, queue)
+            await pipe.execute()
+
+        await self.call(set_flag)
+        await self.call(notify)
 
     async def stats(self, queue: str | None = None) -> QueueStats:
         queue = self._queue(queue)
@@ -228,8 +233,7 @@ class AsyncClient(ClientBase):
         return await self.call(read)
 
     async def queues(self) -> list[str]:
-        members = await self.call(lambda: self.redis.smembers(self.keys.queues()))
-        return sorted(replies.texts(members, "SMEMBERS"))
+        return queue_names(await self.call(lambda: self.redis.smembers(self.keys.queues())))
 
     async def workers(self) -> list[WorkerHeartbeat]:
         async def read() -> list[WorkerHeartbeat]:
@@ -259,11 +263,14 @@ class AsyncClient(ClientBase):
         entries = await self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                              dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-        old_result, keys, args = self._retry_args(entry, queue)
+        old_result, fcall_args = self._retry_args(entry, queue)
         if old_result is not None:  # first, as in Client.retry_dead_letter
             await self.call(lambda: self.redis.delete(old_result))
-        return replies.text(await self.call(lambda: self._retry_script(keys=keys, args=args)),
-                            "the retry script")
+
+        async def send() -> object:
+            return await self.redis.fcall(RETRY_FUNCTION, *fcall_args)
+
+        return replies.text(await self._submitting(send, queue), RETRY_FUNCTION)
 
     async def purge_dead_letters(self, queue: str | None = None) -> int:
         queue = self._queue(queue)

@@ -31,7 +31,6 @@ import redis
 from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
-    RETRY_SCRIPT,
     DeadLetterEntry,
     Followed,
     QueueStats,
@@ -43,9 +42,10 @@ from llmq.broker.commands import (
     parse_dead_letters,
     parse_heartbeats,
     queue_group_creation,
+    queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect
-from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions
+from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions
 from llmq.broker.result_reader import FollowerGroup, ResultReader
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
@@ -95,7 +95,6 @@ class Client(ClientBase):
         self.redis: redis.Redis = (
             connection if connection is not None
             else connect(self.url, max_connections=max_connections, client_name=client_name))
-        self._retry_script = self.redis.register_script(RETRY_SCRIPT)
         self.reader = ResultReader(self.redis, self.url, self._policy)
 
     def __enter__(self) -> Client:
@@ -279,12 +278,15 @@ class Client(ClientBase):
         """
         queue = self._queue(queue)
 
-        def send() -> None:
+        # NOTE: two round trips, flag first: in a Cluster the two keys live on different nodes,
+        # and a worker that read the notice before the flag landed would ignore it.
+        def send(queue_writes: Callable[[Any], None]) -> None:
             pipe = self.redis.pipeline(transaction=False)
-            self._queue_cancel(pipe, request_id, queue)
+            queue_writes(pipe)
             pipe.execute()
 
-        self.call(send)
+        self.call(lambda: send(lambda pipe: self._set_cancel_flag(pipe, request_id)))
+        self.call(lambda: send(lambda pipe: self._notify_cancel(pipe, request_id, queue)))
 
     # --- inspecting ------------------------------------------------------------------------------
 
@@ -301,8 +303,7 @@ class Client(ClientBase):
 
     def queues(self) -> list[str]:
         """Names of the queues that have a consumer group."""
-        return sorted(as_str(m) for m in self.call(lambda: self.redis.smembers(
-            self.keys.queues())))
+        return queue_names(self.call(lambda: self.redis.smembers(self.keys.queues())))
 
     def workers(self) -> list[WorkerHeartbeat]:
         """Live workers' latest heartbeats; expired ones are removed from the registry."""
@@ -340,13 +341,14 @@ class Client(ClientBase):
         entries = self.call(lambda: self.redis.xrange(self.keys.dlq(queue), dlq_entry_id,
                                                        dlq_entry_id))
         entry = dead_letter_to_retry(entries, dlq_entry_id, queue)
-        old_result, keys, args = self._retry_args(entry, queue)
+        old_result, fcall_args = self._retry_args(entry, queue)
         # NOTE: two steps, as the result stream lives in the request's slot and the rest in the
         # queue's. The old stream goes first: its failed attempts would otherwise hide the new
-        # run's attempt 1. Should the script then fail, the dead letter stays to retry again.
+        # run's attempt 1. Should the function then fail, the dead letter stays to retry again.
         if old_result is not None:
             self.call(lambda: self.redis.delete(old_result))
-        return as_str(self.call(lambda: self._retry_script(keys=keys, args=args)))
+        return as_str(self._submitting(
+            lambda: self.redis.fcall(RETRY_FUNCTION, *fcall_args), queue))
 
     def purge_dead_letters(self, queue: str | None = None) -> int:
         """Delete every dead letter of a queue; how many there were."""

@@ -97,9 +97,13 @@ class ClientBase:
                 raise InvalidRequest(f"request {index}: {exc}") from None
         return submissions
 
-    def _queue_cancel(self, pipe: Any, request_id: str, queue: str) -> None:
-        """Queue a cancel's writes on a (sync or asyncio) pipeline: the flag, then the notice."""
+    def _set_cancel_flag(self, pipe: Any, request_id: str) -> None:
+        """Queue a cancel's first write: the flag, which only the request's owner may set and
+        without which no worker aborts it (worker/cancel_listener.py)."""
         pipe.set(self.keys.cancel_flag(request_id), b"1", ex=self.request_ttl)
+
+    def _notify_cancel(self, pipe: Any, request_id: str, queue: str) -> None:
+        """Queue a cancel's second write, once the flag is set: the notice workers follow."""
         pipe.xadd(self.keys.cancel(queue), encode_cancel(request_id),
                   maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
 
@@ -109,19 +113,20 @@ class ClientBase:
         pipe.xinfo_groups(self.keys.queue(queue))
         pipe.xlen(self.keys.dlq(queue))
         pipe.xinfo_stream(self.keys.queue(queue))
+        pipe.get(self.keys.lost_unread(queue))
 
     @staticmethod
     def _parse_stats(queue: str, replies: list[Any]) -> QueueStats:
-        length, groups, dead, info = replies
+        length, groups, dead, info, lost = replies
         for reply in (length, dead):
             if isinstance(reply, Exception):
                 raise reply
-        return parse_queue_stats(queue, length, groups, dead, info)
+        return parse_queue_stats(queue, length, groups, dead, info, lost)
 
-    def _retry_args(self, entry: DeadLetterEntry, queue: str
-                    ) -> tuple[str | None, list[str], list[Any]]:
-        """(old result stream to delete first or None, RETRY_SCRIPT's keys, its args)."""
-        keys = [self.keys.queue(queue), self.keys.dlq(queue)]
+    def _retry_args(self, entry: DeadLetterEntry, queue: str) -> tuple[str | None, list[Any]]:
+        """(old result stream to delete first or None, FCALL llmq_retry's numkeys, keys and
+        args: broker/functions.py)."""
+        keys = [self.keys.queue(queue), self.keys.dlq(queue), self.keys.submissions(queue)]
         request_id = entry.dead_letter.request_id
         old_result = None
         # NOTE: only a producer-given id outlives its entry; a default id (the old entry id)
@@ -129,8 +134,11 @@ class ClientBase:
         if request_id and request_id != entry.dead_letter.entry_id:
             keys.append(self.keys.idempotency(queue, request_id))
             old_result = self.keys.result(request_id)
+        else:
+            request_id = ""
         fields = [x for pair in entry.payload.items() for x in pair]
-        return old_result, keys, [entry.dlq_entry_id, self.request_ttl, *fields]
+        return old_result, [len(keys), *keys, entry.dlq_entry_id, self.request_ttl, request_id,
+                            *fields]
 
     def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
         """FCALL llmq_submit's arguments: numkeys, keys, then args (broker/functions.py)."""

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgspec
+from redis.exceptions import NoPermissionError
 from redis.typing import EncodableT, FieldT
 
 from llmq.broker import replies
-from llmq.broker.keys import GROUP, Keys
+from llmq.broker.keys import GROUP, Keys, is_valid_name
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.replies import StreamEntry
 from llmq.broker.transcript import Fold, Transcript
@@ -50,7 +51,6 @@ __all__ = [
     "MARKER_CHECK_REPLIES",
     "DEFAULT_REQUEST_TTL",
     "Followed",
-    "RETRY_SCRIPT",
     "DeadLetterEntry",
     "QueueStats",
     "ResultFollower",
@@ -72,31 +72,17 @@ __all__ = [
     "queue_events",
     "queue_group_creation",
     "queue_marker_check",
+    "queue_names",
 ]
 
 logger = logging.getLogger(__name__)
 
 # Replies `queue_marker_check` queues per request id.
-MARKER_CHECK_REPLIES = 4
+MARKER_CHECK_REPLIES = 5
 
 # How long the broker remembers a request id: the idempotency marker and the cancel flag.
 DEFAULT_REQUEST_TTL = 24 * 3600
 CANCEL_STREAM_MAXLEN = 10_000  # workers follow it live; older entries only matter via the flag
-
-# A dead letter queued again, atomically within the queue's slot: the new entry, the dead letter
-# gone, and, when the request id is the producer's own, its idempotency marker naming the new
-# entry (so `llmq result` knows the id before a worker starts it). The old result stream (another
-# slot) is deleted just before, by the caller: see `Client.retry_dead_letter`.
-# KEYS: queue, dlq [, marker]; ARGV: dlq entry id, ttl seconds, then the original entry's fields
-# and values.
-RETRY_SCRIPT = """
-local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-redis.call('XDEL', KEYS[2], ARGV[1])
-if #KEYS == 3 then
-  redis.call('SET', KEYS[3], entry, 'EX', ARGV[2])
-end
-return entry
-"""
 
 _encoders: dict[str, msgspec.json.Encoder | msgspec.msgpack.Encoder] = {
     "json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
@@ -235,7 +221,12 @@ def queue_marker_check(pipe: Any, keys: Keys, queue: str, request_id: str,
                        entry_id: str) -> None:
     """Queue the reads `check_marker` needs, for a submit the script answered "already marked
     as `entry_id`". Execute with raise_on_error=False. None of them reads a payload: a producer
-    may not read the request stream."""
+    may not read the request stream.
+
+    The submission record is read first: it lives from the submit until the worker's ack, so an
+    entry that is neither recorded nor pending nor answered when the later reads run was never
+    queued by the submit function, or is gone."""
+    pipe.hexists(keys.submissions(queue), entry_id)
     pipe.time()
     pipe.xlen(keys.result(request_id))  # NOTE: XLEN, the result readers' right (not EXISTS)
     pipe.xpending_range(keys.queue(queue), GROUP, min=entry_id, max=entry_id, count=1)
@@ -245,9 +236,11 @@ def queue_marker_check(pipe: Any, keys: Keys, queue: str, request_id: str,
 def check_marker(request_id: str, entry_id: str, marker_replies: Sequence[object] | None
                  ) -> None:
     """RequestIdConflict when the entry a request id's marker names cannot be this request:
-    the marker is no entry id, names an entry from the future, or one that was delivered, is
-    not running and left no result (trimmed or deleted, its result expired, or the marker was
-    set by someone else). Otherwise the request is running, finished or still queued.
+    the marker is no entry id, names an entry from the future, one that was delivered, is not
+    running and left no result (trimmed or deleted, its result expired, or the marker was set by
+    someone else), or one not delivered yet that the submit function never recorded (nothing
+    is queued: the marker was set by hand). Otherwise the request is running, finished or still
+    queued.
 
     `marker_replies` are `queue_marker_check`'s (None: there is no entry id to check). A read
     this user may not make (NOPERM, an older ACL) leaves the answer open: no error then."""
@@ -255,7 +248,7 @@ def check_marker(request_id: str, entry_id: str, marker_replies: Sequence[object
         raise RequestIdConflict(
             f"request id {request_id!r} is marked as submitted, but its marker holds "
             f"{entry_id[:40]!r}, which is no entry id: someone else set it; use another id")
-    now, has_result, pending, groups = marker_replies
+    recorded, now, has_result, pending, groups = marker_replies
     if any(isinstance(r, Exception) for r in marker_replies):
         logger.debug("cannot check the marker of %s: %s", request_id, marker_replies)
         return
@@ -268,11 +261,18 @@ def check_marker(request_id: str, entry_id: str, marker_replies: Sequence[object
             "someone else set the marker; use another id")
     for group in replies.groups(groups):
         if group.name == GROUP:
-            if marked > parse_entry_id(group.last_delivered_id):
-                return  # not read yet: it waits in the queue
+            delivered = marked <= parse_entry_id(group.last_delivered_id)
             break
     else:
-        return  # no group yet: nothing was delivered, it waits
+        delivered = False  # no group yet: nothing was delivered
+    if not delivered and replies.integer(recorded, "HEXISTS"):
+        return  # not read yet: it waits in the queue
+    if not delivered:
+        raise RequestIdConflict(
+            f"request id {request_id!r} is marked as submitted (entry {entry_id}), but no such "
+            "entry waits in the queue: the submit function never queued it (someone set the "
+            "marker by hand) or it was trimmed or deleted unread. Submitting again would queue "
+            "nothing: use another id")
     raise RequestIdConflict(
         f"request id {request_id!r} is marked as submitted (entry {entry_id}), but that entry "
         "was delivered, is not running and left no result: it was trimmed or deleted, its "
@@ -298,7 +298,9 @@ def group_created(creation_replies: Sequence[object], keys: Keys, queue: str) ->
     created, registered, legacy, info = creation_replies
     if isinstance(created, Exception) and "BUSYGROUP" not in str(created):
         raise created
-    if isinstance(registered, Exception):
+    # NOTE: only workers register queues (a producer's credential may not: one bad name there
+    # would break every reader's list); a NOPERM here is how producers and tenants find it.
+    if isinstance(registered, Exception) and not isinstance(registered, NoPermissionError):
         raise registered
     # NOTE: a look at the v1 name this user may not take (NOPERM) finds nothing.
     if not isinstance(legacy, Exception) and replies.integer(legacy, "EXISTS"):
@@ -306,6 +308,25 @@ def group_created(creation_replies: Sequence[object], keys: Keys, queue: str) ->
     if not isinstance(info, Exception) and stream_exhausted(info):
         raise StreamExhausted(exhausted_message(keys, queue))
     return not isinstance(created, Exception)
+
+
+# The most queue names a registry read returns: more than any pool has, few enough that a
+# registry someone flooded cannot stall a cancel or a dashboard view.
+MAX_QUEUES = 256
+
+
+def queue_names(members: object) -> list[str]:
+    """The valid queue names of an SMEMBERS reply of the queue registry, sorted, at most
+    MAX_QUEUES: a name that could not be written by llmq (someone else's SADD) is skipped and
+    logged, never allowed to fail every reader of the list."""
+    names = replies.texts(members, "SMEMBERS")
+    valid = sorted(n for n in names if is_valid_name(n))
+    if len(valid) < len(names):
+        logger.warning("skipping %d invalid name(s) in the queue registry", len(names) - len(valid))
+    if len(valid) > MAX_QUEUES:
+        logger.warning("the queue registry holds %d names; using the first %d", len(valid),
+                       MAX_QUEUES)
+    return valid[:MAX_QUEUES]
 
 
 def legacy_stream_message(keys: Keys, queue: str) -> str:
@@ -344,13 +365,20 @@ class QueueStats:
     consumers: int  # consumers the group knows, live or not (see `Client.workers()` for live)
     group_exists: bool
     exhausted: bool = False  # the stream reached the last possible entry id: XADD fails
+    # Entries trimmed before any worker read them, as the workers reported (None: this user may
+    # not read it); worker/unread_loss.py
+    lost_unread: int | None = 0
 
 
 def parse_queue_stats(queue: str, length: object, groups: object, dead_letters: object,
-                      info: object = None) -> QueueStats:
-    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN and
-    XINFO STREAM (its reply, or an error when the stream is missing or the user may not)."""
+                      info: object = None, lost: object = None) -> QueueStats:
+    """QueueStats from XLEN, XINFO GROUPS (its reply or its ResponseError), the DLQ's XLEN,
+    XINFO STREAM and GET of the lost-unread count (each its reply, or an error when the key is
+    missing or the user may not)."""
     exhausted = not isinstance(info, Exception | None) and stream_exhausted(info)
+    lost_text = None if isinstance(lost, Exception) else replies.optional_text(lost, "GET")
+    lost_unread = (None if isinstance(lost, Exception)
+                   else int(lost_text) if lost_text and lost_text.isdigit() else 0)
     num_entries = replies.integer(length, "XLEN")
     num_dead = replies.integer(dead_letters, "XLEN")
     if isinstance(groups, Exception):
@@ -360,9 +388,10 @@ def parse_queue_stats(queue: str, length: object, groups: object, dead_letters: 
     for group in replies.groups(groups):
         if group.name == GROUP:
             return QueueStats(queue, num_entries, group.lag, group.pending, num_dead,
-                              group.consumers, True, exhausted)
+                              group.consumers, True, exhausted, lost_unread)
     # NOTE: without a group every entry is unread, so the lag is the length.
-    return QueueStats(queue, num_entries, num_entries, 0, num_dead, 0, False, exhausted)
+    return QueueStats(queue, num_entries, num_entries, 0, num_dead, 0, False, exhausted,
+                      lost_unread)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The llmq Redis Function library: how producers submit, and how it gets onto the servers.
 
-Producers submit with `FCALL llmq_submit`, never with scripts of their own, so the producer ACL
-needs neither EVAL nor SCRIPT (a producer could otherwise run any loop it likes and freeze the
-server) and every submission is an `XADD <queue> * <field> <payload>`: a `*` id and no trimming,
-whatever the producer would have written. A function library is stored by the server itself and
+Producers submit with `FCALL llmq_submit`, and the gateway retries dead letters with `FCALL
+llmq_retry`, never with scripts of their own, so neither ACL needs EVAL or SCRIPT (a producer
+could otherwise run any loop it likes and freeze the server) and every submission is an
+`XADD <queue> * <field> <payload>`: a `*` id and no trimming, whatever the producer would have
+written. A function library is stored by the server itself and
 survives restarts in the RDB and the AOF; workers load it when they start, and `llmq admin
 load-functions` does for an operator.
 
@@ -12,9 +13,14 @@ load-functions` does for an operator.
     FCALL llmq_submit 3 llmq:q:{<queue>} llmq:sub:{<queue>} llmq:id:{<queue>}:<request_id> \
           json '{"id":"<request_id>",...}' 86400
         -> {1, entry_id}, or {0, first_entry_id} when the id was submitted before (marker TTL s)
+        (a tenant's id `<tenant>:<id>` has its marker at llmq:t:id:<tenant>:<id>:{<queue>})
 
-Every submission is also recorded in `llmq:sub:{<queue>}` (entry id -> request id) until a worker
-acks it, so an entry that vanishes unread (trimmed, deleted) is still answered with
+    FCALL llmq_retry 3|4 llmq:q:{<queue>} llmq:dlq:{<queue>} llmq:sub:{<queue>} [<marker>] \
+          <dead letter id> <marker ttl s> <request id or ''> <field> <value> ...
+        -> the new entry id (a dead letter queued again; the gateway's and `llmq dlq retry`'s)
+
+Every submission (and retry) is also recorded in `llmq:sub:{<queue>}` (entry id -> request id)
+until a worker acks it, so an entry that vanishes unread (trimmed, deleted) is still answered with
 `lost_payload` on its result stream (worker/lease_keeper.py). All keys are in the queue's slot.
 """
 
@@ -28,15 +34,16 @@ import redis
 from llmq.broker import replies
 from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
-__all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "SUBMIT_FUNCTION",
+__all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "RETRY_FUNCTION", "SUBMIT_FUNCTION",
            "ensure_functions", "ensure_functions_async", "is_missing_function",
            "load_functions", "submit_error"]
 
 logger = logging.getLogger(__name__)
 
 LIBRARY_NAME = "llmq"
-LIBRARY_VERSION = 1  # up with every change of the code below: loaders replace older versions
+LIBRARY_VERSION = 2  # up with every change of the code below: loaders replace older versions
 SUBMIT_FUNCTION = "llmq_submit"
+RETRY_FUNCTION = "llmq_retry"
 EXHAUSTED = "LLMQEXHAUSTED"
 
 LIBRARY = f"""#!lua name={LIBRARY_NAME}
@@ -70,7 +77,33 @@ local function submit(keys, args)
   return {{1, entry}}
 end
 
+-- A dead letter queued again, atomically within the queue's slot: the new entry, recorded like a
+-- submit's, the dead letter gone, and, when the request id is the producer's own, its marker
+-- naming the new entry (so `llmq result` knows the id before a worker starts it).
+-- keys: request stream, dead letters, submissions [, idempotency marker]
+-- args: dead letter's entry id, marker ttl seconds, request id ('' for none), then the original
+--       entry's fields and values
+local function retry(keys, args)
+  if #keys < 3 or #keys > 4 or #args < 5 or (#args - 3) % 2 ~= 0 then
+    return redis.error_reply('ERR llmq_retry: give 3 or 4 keys, a dead letter id, a ttl, a '
+                             .. 'request id and the fields')
+  end
+  if #redis.call('XRANGE', keys[2], args[1], args[1]) == 0 then
+    return redis.error_reply('ERR llmq_retry: no dead letter ' .. args[1])
+  end
+  local entry = redis.call('XADD', keys[1], '*', unpack(args, 4))
+  redis.call('XDEL', keys[2], args[1])
+  if keys[4] then
+    redis.call('SET', keys[4], entry, 'EX', tonumber(args[2]) or 86400)
+  end
+  local request_id = args[3]
+  if request_id == '' then request_id = entry end
+  redis.call('HSET', keys[3], entry, request_id)
+  return entry
+end
+
 redis.register_function('{SUBMIT_FUNCTION}', submit)
+redis.register_function('{RETRY_FUNCTION}', retry)
 redis.register_function{{function_name='llmq_version', callback=function() return VERSION end,
                          flags={{'no-writes'}}}}
 """

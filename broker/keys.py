@@ -1,6 +1,6 @@
 """Every Redis key llmq uses, built in one place (after arq's `constants.py`).
 
-Key schema v2 (protocol version 2), shown with the default prefix `llmq` (`LLMQ_PREFIX` changes
+Key schema v3 (protocol version 3), shown with the default prefix `llmq` (`LLMQ_PREFIX` changes
 it). The `{...}` part of a name is its Redis Cluster hash tag: only it picks the slot, so what one
 script or transaction touches shares a slot, while result streams, the hot write path, spread over
 the cluster by request id. A single server reads the braces as plain characters: one schema for
@@ -19,16 +19,26 @@ both, no mode flag.
     llmq:sub:{<queue>}      hash      entry id -> request id of each submission through the submit
                                       function until it is acked, so one that vanished unread is
                                       still answered (`lost_payload`)
+    llmq:lost:{<queue>}     string    how many entries were trimmed unread so far (reported once
+                                      each: a dead letter, a metric, `llmq status`)
     llmq:id:{<queue>}:<request_id>    string  idempotency marker set by the submit function: the
                                       entry id of the first submission, with TTL
 
-  request slot, tag = the request id (`<tenant>:<id>` ids keep a tenant's keys under one glob,
-  `llmq:r:{acme:*`):
+  request slot, tag = the request id:
     llmq:r:{<request_id>}   stream    one request's events (start, delta, done, error), capped with
                                       MAXLEN and expired `result_ttl` seconds after the last write
     llmq:x:{<request_id>}   string    cancel flag with TTL, checked when a worker admits a request
     llmq:sse:{<request_id>} hash      how the gateway streams a request (endpoint, usage chunk,
                                       keep on disconnect), so any replica can resume it; TTL
+
+  a tenant's ids (`<tenant>:<id>`, any id with a `:`) have their per-request keys, and their
+  markers, under a space of their own, `llmq:t:`, so that an ACL can hand a tenant exactly its
+  ids (`~llmq:t:r:{acme:*`, `~llmq:t:id:acme:*`) and the shared `producer` user exactly the
+  ids without a tenant (`~llmq:r:*` matches no `llmq:t:r:` key; a glob cannot say "no colon",
+  a prefix can):
+    llmq:t:id:<tenant>:<id>:{<queue>}   llmq:t:r:{<tenant>:<id>}   llmq:t:x:{<tenant>:<id>}
+    llmq:t:sse:{<tenant>:<id>}
+  (a key such as `llmq:r:{acme:1}` is never read by anyone).
 
   one key each (no multi-key command needs them together):
     llmq:w:<worker_id>      hash      worker heartbeat with TTL (model, running, waiting, KV use...)
@@ -100,7 +110,8 @@ GROUP = "workers"  # the one consumer group on every request stream
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 # NOTE: goes up when key names or the wire change incompatibly; workers report it in their
 # heartbeat (`protocol`). 2: Cluster hash tags in the key names, submission by FCALL.
-PROTOCOL_VERSION = 2
+# 3: a tenant's ids' keys under `llmq:t:` (an ACL space of their own).
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -141,29 +152,49 @@ class Keys:
         """Utility-call stream every worker of `queue` follows (admin-only)."""
         return f"{self.prefix}:ctl:{_tag('queue', queue)}"
 
+    def lost_unread(self, queue: str) -> str:
+        """How many of `queue`'s entries were trimmed before any worker read them, as reported
+        so far (worker/unread_loss.py)."""
+        return f"{self.prefix}:lost:{_tag('queue', queue)}"
+
     def idempotency(self, queue: str, request_id: str) -> str:
         """Marker of a request id submitted to `queue`: the entry id of its first submission.
 
-        In the queue's slot, so the submit function touches one slot."""
-        return f"{self.prefix}:id:{_tag('queue', queue)}:{validate_name('request_id', request_id)}"
+        In the queue's slot, so the submit function touches one slot. A tenant's id comes
+        before the queue's tag (`llmq:t:id:acme:1:{<queue>}`): a glob's `*` matches braces too,
+        so `llmq:t:id:{*}:acme:*` would also match bob's id `bob:acme:1`, while
+        `llmq:t:id:acme:*` matches acme's ids alone."""
+        request_id = validate_name("request_id", request_id)
+        if tenant_of(request_id) is not None:
+            return f"{self._space(request_id)}:id:{request_id}:{_tag('queue', queue)}"
+        return f"{self.prefix}:id:{_tag('queue', queue)}:{request_id}"
 
     def legacy_queue(self, queue: str) -> str:
         """The version-1 name of `queue`'s request stream, only to detect one left behind."""
         return f"{self.prefix}:q:{validate_name('queue', queue)}"
 
+    def _space(self, request_id: str) -> str:
+        """Where a (valid) request id's keys live: `<prefix>:t` for a tenant's id, else the
+        prefix."""
+        return f"{self.prefix}:t" if tenant_of(request_id) is not None else self.prefix
+
+    def _per_request(self, kind: str, request_id: str) -> str:
+        tag = _tag("request_id", request_id)
+        return f"{self._space(request_id)}:{kind}:{tag}"
+
     # -- the request's slot -----------------------------------------------------------------------
 
     def result(self, request_id: str) -> str:
         """Event stream of one request."""
-        return f"{self.prefix}:r:{_tag('request_id', request_id)}"
+        return self._per_request("r", request_id)
 
     def cancel_flag(self, request_id: str) -> str:
         """Cancel flag of one request (a string with TTL)."""
-        return f"{self.prefix}:x:{_tag('request_id', request_id)}"
+        return self._per_request("x", request_id)
 
     def stream_options(self, request_id: str) -> str:
         """How the gateway streams one request, for a resume on any replica."""
-        return f"{self.prefix}:sse:{_tag('request_id', request_id)}"
+        return self._per_request("sse", request_id)
 
     # -- one key each -----------------------------------------------------------------------------
 

@@ -1,21 +1,30 @@
 """TenantAcl: the Redis ACL rule of one tenant's producer user (`llmq acl tenant NAME`).
 
-A tenant's request ids are `<tenant>:<id>` (the gateway names its API keys' requests so), so all
-of its per-request keys share a prefix an ACL key pattern can name. The rule lets the tenant's
-producer:
+A tenant's request ids are `<tenant>:<id>` (the gateway names its API keys' requests so), and
+`Keys` puts every key of such an id under a space of its own (`llmq:t:r:{acme:1}`,
+`llmq:t:id:acme:1:{<queue>}`...), so a tenant's keys share a prefix an ACL key pattern can
+name, and none of them matches the shared `producer` user's patterns (`llmq:r:*`...). The rule
+lets the tenant's producer:
 
 - XADD to any queue and to the cancel streams (the one-command producer contract: an ACL cannot
   restrict XADD's arguments, so what a plain XADD can do is in docs/operations.md), create the
   consumer group on first use;
-- run the submit function, which marks the id (`llmq:id:{<queue>}:<tenant>:<id>`) as the
+- run the submit function, which marks the id (`llmq:t:id:<tenant>:<id>:{<queue>}`) as the
   entry's and records the submission, and read and write its own markers;
 - set its own cancel flags, read its own results, and check that a marked entry is running or
-  queued (XPENDING, XINFO GROUPS: no payload);
+  queued (XPENDING, XINFO GROUPS, HEXISTS on the submission records: no payload, no id);
 
-and nothing else: no other tenant's results, markers or cancel flags, no request payloads, no
-consumer-group commands, no admin commands. A worker runs an entry with a tenant's id only when
-its marker names that entry, so another tenant's XADD of `acme:...` can neither hijack nor
-block acme's ids.
+and nothing else: no other tenant's (nor the shared producer's) results, markers or cancel
+flags, no request payloads, no queue registry, no consumer-group commands, no admin commands.
+What it can still write that others read is checked by whoever reads it:
+
+- a cancel entry naming someone else's id: a worker aborts a request only while its owner's
+  cancel flag is set (worker/cancel_listener.py), which only the owner can set;
+- a plain XADD naming someone else's tenant id: a worker runs an entry with a tenant's id only
+  when its marker names that entry, so it can neither hijack nor block the id;
+- a forged submission record (`llmq:sub:{<queue>}`, written by the submit function with the
+  caller's rights, so the rule must grant HSET there): a worker believes a record's request id
+  only when the id's marker names the record's entry back (worker/reclaimer.py).
 
 Every pattern is built from `Keys` with a stand-in name, then globbed: a change of the key
 schema changes the rule with it.
@@ -60,7 +69,6 @@ class TenantAcl:
             "results": self._glob(self.keys.result(own)),
             "cancel flags": self._glob(self.keys.cancel_flag(own)),
             "markers": self._glob(self.keys.idempotency(_STAND_IN, own)),
-            "queue registry": self.keys.queues(),
         }
 
     def rule(self, password_hash: str, user: str | None = None) -> str:
@@ -74,12 +82,13 @@ class TenantAcl:
             # NOTE: not XINFO STREAM, whose first and last entries are other tenants' requests:
             # the client's checks for a version-1 or exhausted stream skip what is refused.
             f"(~{q} +xgroup|create)",
-            f"(~{p['queue registry']} +sadd)",
             # NOTE: the submit function declares the queue, its records and the marker as its
             # keys; what it runs is checked against this user too, so it can mark only this
             # tenant's ids.
             f"(~{q} ~{subs} ~{markers} +fcall)",
             f"(~{subs} +hset)",
+            # NOTE: HEXISTS, not HGET: whether an entry is recorded (a marker check), not whose.
+            f"(%R~{subs} +hexists)",
             f"(~{markers} +get +set)",
             f"(~{p['cancel flags']} +set)",
             f"(%R~{p['results']} +xread +xrange +xrevrange +xlen +xinfo|stream)",

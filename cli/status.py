@@ -42,7 +42,7 @@ def status(as_json: bool, **kwargs: Any) -> None:
             "queues": [{"queue": q.queue, "length": q.length, "lag": q.lag,
                         "pending": q.pending, "dead_letters": q.dead_letters,
                         "consumers": live[q.queue], "group_consumers": q.consumers,
-                        "exhausted": q.exhausted} for q in queues],
+                        "exhausted": q.exhausted, "lost_unread": q.lost_unread} for q in queues],
             "workers": [{**msgspec.structs.asdict(w),
                          "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3)}
                         for w in workers],
@@ -57,6 +57,10 @@ def status(as_json: bool, **kwargs: Any) -> None:
     for q in queues:
         if q.exhausted:
             click.echo(f"\nqueue {q.queue!r} is FULL: {exhausted_message(client.keys, q.queue)}")
+        if q.lost_unread:
+            click.echo(f"\nqueue {q.queue!r}: {q.lost_unread} entries were trimmed before any "
+                       "worker read them (XADD MAXLEN / XTRIM by a producer credential); see "
+                       "`llmq dlq` and docs/operations.md")
     click.echo("")
     if not workers:
         click.echo("no live workers (start some with `llmq up` or `llmq worker`)")

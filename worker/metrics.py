@@ -95,6 +95,10 @@ class WorkerMetrics:
         dead_letters = Counter("llmq_dead_letters",
                                "Requests this worker moved to the dead-letter stream.",
                                _LABELS, registry=reg)
+        self._lost_unread = Counter(
+            "llmq_entries_lost_unread",
+            "Queue entries trimmed before any worker read them (XADD MAXLEN, XTRIM), seen by "
+            "this worker.", _LABELS, registry=reg).labels(model=model, queue=queue)
 
         # NOTE: children are bound once here, so every series exists (at 0) from the first
         # scrape: `rate()` and alerts see a flat line instead of a missing series.
@@ -182,3 +186,7 @@ class WorkerMetrics:
 
     def inc_dead_letters(self, n: int = 1) -> None:
         self._dead_letters.inc(n)
+
+    def inc_lost_unread(self, n: int) -> None:
+        """Entries trimmed from the queue before any worker read them (worker/unread_loss.py)."""
+        self._lost_unread.inc(n)

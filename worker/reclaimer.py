@@ -11,9 +11,11 @@ Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not
    busy loop or process stalled) are taken the same way, and so are entries handed back by a
    draining or failing worker (huge IDLE) at once.
 3. Once a minute: remove dead workers' consumers that hold nothing (no heartbeat, or idle for
-   ten minutes; the first time after two heartbeat timeouts), and trim acked entries from the
-   request stream (broker/retention.py) so it does not grow forever. This runs whatever else fails:
-   under OOM the trim (not refused: it frees memory) still goes on.
+   ten minutes; the first time after two heartbeat timeouts), answer submissions whose entry
+   vanished unread, report entries trimmed before any worker read them (worker/unread_loss.py),
+   and trim acked entries from the request stream (broker/retention.py) so it does not grow
+   forever. This runs whatever else fails: under OOM the trim (not refused: it frees memory)
+   still goes on.
 
 **Never during a Redis-wide stall.** Both takeovers need `Liveness.healthy_for(...)`: this
 worker's own heartbeats have gone through steadily for a whole heartbeat timeout (dead
@@ -52,6 +54,7 @@ from llmq.worker.io_thread import IOThread
 from llmq.worker.lease_keeper import HAND_BACK_IDLE_MS, SUSPECT_MIN_IDLE_MS
 from llmq.worker.liveness import Liveness
 from llmq.worker.result_writer import EntryWrite, ResultWriter
+from llmq.worker.unread_loss import UnreadLoss
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,7 @@ class Reclaimer(IOThread):
         # of a pool stopped just before this one started are gone within seconds.
         self._first_consumer_cleanup: float | None = (time.monotonic()
                                                       + 2 * config.heartbeat_timeout)
+        self.unread_loss = UnreadLoss(ctx)
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -105,6 +109,7 @@ class Reclaimer(IOThread):
                 self._next_cleanup = started + 60.0
                 self._guard(self._cleanup_consumers)
                 self._guard(self.answer_vanished_unread)
+                self._guard(lambda: self.unread_loss.check(self.client))
                 self._guard(lambda: trim_acked_requests(self.client, self.keys, self.ctx.queue))
             self.stop_event.wait(max(0.0, self.claim_interval - (time.monotonic() - started)))
 
@@ -235,11 +240,13 @@ class Reclaimer(IOThread):
         message = "the entry was trimmed or deleted from the request stream while pending"
         logger.warning("%d pending entries lost their payload: %s", len(gone), gone[:5])
         # NOTE: the payload is gone; the request id is known only from the submit function's
-        # record (a raw XADD leaves none).
+        # record (a raw XADD leaves none), which anyone who may submit can forge: it counts only
+        # when the id's marker names this entry back.
         submitted = replies.optional_texts(
             self.client.hmget(self.keys.submissions(self.ctx.queue), gone), "HMGET")
-        for entry_id, request_id in zip(gone, submitted, strict=True):
-            self._answer_lost(entry_id, request_id, message)
+        owners = self._confirmed_ids(dict(zip(gone, submitted, strict=True)))
+        for entry_id in gone:
+            self._answer_lost(entry_id, owners.get(entry_id), message)
 
     def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
         """`lost_payload` on the request's stream, or on llmq:r:{<entry id>} when its id is
@@ -279,20 +286,30 @@ class Reclaimer(IOThread):
             if not replies.entries(present) and not replies.pending_entries(pending)}
         if not vanished:
             return 0
-        # NOTE: a record names a request id, and its marker must name the entry back.
-        named = [(e, r) for e, r in vanished.items() if r != e and is_valid_name(r)]
-        pipe = self.client.pipeline(transaction=False)
-        for _, request_id in named:
-            pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
-        confirmed = {e for (e, _), marker in zip(named, pipe.execute(), strict=True)
-                     if replies.optional_text(marker, "GET") == e}
+        owners = self._confirmed_ids(dict(vanished))
         message = "the entry was trimmed or deleted from the request stream before a worker read it"
-        for entry_id, request_id in vanished.items():
-            genuine = request_id == entry_id or entry_id in confirmed
-            self._answer_lost(entry_id, request_id if genuine else None, message)
+        for entry_id in vanished:
+            self._answer_lost(entry_id, owners.get(entry_id), message)
         logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
                        len(vanished), self.queue_key)
         return len(vanished)
+
+    def _confirmed_ids(self, records: dict[str, str | None]) -> dict[str, str]:
+        """entry id -> request id, for the submission records that are genuine: the id is the
+        entry's own (an id-less submit), or the id's marker names the entry back. A record
+        forged by someone who may submit (the submit function runs with the caller's rights,
+        so HSET on the records is theirs) names nothing, and its entry is answered on
+        llmq:r:{<entry id>}, never on another request's stream."""
+        named = [(e, r) for e, r in records.items()
+                 if r is not None and r != e and is_valid_name(r)]
+        pipe = self.client.pipeline(transaction=False)
+        for _, request_id in named:
+            pipe.get(self.keys.idempotency(self.ctx.queue, request_id))
+        markers = pipe.execute() if named else []
+        confirmed = {e: r for (e, r), marker in zip(named, markers, strict=True)
+                     if replies.optional_text(marker, "GET") == e}
+        own = {e: r for e, r in records.items() if r == e}
+        return {**own, **confirmed}
 
     # -- 3. tidying -------------------------------------------------------------------------------
 

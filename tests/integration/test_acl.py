@@ -25,14 +25,19 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from prometheus_client import CollectorRegistry
 
 from llmq.broker.client import Client
-from llmq.broker.commands import queue_event
+from llmq.broker.commands import parse_dead_letters, queue_event
 from llmq.broker.embedded import free_port
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
 from llmq.protocol import Done, Start, Timings, Usage
 from llmq.worker.lease_keeper import _CLAIM_OWNED
+from llmq.worker.metrics import WorkerMetrics
+from llmq.worker.unread_loss import UnreadLoss
+from llmq.worker.worker_config import WorkerConfig
+from llmq.worker.worker_context import WorkerContext
 from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url
 
 pytestmark = pytest.mark.redis
@@ -62,8 +67,10 @@ def connect(acl_server):
 Q, R, DLQ, CANCEL = (
     "llmq:q:{default}", "llmq:r:{req-1}", "llmq:dlq:{default}", "llmq:cancel:{default}")
 HB = "llmq:hb:{default}"
+# A tenant's id `alice:r1`: its keys live in their own space (broker/keys.py)
+T_R, T_FLAG, T_IDEM = "llmq:t:r:{alice:r1}", "llmq:t:x:{alice:r1}", "llmq:t:id:alice:r1:{default}"
 FLAG, IDEM, HEARTBEAT = "llmq:x:{req-1}", "llmq:id:{default}:req-1", "llmq:w:worker-1"
-SUB = "llmq:sub:{default}"
+SUB, LOST = "llmq:sub:{default}", "llmq:lost:{default}"
 CTL, CTLR = "llmq:ctl:{default}", "llmq:ctlr:call-1"  # utility calls and their answers
 SHA = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"  # any sha: DRYRUN checks rights, not scripts
 
@@ -71,15 +78,14 @@ ALLOWED = {
     "producer": [
         ("PING",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
-        ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # ... and its checks
-        ("SADD", "llmq:queues", "default"),
+        ("EXISTS", "llmq:q:default"),                         # ... and its v1 check
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
         ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),  # the submit function
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
         ("GET", IDEM), ("SET", IDEM, "1-0", "EX", "86400"),   # ... what it runs
         ("HSET", SUB, "1-0", "req-1"),
         ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),  # is a marked entry running
-        ("XINFO", "GROUPS", Q),                               # ... or still queued
+        ("XINFO", "GROUPS", Q), ("HEXISTS", SUB, "1-0"),      # ... or still queued
         ("SET", FLAG, "1", "EX", "86400"),                    # cancel
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "100", "BLOCK", "5000", "STREAMS", R, "0-0"),  # events / result
@@ -114,9 +120,11 @@ ALLOWED = {
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters
         ("XREVRANGE", CANCEL, "+", "-", "COUNT", "1"),             # cancellations
         ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),
-        ("EXISTS", FLAG),
+        ("EXISTS", FLAG), ("EXISTS", T_FLAG),                      # is it the owner's cancel
         ("SET", IDEM, "1-0", "NX", "GET", "EX", "86400"),          # owning a request id
-        ("GET", IDEM),                                             # ... or a tenant's
+        ("GET", IDEM), ("GET", T_IDEM),                            # ... or a tenant's
+        ("XADD", T_R, "MAXLEN", "~", "10000", "*", "json", "{}"),  # a tenant's events
+        ("EXPIRE", T_R, "86400"),
         ("HSET", HEARTBEAT, "model", "m", "running", "1"),         # heartbeat
         ("PEXPIRE", HEARTBEAT, "5000"), ("DEL", HEARTBEAT),
         ("EXISTS", HEARTBEAT),                                     # is a peer dead?
@@ -126,6 +134,8 @@ ALLOWED = {
         ("XREVRANGE", CTL, "+", "-", "COUNT", "1"),                # utility calls
         ("XREAD", "BLOCK", "200", "STREAMS", CTL, "0-0"),
         ("XADD", CTLR, "*", "json", "{}"), ("EXPIRE", CTLR, "3600"),  # ... their answers
+        ("MULTI",), ("XRANGE", Q, "(1-0", "+", "COUNT", "1"),          # entries trimmed unread
+        ("SET", LOST, "3", "GET"),
     ],
     "admin": [                                # `llmq admin`: the only one who sends calls
         ("XADD", CTL, "MAXLEN", "~", "1000", "*", "json", "{}"),
@@ -136,14 +146,19 @@ ALLOWED = {
         ("CLIENT", "SETNAME", "llmq-gateway"),
         ("XADD", Q, "*", "json", "{}"), ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
-        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"), ("SADD", "llmq:queues", "default"),
+        ("FCALL", "llmq_submit", "3", Q, SUB, T_IDEM, "json", "{}", "86400", "alice:r1"),
+        ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),
         ("SMEMBERS", "llmq:queues"), ("SET", FLAG, "1", "EX", "86400"),
+        ("SET", T_FLAG, "1", "EX", "86400"), ("GET", T_IDEM),    # ... for every tenant
+        ("XREAD", "BLOCK", "5000", "STREAMS", T_R, "0-0"), ("DEL", T_R),
         ("XADD", CANCEL, "MAXLEN", "~", "10000", "*", "json", "{}"),
         ("XREAD", "COUNT", "512", "BLOCK", "5000", "STREAMS", R, "0-0"),
         ("XLEN", Q), ("XINFO", "GROUPS", Q), ("XLEN", DLQ),               # 429 on a full queue
         ("TIME",), ("XPENDING", Q, "workers", "1-0", "1-0", "1"),         # marker checks
+        ("HEXISTS", SUB, "1-0"),
         ("HGETALL", HEARTBEAT), ("ZRANGE", "llmq:workers", "0", "-1"),    # /v1/models, 503
-        ("HSET", "llmq:sse:{alice:r1}", "endpoint", "x"), ("HGETALL", "llmq:sse:{alice:r1}"),
+        ("HSET", "llmq:t:sse:{alice:r1}", "endpoint", "x"),
+        ("HGETALL", "llmq:t:sse:{alice:r1}"), ("HGETALL", "llmq:sse:{r1}"),
         ("SET", "llmq:file:{alice}:file-1", "x", "EX", "60"),
         ("HGETALL", "llmq:file:{alice}:file-1:meta"), ("ZADD", "llmq:files:{alice}", "1", "f"),
         ("ZREVRANGE", "llmq:batches:{alice}", "0", "-1"),
@@ -155,10 +170,12 @@ ALLOWED = {
         # the dashboard: dead letters listed, retried (the retry script), purged; its charts
         ("XREVRANGE", DLQ, "+", "-", "COUNT", "50"), ("XRANGE", DLQ, "1-0", "1-0"),
         ("XDEL", DLQ, "1-0"), ("DEL", DLQ),
-        ("EVALSHA", SHA, "3", Q, DLQ, IDEM, "1-0", "86400", "json", "{}"),
+        ("FCALL", "llmq_retry", "4", Q, DLQ, SUB, IDEM, "1-0", "86400", "req-1", "json", "{}"),
+        ("XADD", Q, "*", "json", "{}"), ("HSET", SUB, "2-0", "req-1"),  # ... what it runs
         ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
         ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
         ("XRANGE", "llmq:dash:series", "1000-0", "+"),
+        ("GET", LOST),                                                # entries trimmed unread
     ],
     "keda": [
         ("PING",), ("INFO",),                 # the lag mode checks the server version
@@ -184,13 +201,21 @@ DENIED = {
         ("XADD", "other:q:default", "*", "json", "{}"),             # outside the prefix
         ("GET", "session:42"), ("SET", "llmq:w:worker-1", "x"),
         ("HSET", HEARTBEAT, "model", "m"), ("SREM", "llmq:queues", "default"),
+        ("SADD", "llmq:queues", "bad name"),      # the registry is the workers'
+        ("XINFO", "STREAM", Q, "FULL"),           # FULL would list queued prompts
+        ("SET", T_IDEM, "1-0"), ("GET", T_IDEM),  # a tenant's ids: marker, flag, results
+        ("FCALL", "llmq_submit", "3", Q, SUB, T_IDEM, "json", "{}", "86400", "alice:r1"),
+        ("SET", T_FLAG, "1"), ("XREAD", "STREAMS", T_R, "0"), ("XLEN", T_R),
+        ("HGET", SUB, "1-0"), ("HGETALL", SUB),   # whose entry is whose
         ("EVALSHA", SHA, "1", "session:42"), ("SCRIPT", "FLUSH"),
         ("EVAL", "return 1", "0"), ("EVALSHA", SHA, "2", Q, IDEM),   # no scripts of its own
         ("SCRIPT", "LOAD", "return 1"), ("FUNCTION", "LOAD", "#!lua name=x\n"),
         ("FUNCTION", "FLUSH"), ("FCALL", "llmq_submit", "1", "session:42", "json", "{}"),
+        ("FCALL", "llmq_retry", "3", Q, DLQ, SUB, "1-0", "60", "", "json", "{}"),  # the DLQ's
         ("SUBSCRIBE", "llmq"),
         ("XADD", CTL, "*", "json", "{}"),         # putting workers to sleep, profiling them
         ("XREAD", "STREAMS", CTLR, "0"), ("XADD", CTLR, "*", "json", "{}"),
+        ("SET", LOST, "0"), ("DEL", LOST),        # hiding a queue wipe
     ],
     "worker": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -216,7 +241,13 @@ DENIED = {
         ("XADD", DLQ, "*", "json", "{}"),                             # or dead letters
         ("XADD", "llmq:dash:other", "*", "json", "{}"), ("DEL", "llmq:dash:series"),
         ("GET", "session:42"), ("EVALSHA", SHA, "1", "session:42"), ("FLUSHDB",),
-        ("FUNCTION", "LOAD", "#!lua name=x\n"),  # (EVAL stays: rq's scripts need it)
+        ("XINFO", "STREAM", Q, "FULL"),                               # queued prompts
+        ("SADD", "llmq:queues", "bad name"),                          # the workers' registry
+        ("FUNCTION", "LOAD", "#!lua name=x\n"),
+        # no code of its own on llmq's keys (rq's scripts keep EVAL on rq:*, which no ACL can
+        # keep from a keyless EVAL: docs/operations.md, "Redis ACL")
+        ("EVAL", "return 1", "1", DLQ), ("EVALSHA", SHA, "3", Q, DLQ, IDEM),
+        ("FCALL", "llmq_retry", "3", Q, DLQ, "session:42", "1-0"),
     ],
     "keda": [
         ("XRANGE", Q, "-", "+"),                  # request payloads stay private
@@ -425,3 +456,39 @@ def test_redis_health_check_passes_on_a_live_server_and_fails_on_a_dead_one(acl_
     refused = live.replace("--user healthcheck", "--user nobody")
     assert refused != live
     assert subprocess.run(["sh", "-c", refused], timeout=30, capture_output=True).returncode != 0
+
+
+def test_a_queue_wipe_by_a_raw_producer_is_reported_once(connect, acl_server):
+    worker, producer = connect("worker"), connect("producer")
+    ctx = WorkerContext(WorkerConfig(redis_url=acl_url(acl_server[0], "worker"),
+                                     worker_id="w1"), "tiny", 4,
+                        WorkerMetrics("tiny", "default", registry=CollectorRegistry()))
+    loss = UnreadLoss(ctx)
+    # Given a queue where one request ran and two wait
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    for _ in range(3):
+        producer.xadd(Q, {"json": '{"prompt": "x"}'})
+    ((_, [(ran, _)]),) = worker.xreadgroup(GROUP, "w1", {Q: ">"}, count=1)
+    worker.xack(Q, GROUP, ran)
+    # Then waiting entries are not a loss
+    assert loss.check(worker) == 0
+    # When a producer credential wipes the queue with a raw XADD ... MAXLEN 0
+    producer.xadd(Q, {"json": '{"prompt": "wipe"}'}, maxlen=0, approximate=False)
+    assert worker.xlen(Q) == 0
+    # Then the next look reports the three entries no worker read (the two and the wipe's own),
+    # once, whichever worker looks
+    assert loss.check(worker) == 3
+    assert loss.check(worker) == 0 and UnreadLoss(ctx).check(worker) == 0
+    # ... as a dead letter with no request id, a metric, and in the queue's stats
+    admin = connect("admin")
+    (entry,) = parse_dead_letters(admin.xrange(DLQ))
+    assert entry.dead_letter.code == "lost_payload" and entry.dead_letter.request_id is None
+    assert "3 request entries were trimmed" in entry.dead_letter.message
+    assert ctx.metrics is not None
+    assert ctx.metrics.registry.get_sample_value(
+        "llmq_entries_lost_unread_total", {"model": "tiny", "queue": "default"}) == 3
+    with Client(acl_url(acl_server[0], "admin"), queue="default") as client:
+        assert client.stats().lost_unread == 3
+    # And a later wipe adds to it
+    producer.xadd(Q, {"json": '{"prompt": "again"}'}, maxlen=0, approximate=False)
+    assert loss.check(worker) == 1

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from llmq import protocol
 from llmq.broker import Client
+from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.tenant_acl import TenantAcl
 from llmq.cli.main import cli
@@ -27,6 +28,7 @@ from tests.integration.worker_harness import (
     InProcessWorker,
     dead_letters,
     read_events,
+    wait_for,
     wait_terminal,
 )
 
@@ -42,6 +44,7 @@ def tenants(acl_server):
     port, _ = acl_server
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
     admin.flushall()
+    ensure_functions(admin)  # as the first worker would, before anyone submits
     for name, password in TENANTS.items():
         result = CliRunner().invoke(cli, ["acl", "tenant", name, "--password", password])
         assert result.exit_code == 0, result.output
@@ -77,11 +80,13 @@ OWN = {"result": KEYS.result("acme:1"), "flag": KEYS.cancel_flag("acme:1"),
        "marker": KEYS.idempotency("default", "acme:1")}
 BOBS = {"result": KEYS.result("bob:1"), "flag": KEYS.cancel_flag("bob:1"),
         "marker": KEYS.idempotency("default", "bob:1")}
+SHARED = {"result": KEYS.result("job-1"), "flag": KEYS.cancel_flag("job-1"),
+          "marker": KEYS.idempotency("default", "job-1")}
 
 ALLOWED = [
     ("PING",), ("TIME",),
     ("XADD", Q, "*", "json", "{}"),                                   # submit, any language
-    ("XGROUP", "CREATE", Q, GROUP, "0", "MKSTREAM"), ("SADD", KEYS.queues(), "default"),
+    ("XGROUP", "CREATE", Q, GROUP, "0", "MKSTREAM"),
     ("FCALL", "llmq_submit", "3", Q, SUB, OWN["marker"], "json", "{}", "86400", "acme:1"),
     ("HSET", SUB, "1-0", "acme:1"),                                   # ... what it runs
     ("GET", OWN["marker"]), ("SET", OWN["marker"], "1-0", "EX", "86400"),
@@ -91,6 +96,7 @@ ALLOWED = [
     ("XRANGE", OWN["result"], "-", "+"), ("XREVRANGE", OWN["result"], "+", "-"),
     ("XLEN", OWN["result"]), ("XINFO", "STREAM", OWN["result"]),
     ("XPENDING", Q, GROUP, "1-0", "1-0", "1"), ("XINFO", "GROUPS", Q),  # marker checks
+    ("HEXISTS", SUB, "1-0"),
 ]
 DENIED = [
     ("XREAD", "STREAMS", BOBS["result"], "0"), ("XRANGE", BOBS["result"], "-", "+"),
@@ -108,6 +114,14 @@ DENIED = [
     ("HSET", KEYS.worker("w"), "model", "m"), ("EVAL", "return 1", "0"),
     ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("SCAN", "0"), ("INFO",),
     ("CLIENT", "KILL", "TYPE", "normal"), ("ACL", "LIST"),
+    ("SADD", KEYS.queues(), "x"),                                     # the workers' registry
+    ("HGET", SUB, "1-0"), ("HGETALL", SUB), ("HSCAN", SUB, "0"),      # whose entry is whose
+    ("XINFO", "STREAM", Q, "FULL"),
+    ("SET", SHARED["flag"], "1"), ("GET", SHARED["marker"]),          # the shared producer's
+    ("SET", SHARED["marker"], "1-0"), ("XREAD", "STREAMS", SHARED["result"], "0"),
+    ("FCALL", "llmq_submit", "3", Q, SUB, SHARED["marker"], "json", "{}", "86400", "job-1"),
+    ("GET", KEYS.idempotency("default", "bob:acme:1")),               # bob's id, acme's name
+    ("SET", KEYS.idempotency("default", "bob:acme:1"), "1-0"),
 ]
 
 
@@ -124,8 +138,8 @@ def test_a_tenant_may_not_touch_another_or_the_queue(tenants, command) -> None:
 def test_the_rule_follows_the_key_schema() -> None:
     # Given another prefix, the patterns are built from Keys, not written out
     patterns = TenantAcl(Keys("tenantq"), "acme").patterns()
-    assert patterns["results"] == "tenantq:r:{acme:*}"
-    assert patterns["markers"] == "tenantq:id:{*}:acme:*"
+    assert patterns["results"] == "tenantq:t:r:{acme:*}"
+    assert patterns["markers"] == "tenantq:t:id:acme:*:{*}"
     with pytest.raises(ValueError):
         TenantAcl(Keys(), "ac:me")
 
@@ -181,11 +195,117 @@ def test_submit_raises_when_the_marker_names_no_entry_of_this_request(tenants) -
         admin.xdel(QUEUE_KEY, old_entry)
         admin.set(KEYS.idempotency("default", "acme:junk"), "not-an-entry")
         admin.set(KEYS.idempotency("default", "acme:future"), "99999999999999-0")
+        # ... and one naming an entry just past the group's last delivery that was never added
+        # (the shared producer's old hijack: "queued", with nothing queued)
+        seconds, micros = admin.time()
+        ghost = f"{seconds * 1000 + micros // 1000 + 500}-99999"
+        admin.set(KEYS.idempotency("default", "acme:ghost"), ghost)
         # When acme submits those ids again, Then it is told instead of left waiting
-        for rid in ("acme:old", "acme:junk", "acme:future"):
+        for rid in ("acme:old", "acme:junk", "acme:future", "acme:ghost"):
             with pytest.raises(RequestIdConflict, match=rid):
                 acme.submit("Hi", request_id=rid, max_tokens=2)
         # While a marked entry still queued, or one that has a result, is a plain duplicate
         queued = acme.submit("Hi", request_id="acme:queued", max_tokens=2)
         assert acme.submit("Hi", request_id=queued, max_tokens=2) == "acme:queued"
+    admin.close()
+
+
+def shared_producer(port: int) -> redis.Redis:
+    return redis.Redis(port=port, username="producer", password=PASSWORDS["producer"],
+                       decode_responses=True)
+
+
+def test_a_cancel_entry_naming_another_tenants_request_does_not_stop_it(
+        tenants, tiny_model) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    acme_raw = redis.Redis.from_url(url(port, "acme"))
+    with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="cancel-worker",
+                         fault="slow_step:30"), \
+            Client(url(port, "acme")) as acme, Client(url(port, "bob")) as bob:
+        # Given bob's long request running
+        bob.submit("Hi", request_id="bob:long", max_tokens=48, ignore_eos=True)
+        wait_for(lambda: any(isinstance(e, protocol.Delta)
+                             for e in read_events(admin, "bob:long")), 30, "bob's first token")
+        # When acme cancels it: its client (the flag is refused) and a raw cancel entry
+        with pytest.raises(BrokerError, match="NOPERM|permission"):
+            acme.cancel("bob:long")
+        acme_raw.xadd(CANCEL, protocol.encode_cancel("bob:long"))
+        # Then bob's request runs to its end, untouched
+        done = bob.result("bob:long", timeout=60)
+        assert done.finish_reason == "length" and done.usage.completion_tokens == 48
+        # While bob's own cancel (flag, then entry) still stops bob's request
+        bob.submit("Hi", request_id="bob:mine", max_tokens=48, ignore_eos=True)
+        wait_for(lambda: any(isinstance(e, protocol.Delta)
+                             for e in read_events(admin, "bob:mine")), 30, "a token")
+        bob.cancel("bob:mine")
+        assert bob.result("bob:mine", timeout=60).finish_reason == "cancelled"
+    acme_raw.close()
+    admin.close()
+
+
+def test_the_shared_producer_cannot_hijack_answer_for_or_block_a_tenants_id(
+        tenants, tiny_model) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    producer = shared_producer(port)
+    with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="shared-worker"), \
+            Client(acl_url(port, "producer")) as shared, Client(url(port, "bob")) as bob:
+        shared.submit("Hi", request_id="job-1", max_tokens=2)  # its own ids still work
+        assert shared.result("job-1", timeout=30).attempt == 1
+        # When the shared producer submits bob's id, or runs the function on bob's marker
+        with pytest.raises(BrokerError, match="NOPERM|permission"):
+            shared.submit("producer's prompt", request_id="bob:h2", max_tokens=4)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.fcall("llmq_submit", 3, Q, SUB, KEYS.idempotency("default", "bob:h2"),
+                           "json", '{"id": "bob:h2", "prompt": "x"}', "60", "bob:h2")
+        # ... or pre-sets bob's marker, reads or cancels bob's requests
+        for attempt in (lambda: producer.set(KEYS.idempotency("default", "bob:h4"), "1-0"),
+                        lambda: producer.set(KEYS.cancel_flag("bob:h4"), "1"),
+                        lambda: producer.xrange(KEYS.result("bob:h4"))):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+        # ... or sets what used to be bob's marker's name (a key nobody reads now)
+        seconds, _ = producer.time()
+        producer.set("llmq:id:{default}:bob:h4", f"{seconds * 1000 + 500}-99999")
+        # Then bob's own submits of those ids run bob's prompt, and bob's alone
+        assert bob.result(bob.submit("Hi", request_id="bob:h2", max_tokens=3),
+                          timeout=30).usage.completion_tokens == 3
+        assert bob.result(bob.submit("Hi", request_id="bob:h4", max_tokens=3),
+                          timeout=30).attempt == 1
+        assert [type(e).__name__ for e in read_events(admin, "bob:h2")].count("Start") == 1
+        # And a raw XADD naming bob's id runs nowhere near bob's stream
+        raw = producer.xadd(Q, {"json": '{"id": "bob:h5", "prompt": "x", "max_tokens": 2}'})
+        assert wait_terminal(admin, raw).code == "invalid_request"
+        assert not admin.exists(KEYS.result("bob:h5"))
+    producer.close()
+    admin.close()
+
+
+def test_a_forged_submission_record_cannot_fail_another_tenants_request(
+        tenants, tiny_model) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    acme_raw = redis.Redis.from_url(url(port, "acme"))
+    # Given an entry a dead worker (no heartbeat) held, deleted from the stream while pending
+    admin.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    lost = admin.xadd(Q, {"json": '{"prompt": "x"}'}).decode()
+    admin.xreadgroup(GROUP, "dead-worker", {Q: ">"}, count=1)
+    admin.xdel(Q, lost)
+    with Client(url(port, "bob")) as bob:
+        bob.submit("Hi", request_id="bob:run", max_tokens=40, ignore_eos=True)
+        # And acme's forged record saying that entry was bob's running request
+        acme_raw.hset(SUB, lost, "bob:run")
+        with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="healthy",
+                             fault="slow_step:100"):
+            wait_for(lambda: any(isinstance(e, protocol.Delta)
+                                 for e in read_events(admin, "bob:run")), 30, "bob runs")
+            # When the worker takes the dead worker's entry and finds it gone
+            error = wait_terminal(admin, lost)
+            # Then the lost payload is answered on the entry's own stream, not bob's
+            assert isinstance(error, protocol.Error) and error.code == "lost_payload"
+            done = bob.result("bob:run", timeout=60)
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 40
+    assert [type(e).__name__ for e in read_events(admin, "bob:run")].count("Error") == 0
+    acme_raw.close()
     admin.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 
 from llmq.broker.keys import GROUP, InvalidName, Keys, validate_name
@@ -39,7 +41,7 @@ def test_default_schema_is_v2_with_hash_tags() -> None:
     # ... a request's keys its id, so result streams spread over a cluster by request id
     assert keys.result("req-1") == "llmq:r:{req-1}"
     assert keys.cancel_flag("req-1") == "llmq:x:{req-1}"
-    assert keys.stream_options("acme:r1") == "llmq:sse:{acme:r1}"
+    assert keys.stream_options("r1") == "llmq:sse:{r1}"
     # ... and single keys none
     assert keys.worker("w1") == "llmq:w:w1"
     assert keys.workers() == "llmq:workers"
@@ -52,10 +54,21 @@ def test_default_schema_is_v2_with_hash_tags() -> None:
     assert GROUP == "workers"
 
 
-def test_a_tenants_result_streams_match_one_acl_glob() -> None:
+def test_a_tenants_keys_live_in_a_space_the_shared_producer_globs_cannot_reach() -> None:
     # Given gateway request ids `<tenant>:<id>`
-    # Then every result stream of tenant acme starts `llmq:r:{acme:`
-    assert Keys().result("acme:7f3a").startswith("llmq:r:{acme:")
+    keys = Keys()
+    # Then every key of tenant acme's ids starts `llmq:t:<kind>:{acme:` (or `llmq:t:id:acme:`)
+    assert keys.result("acme:7f3a") == "llmq:t:r:{acme:7f3a}"
+    assert keys.cancel_flag("acme:7f3a") == "llmq:t:x:{acme:7f3a}"
+    assert keys.stream_options("acme:7f3a") == "llmq:t:sse:{acme:7f3a}"
+    assert keys.idempotency("default", "acme:7f3a") == "llmq:t:id:acme:7f3a:{default}"
+    # And none matches the shared producer's patterns (llmq:r:*, llmq:x:*, llmq:id:*), nor does
+    # bob's id `bob:acme:1` match acme's marker glob
+    for key in (keys.result("acme:1"), keys.cancel_flag("acme:1"),
+                keys.idempotency("q", "acme:1")):
+        assert not fnmatch.fnmatchcase(key, "llmq:r:*") and not key.startswith(
+            ("llmq:x:", "llmq:id:", "llmq:r:"))
+    assert not fnmatch.fnmatchcase(keys.idempotency("q", "bob:acme:1"), "llmq:t:id:acme:*")
 
 
 def test_the_v1_queue_name_is_built_only_to_be_detected() -> None:

@@ -38,6 +38,8 @@ WORKER_IO = {
     "worker/cluster_pipelines.py": "the result writer's MULTI per cluster node (slot by slot)",
     "worker/stream_follower.py": "XREAD of the cancel and control streams every worker follows",
     "worker/control_listener.py": "the answers to utility calls (`llmq admin`)",
+    "worker/cancel_listener.py": "EXISTS of the owner's cancel flag before an abort",
+    "worker/unread_loss.py": "XINFO GROUPS and the lost-unread count: a queue trimmed unread",
     "worker/worker.py": "the consumer group, the function library, deregistering on exit",
 }
 
