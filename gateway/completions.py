@@ -201,6 +201,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
     """The request's events as SSE frames; a client that goes away cancels the request when
     `cancel_queue` names its queue (Starlette cancels this generator on a disconnect)."""
     state.metrics.open_streams.inc()
+    timed_out = False
     try:
         async with _following(state, request_id, after) as events:
             async for followed in events:
@@ -209,7 +210,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                 if stream.finished:
                     return
     except ResultTimeout:
-        stream.finished = True
+        stream.finished = timed_out = True
         yield sse(error_body(f"no answer within the gateway's request timeout "
                              f"({state.settings.request_timeout:g}s)", "server_error", "timeout"))
         yield DONE_FRAME
@@ -219,7 +220,10 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
         yield DONE_FRAME
     finally:
         state.metrics.open_streams.dec()
-        if not stream.finished and cancel_queue is not None and not state.shutting_down():
+        # NOTE: a timed-out stream is cancelled like a timed-out non-streaming request: nobody
+        # reads what it would still generate.
+        if ((timed_out or not stream.finished) and cancel_queue is not None
+                and not state.shutting_down()):
             # NOTE: shielded: the disconnect cancelled this task, and the cancel must still go.
             with anyio.CancelScope(shield=True):
                 state.metrics.cancelled.inc()
