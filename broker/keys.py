@@ -45,6 +45,8 @@ both, no mode flag.
     llmq:batch:{<batch_id>}:output   list    its output lines in input order, written by the rq job
     llmq:batch:{<batch_id>}:errors   list    its error lines (failed validation or generation)
     llmq:batch:{<batch_id>}:cancel   string  cancel flag the batch job checks, TTL
+    llmq:batch:{<batch_id>}:lines    hash    checkpoint: run line index -> its finished record, TTL
+    llmq:batch:{<batch_id>}:lease    string  the running job's token, PX (renewed while it runs)
 
   tenant slot, tag = the gateway tenant (a file, its record and the tenant's index are written in
   one transaction):
@@ -200,6 +202,14 @@ class Keys:
     def batch_cancel(self, batch_id: str) -> str:
         """Cancel flag of a batch job."""
         return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:cancel"
+
+    def batch_lines(self, batch_id: str) -> str:
+        """Checkpoint of a batch job: the records of the lines that have finished."""
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:lines"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Lease of the job running a batch: gone when that job died."""
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:lease"
 
     # -- a gateway tenant's slot ------------------------------------------------------------------
 
