@@ -1,6 +1,7 @@
 """BatchRecords: what llmq keeps in Redis of an OpenAI-format batch, as exchanges.
 
-    <prefix>:batch:{<batch_id>}:input    string  the input file `llmq batch submit` stored, TTL
+    <prefix>:batch:{<batch_id>}:input    list    the input file `llmq batch submit` stored, in
+                                                 pieces (broker/pieced_bytes.py), TTL
     <prefix>:batch:{<batch_id>}:output   list    output lines in input order, TTL
     <prefix>:batch:{<batch_id>}:errors   list    error lines in input order, TTL
     <prefix>:batch:{<batch_id>}:cancel   string  the cancel flag the batch's job checks, TTL
@@ -25,6 +26,7 @@ from typing import Any
 
 from llmq.broker.exchange import Exchange
 from llmq.broker.keys import Keys
+from llmq.broker.pieced_bytes import parse_pieces, queue_read_pieces, queue_store_pieces
 from llmq.protocol import as_str
 
 __all__ = ["BatchRecords"]
@@ -44,13 +46,14 @@ class BatchRecords:
     # -- the input ------------------------------------------------------------------------------
 
     def store_input(self, batch_id: str, data: bytes, ttl: int) -> Exchange[None]:
-        return Exchange(lambda pipe: pipe.set(self.keys.batch_input(batch_id), data, ex=ttl),
-                        _none)
+        return Exchange(lambda pipe: queue_store_pieces(pipe, self.keys.batch_input(batch_id),
+                                                        data, ttl), _none, transaction=True)
 
     def input(self, key: str) -> Exchange[bytes | None]:
         """The input file at `key`: `keys.batch_input(batch_id)`, or the gateway file a
         tenant's batch names (`keys.file(tenant, file_id)`); None once it has expired."""
-        return Exchange(lambda pipe: pipe.get(key), lambda replies: replies[0])
+        return Exchange(lambda pipe: queue_read_pieces(pipe, key), parse_pieces,
+                        raise_on_error=False)
 
     # -- cancelling -----------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ both, no mode flag.
                                       the interval's start in ms), capped to the last hour
 
   batch slot, tag = the batch id (the batch job rewrites its output and errors together):
-    llmq:batch:{<batch_id>}:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
+    llmq:batch:{<batch_id>}:input    list    an `llmq batch` input file (OpenAI batch JSONL), in
+                                             4 MiB pieces (broker/pieced_bytes.py), TTL
     llmq:batch:{<batch_id>}:output   list    its output lines in input order, written by the rq job
     llmq:batch:{<batch_id>}:errors   list    its error lines (failed validation or generation)
     llmq:batch:{<batch_id>}:cancel   string  cancel flag the batch job checks, TTL
@@ -50,7 +51,7 @@ both, no mode flag.
 
   tenant slot, tag = the gateway tenant (a file, its record and the tenant's index are written in
   one transaction):
-    llmq:file:{<tenant>}:<file_id>       string  a file uploaded to the gateway, TTL
+    llmq:file:{<tenant>}:<file_id>       list    a file uploaded to the gateway, in pieces, TTL
     llmq:file:{<tenant>}:<file_id>:meta  hash    its name, purpose, size and times (for a batch's
                                          output or error file: the batch it comes from), TTL
     llmq:files:{<tenant>}   zset      a tenant's file ids by creation time (unix s)
