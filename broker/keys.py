@@ -39,6 +39,8 @@ both, no mode flag.
     llmq:ctlr:<call_id>     stream    the workers' answers to one utility call, with TTL
     llmq:dash:series        stream    the dashboard's chart samples (one per interval, entry id =
                                       the interval's start in ms), capped to the last hour
+    llmq:session:<id>       string    a dashboard sign-in: the SHA-256 of the key it was made with;
+                                      TTL (its lifetime), deleted at logout
 
   batch slot, tag = the batch id (the batch job rewrites its output and errors together):
     llmq:batch:{<batch_id>}:input    list    an `llmq batch` input file (OpenAI batch JSONL), in
@@ -177,6 +179,10 @@ class Keys:
     def workers(self) -> str:
         """Registry of workers: sorted set worker_id -> last heartbeat in unix ms."""
         return f"{self.prefix}:workers"
+
+    def dashboard_session(self, session_id: str) -> str:
+        """One dashboard sign-in (the key digest it was made with), with its TTL."""
+        return f"{self.prefix}:session:{validate_name('session_id', session_id)}"
 
     def queues(self) -> str:
         """Set of queue names that have a consumer group."""
