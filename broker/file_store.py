@@ -1,6 +1,7 @@
 """FileStore: a gateway tenant's files in Redis, as exchanges (`llmq.broker.exchange`).
 
-    <prefix>:file:{<tenant>}:<file_id>        the uploaded bytes, TTL
+    <prefix>:file:{<tenant>}:<file_id>        the uploaded bytes, in pieces (broker/
+                                              pieced_bytes.py), TTL
     <prefix>:file:{<tenant>}:<file_id>:meta   its record (name, purpose, size, times; for a
                                               batch's output or error file: the batch), TTL
     <prefix>:files:{<tenant>}                 the tenant's file ids by creation time
@@ -18,6 +19,7 @@ from typing import Any
 from llmq.broker.batch_records import BatchRecords
 from llmq.broker.exchange import Exchange
 from llmq.broker.keys import Keys
+from llmq.broker.pieced_bytes import parse_pieces, queue_read_pieces, queue_store_pieces
 from llmq.protocol import as_str
 
 __all__ = ["FileMeta", "FileStore"]
@@ -39,7 +41,7 @@ class FileStore:
                created_at: int) -> Exchange[None]:
         """Store an upload, its record and its place in the index, all for `ttl` s."""
         def queue(pipe: Any) -> None:
-            pipe.set(self.keys.file(self.tenant, file_id), data, ex=ttl)
+            queue_store_pieces(pipe, self.keys.file(self.tenant, file_id), data, ttl)
             self._queue_record(pipe, file_id, meta, ttl, created_at)
             pipe.expire(self.keys.tenant_files(self.tenant), ttl)
 
@@ -79,8 +81,9 @@ class FileStore:
             return Exchange(lines.queue,
                             lambda replies: b"".join(line + b"\n"
                                                      for line in lines.parse(replies)))
-        return Exchange(lambda pipe: pipe.get(self.keys.file(self.tenant, meta["id"])),
-                        lambda replies: replies[0])
+        key = self.keys.file(self.tenant, meta["id"])
+        return Exchange(lambda pipe: queue_read_pieces(pipe, key), parse_pieces,
+                        raise_on_error=False)
 
     def delete(self, file_id: str) -> Exchange[None]:
         """The file, its record and its place in the index gone."""

@@ -49,16 +49,21 @@ both, no mode flag.
     llmq:ctlr:<call_id>     stream    the workers' answers to one utility call, with TTL
     llmq:dash:series        stream    the dashboard's chart samples (one per interval, entry id =
                                       the interval's start in ms), capped to the last hour
+    llmq:session:<id>       string    a dashboard sign-in: the SHA-256 of the key it was made with;
+                                      TTL (its lifetime), deleted at logout
 
   batch slot, tag = the batch id (the batch job rewrites its output and errors together):
-    llmq:batch:{<batch_id>}:input    string  an `llmq batch` input file (OpenAI batch JSONL), TTL
+    llmq:batch:{<batch_id>}:input    list    an `llmq batch` input file (OpenAI batch JSONL), in
+                                             4 MiB pieces (broker/pieced_bytes.py), TTL
     llmq:batch:{<batch_id>}:output   list    its output lines in input order, written by the rq job
     llmq:batch:{<batch_id>}:errors   list    its error lines (failed validation or generation)
     llmq:batch:{<batch_id>}:cancel   string  cancel flag the batch job checks, TTL
+    llmq:batch:{<batch_id>}:lines    hash    checkpoint: run line index -> its finished record, TTL
+    llmq:batch:{<batch_id>}:lease    string  the running job's token, PX (renewed while it runs)
 
   tenant slot, tag = the gateway tenant (a file, its record and the tenant's index are written in
   one transaction):
-    llmq:file:{<tenant>}:<file_id>       string  a file uploaded to the gateway, TTL
+    llmq:file:{<tenant>}:<file_id>       list    a file uploaded to the gateway, in pieces, TTL
     llmq:file:{<tenant>}:<file_id>:meta  hash    its name, purpose, size and times (for a batch's
                                          output or error file: the batch it comes from), TTL
     llmq:files:{<tenant>}   zset      a tenant's file ids by creation time (unix s)
@@ -206,6 +211,10 @@ class Keys:
         """Registry of workers: sorted set worker_id -> last heartbeat in unix ms."""
         return f"{self.prefix}:workers"
 
+    def dashboard_session(self, session_id: str) -> str:
+        """One dashboard sign-in (the key digest it was made with), with its TTL."""
+        return f"{self.prefix}:session:{validate_name('session_id', session_id)}"
+
     def queues(self) -> str:
         """Set of queue names that have a consumer group."""
         return f"{self.prefix}:queues"
@@ -231,6 +240,14 @@ class Keys:
     def batch_cancel(self, batch_id: str) -> str:
         """Cancel flag of a batch job."""
         return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:cancel"
+
+    def batch_lines(self, batch_id: str) -> str:
+        """Checkpoint of a batch job: the records of the lines that have finished."""
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:lines"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Lease of the job running a batch: gone when that job died."""
+        return f"{self.prefix}:batch:{_tag('batch_id', batch_id)}:lease"
 
     # -- a gateway tenant's slot ------------------------------------------------------------------
 

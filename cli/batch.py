@@ -35,6 +35,7 @@ from llmq.gateway.batch_store import (
     BatchStore,
     batch_status,
     batch_summary,
+    new_batch_worker,
     rq_connection,
 )
 from llmq.protocol.errors import LLMQError
@@ -236,13 +237,10 @@ def list_batches(as_json: bool, **kwargs: Any) -> None:
 @redis_url_option
 def batch_worker(burst: bool, name: str | None, redis_url: str | None) -> None:
     """Run batch jobs: an rq worker on the rq queue `llmq-batch` (no model, no torch)."""
-    from rq import Worker
-
     client = Client(redis_url)
     client.ping()  # one clear line now, rather than rq's traceback later
     store = _store(client)
     # NOTE: the jobs (run_batch, in rq's work horse) find llmq's Redis in the environment.
     os.environ["LLMQ_REDIS_URL"] = client.url
-    worker = Worker([store.queue], connection=store.rq, serializer=store.serializer,
-                    name=name)
-    worker.work(burst=burst, logging_level="INFO")
+    # NOTE: with rq's scheduler: it requeues a retried batch once its backoff has passed.
+    new_batch_worker(store, name).work(burst=burst, logging_level="INFO", with_scheduler=True)

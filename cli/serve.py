@@ -41,6 +41,10 @@ from llmq.cli.options import connection_options
               help="Seconds a request may take before the gateway answers 504.")
 @click.option("--max-file-bytes", envvar="LLMQ_MAX_FILE_BYTES", type=click.IntRange(min=1),
               default=64 << 20, show_default=True, help="Largest file /v1/files accepts.")
+@click.option("--max-body-bytes", envvar="LLMQ_MAX_BODY_BYTES", type=click.IntRange(min=1),
+              default=4 << 20, show_default=True,
+              help="Largest request body read (file uploads: --max-file-bytes); a larger one, "
+                   "even streamed, is cut there with 413.")
 @click.option("--file-ttl", envvar="LLMQ_FILE_TTL", type=click.IntRange(min=60),
               default=7 * 24 * 3600, show_default=True,
               help="Seconds files, batches and batch results are kept.")
@@ -58,7 +62,7 @@ from llmq.cli.options import connection_options
 def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
           api_keys: tuple[str, ...], api_keys_file: tuple[str, ...], no_auth: bool,
           admin_tenants: tuple[str, ...], max_queue: int, request_timeout: float,
-          max_file_bytes: int, file_ttl: int, dashboard_interval: float,
+          max_file_bytes: int, max_body_bytes: int, file_ttl: int, dashboard_interval: float,
           disconnect_grace: float, metrics_require_key: bool, log_requests: bool) -> None:
     """Serve the OpenAI API (chat, completions, files, batches) in front of the pool."""
     import uvicorn
@@ -74,7 +78,7 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
         settings = GatewaySettings(
             keys, BrokerSettings.from_env(redis_url=redis_url, prefix=prefix, queue=queue),
             max_queue=max_queue, request_timeout=request_timeout,
-            max_file_bytes=max_file_bytes, file_ttl=file_ttl,
+            max_file_bytes=max_file_bytes, max_body_bytes=max_body_bytes, file_ttl=file_ttl,
             dashboard_interval=dashboard_interval, disconnect_grace=disconnect_grace,
             metrics_require_key=metrics_require_key)
     except (ValueError, OSError) as exc:

@@ -37,6 +37,7 @@ from llmq import __version__
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
 from llmq.gateway import batches, completions, dashboard, files, responses
+from llmq.gateway.body_limit import BodyLimit
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView
@@ -242,5 +243,7 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, LLMQError: _broker_error})
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes,
+                       max_file_bytes=settings.max_file_bytes)
     app.add_middleware(RequestIdAndMetrics)
     return app

@@ -6,6 +6,14 @@ enqueues, finds, summarises and cancels them, with synchronous redis-py (rq's ow
 calls it from a thread. What llmq itself keeps of a batch (input, results, the cancel flag) is
 `llmq.broker.batch_records`, sent through a sync `Client`. rq is imported only when a batch is
 touched.
+
+A batch outlives its batch worker: the job is enqueued with retries and backoff (`RETRY_INTERVALS`;
+rq's scheduler, which `llmq batch-worker` runs, requeues it), and resumes from its checkpoint
+(gateway/batch_job.py). A worker killed with its work horse leaves the job `started` until rq's
+heartbeat lapses (90 s and more); `BatchWorker` looks sooner, at each of its maintenance rounds:
+a started batch whose lease has lapsed (`rescue_abandoned`) is handed to rq's own cleanup, which
+retries it or, with no retries left, fails it, and the batch then keeps what it had
+(`fail_with_checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,13 +31,15 @@ from llmq.broker.exchange import send
 from llmq.broker.redis_url import RedisURL
 from llmq.protocol.errors import BrokerUnavailable, LLMQError
 
-__all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "RQ_URL_VAR", "BatchStore", "batch_status",
-           "batch_summary", "rq_connection"]
+__all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "RETRY_INTERVALS", "RQ_URL_VAR", "BatchStore",
+           "batch_status", "batch_summary", "new_batch_worker", "rq_connection"]
 
 RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
 
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
-FINAL_STATUSES = ("completed", "cancelled", "failed")
+FINAL_STATUSES = ("completed", "cancelled", "failed", "expired")
+RETRY_INTERVALS = [5, 30, 120]  # s before each rq retry of a batch job that died or raised
+_MAINTENANCE_S = 5  # s between a batch worker's looks for abandoned batches
 _DAY = 24 * 3600
 
 
@@ -100,15 +110,20 @@ class BatchStore:
                 description: str, meta: dict[str, Any], tenant: str | None = None,
                 input_key: str | None = None) -> Any:
         """Queue the job of a batch whose input is stored (at `input_key`, else its own key)."""
+        from rq import Retry
+
         from llmq.gateway.batch_job import run_batch
 
+        # NOTE: the deadline is the batch's: from its creation, whatever retries cost.
         kwargs: dict[str, Any] = {"batch_id": batch_id, "prefix": self.keys.prefix,
-                                  "queue": queue, "max_in_flight": max_in_flight, "ttl": ttl}
+                                  "queue": queue, "max_in_flight": max_in_flight, "ttl": ttl,
+                                  "deadline": int(time.time()) + timeout}
         if tenant is not None:
             kwargs.update(tenant=tenant, input_key=input_key)
         return self.queue.enqueue_call(
             run_batch, job_id=batch_id, timeout=timeout, result_ttl=ttl, failure_ttl=ttl,
             description=description, kwargs=kwargs,
+            retry=Retry(max=len(RETRY_INTERVALS), interval=RETRY_INTERVALS),
             meta={"status": "queued", "total": 0, "completed": 0, "failed": 0, "queue": queue,
                   "created_at": int(time.time()), **meta})
 
@@ -156,6 +171,77 @@ class BatchStore:
 
         return bool(Worker.all(queue=self.queue))
 
+    def rescue_abandoned(self, lease_s: float) -> list[str]:
+        """Hand the started batches whose run is gone (no lease for `lease_s`) to rq's cleanup:
+        each is retried, or failed with what it has when out of retries or past its deadline.
+        The ids of those it found."""
+        from rq.job import JobStatus
+        from rq.registry import StartedJobRegistry
+
+        registry: StartedJobRegistry = self.queue.started_job_registry
+        abandoned = []
+        for member in send(self._rq_client(), self.records.registry_members(registry.key)):
+            batch_id = member.split(":", 1)[0]
+            try:
+                job = self.fetch(batch_id)
+            except LLMQError:
+                continue
+            started = job.started_at.timestamp() if job.started_at else time.time()
+            if (job.get_status() != JobStatus.STARTED or time.time() - started < lease_s
+                    or send(self.client, self.records.lease_holder(batch_id)) is not None):
+                continue
+            abandoned.append(job)
+            if time.time() > float(job.kwargs.get("deadline") or float("inf")):
+                job.retries_left = 0  # past its deadline: no retry can help
+                job.save()
+            # NOTE: rq's own cleanup acts on executions whose heartbeat has lapsed; this one's
+            # run is known dead (no lease), so its heartbeat is made to have lapsed.
+            send(self._rq_client(), self.records.lapse(registry.key, member))
+        if abandoned:
+            registry.cleanup()
+        for job in abandoned:
+            if batch_status(job.fetch(job.id, connection=self.rq, serializer=self.serializer)
+                            ) == "failed":
+                self.fail_with_checkpoint(job)
+        return [job.id for job in abandoned]
+
+    def fail_with_checkpoint(self, job: Any) -> None:
+        """A batch that cannot run again ends `failed` with the lines its checkpoint has."""
+        from llmq.gateway.batch_job import checkpointed_results
+
+        outputs, errors = checkpointed_results(self.client, job.id)
+        send(self.client, self.records.write_results(job.id, outputs, errors,
+                                                     int(job.result_ttl or 7 * _DAY)))
+        job.meta.update(status="failed", failed_at=int(time.time()), completed=len(outputs),
+                        failed=len(errors))
+        job.save_meta()
+
+    def _rq_client(self) -> Client:
+        """A `Client` on rq's Redis, to send exchanges about rq's own keys."""
+        if self.rq is self.client.redis:
+            return self.client
+        return Client(connection=self.rq, prefix=self.keys.prefix)
+
     def results(self, batch_id: str) -> tuple[list[bytes], list[bytes]]:
         """(output lines, error lines) a finished batch wrote."""
         return send(self.client, self.records.results(batch_id))
+
+
+def new_batch_worker(store: BatchStore, name: str | None) -> Any:
+    """The rq worker `llmq batch-worker` runs: rq's, plus a look for abandoned batches at each
+    maintenance round (every few seconds rather than rq's ten minutes)."""
+    from rq import Worker
+
+    from llmq.gateway.batch_job import LEASE_MS
+
+    class BatchWorker(Worker):
+        def run_maintenance_tasks(self) -> None:
+            super().run_maintenance_tasks()
+            for batch_id in store.rescue_abandoned(LEASE_MS / 1000):
+                self.log.warning("batch %s was abandoned by its worker: handed back to rq",
+                                 batch_id)
+
+    # NOTE: worker_ttl bounds how long an idle worker blocks between maintenance rounds.
+    return BatchWorker([store.queue], connection=store.rq, serializer=store.serializer,
+                       name=name, maintenance_interval=_MAINTENANCE_S,
+                       worker_ttl=_MAINTENANCE_S + 15)

@@ -34,6 +34,7 @@ __all__ = ["cancel_batch", "create_batch", "get_batch", "list_batches"]
 _WINDOW = 24 * 3600
 # rq/meta status -> OpenAI's
 _STATUS = {"queued": "validating", "in_progress": "in_progress", "finalizing": "finalizing",
+           "expired": "expired",
            "completed": "completed", "cancelling": "cancelling", "cancelled": "cancelled",
            "failed": "failed"}
 

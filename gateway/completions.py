@@ -250,6 +250,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
     `grace` seconds unless it is resumed by then. `opened`: the events already followed to
     the admission, and those read so far."""
     state.metrics.open_streams.inc()
+    timed_out = False
     try:
         async with following(state, request_id, after,
                               None if opened is None else opened[0]) as events:
@@ -264,7 +265,7 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
                 if stream.finished:
                     return
     except ResultTimeout:
-        stream.finished = True
+        stream.finished = timed_out = True
         yield sse(timeout_body(state))
         yield DONE_FRAME
     except LLMQError as exc:
@@ -273,8 +274,11 @@ async def _sse(state: GatewayState, request_id: str, stream: CompletionStream,
         yield DONE_FRAME
     finally:
         state.metrics.open_streams.dec()
-        if not stream.finished and cancel_queue is not None and not state.shutting_down():
-            if grace > 0:  # a resume within the grace period keeps it running
+        # NOTE: a timed-out stream is cancelled at once, like a timed-out non-streaming
+        # request: nobody reads what it would still generate.
+        if ((timed_out or not stream.finished) and cancel_queue is not None
+                and not state.shutting_down()):
+            if grace > 0 and not timed_out:  # a resume within the grace keeps it running
                 in_background(cancel_unless_resumed(state, request_id, cancel_queue, grace))
             else:
                 # NOTE: shielded: the disconnect cancelled this task, and the cancel must go.

@@ -40,8 +40,10 @@ from llmq.gateway.dashboard_session import (
     Viewer,
     check_post,
     clear_cookie,
+    end_session,
     same_origin,
     set_cookie,
+    start_session,
     viewer_of,
 )
 from llmq.gateway.dead_letter_view import DeadLetterView
@@ -77,9 +79,9 @@ def _page(name: str, **values: str) -> Response:
     return Response(text, headers=_SECURITY_HEADERS, media_type="text/html")
 
 
-def _viewer(request: Request) -> tuple[GatewayState, Viewer]:
+async def _viewer(request: Request) -> tuple[GatewayState, Viewer]:
     state = GatewayState.of(request)
-    viewer = viewer_of(request, state.settings.api_keys)
+    viewer = await viewer_of(request, state)
     if viewer is None:
         raise APIError(401, "sign in to the dashboard (or send Authorization: Bearer <key>)",
                        "invalid_request_error", code="invalid_api_key")
@@ -93,7 +95,7 @@ def _viewer(request: Request) -> tuple[GatewayState, Viewer]:
 
 async def page(request: Request) -> Response:
     state = GatewayState.of(request)
-    viewer = viewer_of(request, state.settings.api_keys)
+    viewer = await viewer_of(request, state)
     if viewer is None:
         error = "Unknown API key." if request.query_params.get("error") else ""
         return _page("login.html", error=error)
@@ -109,12 +111,13 @@ async def login(request: Request) -> Response:
     if not key or state.settings.api_keys.tenant(f"Bearer {key}") is None:
         return RedirectResponse("/dashboard?error=1", 303)
     response = RedirectResponse("/dashboard", 303)
-    set_cookie(response, request, key)
+    set_cookie(response, request, await start_session(state, key))
     return response
 
 
 async def logout(request: Request) -> Response:
-    _viewer(request)
+    state, _ = await _viewer(request)
+    await end_session(request, state)
     response = json_response({"signed_out": True})
     clear_cookie(response, request)
     return response
@@ -132,7 +135,7 @@ async def static(request: Request) -> Response:
 
 
 async def pool(request: Request) -> Response:
-    state, viewer = _viewer(request)
+    state, viewer = await _viewer(request)
     names = await state.client.queues()
     if state.settings.broker.queue not in names:
         names.append(state.settings.broker.queue)  # the configured queue, even before it exists
@@ -168,13 +171,13 @@ async def pool(request: Request) -> Response:
 async def dead_letters(request: Request) -> Response:
     """Asked for when a queue's dead-letter count changes (and now and then), not every poll:
     a dead letter keeps its payload, up to 1 MiB."""
-    state, viewer = _viewer(request)
+    state, viewer = await _viewer(request)
     rows = await DeadLetterView(state.client).list(viewer, await state.client.queues())
     return json_response({"dead_letters": rows}, headers={"Cache-Control": "no-store"})
 
 
 async def series(request: Request) -> Response:
-    state, _ = _viewer(request)
+    state, _ = await _viewer(request)
     try:
         since = int(request.query_params.get("since", "0"))
     except ValueError:
@@ -189,14 +192,14 @@ async def series(request: Request) -> Response:
 
 
 async def retry_dead_letter(request: Request) -> Response:
-    state, viewer = _viewer(request)
+    state, viewer = await _viewer(request)
     queue, entry_id = request.path_params["queue"], request.path_params["dlq_entry_id"]
     new_entry_id = await DeadLetterView(state.client).retry(viewer, queue, entry_id)
     return json_response({"queue": queue, "requeued": entry_id, "entry_id": new_entry_id})
 
 
 async def purge_dead_letters(request: Request) -> Response:
-    state, viewer = _viewer(request)
+    state, viewer = await _viewer(request)
     queue = request.path_params["queue"]
     removed = await DeadLetterView(state.client).purge(viewer, queue)
     return json_response({"queue": queue, "purged": removed})
@@ -206,7 +209,7 @@ async def purge_dead_letters(request: Request) -> Response:
 
 
 async def request_events(request: Request) -> Response:
-    state, viewer = _viewer(request)
+    state, viewer = await _viewer(request)
     request_id = viewer.request_id(request.path_params["request_id"])
     after = request.headers.get("last-event-id")
     if after is not None:
@@ -257,7 +260,7 @@ async def _known(state: GatewayState, request_id: str) -> bool:
 
 
 async def cancel_request(request: Request) -> Response:
-    state, viewer = _viewer(request)
+    state, viewer = await _viewer(request)
     request_id = viewer.request_id(request.path_params["request_id"])
     await state.cancel_everywhere(request_id)
     return json_response({"request_id": viewer.shown_id(request_id), "cancelled": True})

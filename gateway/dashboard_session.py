@@ -1,10 +1,12 @@
 """DashboardSession: who is looking at the dashboard, from an API key given once at its login.
 
-The login form posts a key; the gateway answers with a cookie holding the key's SHA-256 (never
-the key itself: a cookie that leaks cannot call the API), `HttpOnly` (no script reads it),
-`SameSite=Strict` (no other site's page sends it), `Path=/dashboard`, and `Secure` over HTTPS.
-Any replica accepts it, since each knows the keys' digests; revoking the key ends the session.
-Scripts may send `Authorization: Bearer <key>` to the dashboard's API instead.
+The login form posts a key; the gateway makes a session, a random id kept in Redis for 12 hours
+with the SHA-256 of the key (broker/dashboard_sessions.py), and answers with a cookie holding
+only the id (never the key: a cookie that leaks cannot call the API, and cannot be made without
+signing in), `HttpOnly` (no script reads it), `SameSite=Strict` (no other site's page sends it),
+`Path=/dashboard`, and `Secure` over HTTPS. Any replica accepts it; logout deletes the session,
+and revoking the key ends it too. Scripts may send `Authorization: Bearer <key>` to the
+dashboard's API instead.
 
 Cross-site request forgery: besides SameSite, every POST made with the cookie must carry
 `X-CSRF-Token`, a value derived from the session that only the dashboard page itself is given
@@ -21,23 +23,29 @@ own entries).
 from __future__ import annotations
 
 import hashlib
+import re
+import secrets
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from llmq.broker.dashboard_sessions import DashboardSessions
+from llmq.broker.exchange import send_async
 from llmq.gateway.api_keys import ApiKeys
 from llmq.gateway.errors import APIError
+from llmq.gateway.state import GatewayState
 from llmq.protocol.names import is_valid_name
 
-__all__ = ["COOKIE", "CSRF_HEADER", "Viewer", "check_post", "clear_cookie", "same_origin",
-           "set_cookie", "viewer_of"]
+__all__ = ["COOKIE", "CSRF_HEADER", "Viewer", "check_post", "clear_cookie", "end_session",
+           "same_origin", "set_cookie", "start_session", "viewer_of"]
 
 COOKIE = "llmq_dashboard"
 CSRF_HEADER = "X-CSRF-Token"
 PATH = "/dashboard"
 MAX_AGE_S = 12 * 3600
+_SESSION_ID = re.compile(r"[0-9a-f]{64}")  # secrets.token_hex(32)
 
 
 @dataclass(frozen=True)
@@ -66,12 +74,19 @@ class Viewer:
         return request_id.removeprefix(f"{self.tenant}:")
 
 
-def _csrf_token(digest: bytes) -> str:
-    return hashlib.sha256(b"llmq-dashboard-csrf:" + digest).hexdigest()[:32]
+def _csrf_token(secret: bytes) -> str:
+    return hashlib.sha256(b"llmq-dashboard-csrf:" + secret).hexdigest()[:32]
 
 
-def viewer_of(request: Request, keys: ApiKeys) -> Viewer | None:
-    """The viewer of a request (Bearer key first, then the cookie); None when neither is valid."""
+def _session_id(request: Request) -> str | None:
+    cookie = request.cookies.get(COOKIE, "")
+    return cookie if _SESSION_ID.fullmatch(cookie) else None
+
+
+async def viewer_of(request: Request, state: GatewayState) -> Viewer | None:
+    """The viewer of a request (Bearer key first, then the session cookie); None when neither
+    is valid."""
+    keys = state.settings.api_keys
     header = request.headers.get("authorization")
     if header is not None or keys.anonymous:
         tenant = keys.tenant(header)
@@ -80,15 +95,30 @@ def viewer_of(request: Request, keys: ApiKeys) -> Viewer | None:
         key = header.partition(" ")[2] if header else ""
         return Viewer(tenant, keys.is_admin(tenant), _csrf_token(keys.digest(key)),
                       by_cookie=False)
-    cookie = request.cookies.get(COOKIE, "")
-    try:
-        digest = bytes.fromhex(cookie)
-    except ValueError:
+    session_id = _session_id(request)
+    if session_id is None:
         return None
-    tenant = keys.tenant_of_digest(digest) if len(digest) == 32 else None
+    digest = await send_async(state.client, DashboardSessions(state.keys).key_digest(session_id))
+    tenant = keys.tenant_of_digest(digest) if digest is not None else None
     if tenant is None:
         return None
-    return Viewer(tenant, keys.is_admin(tenant), _csrf_token(digest), by_cookie=True)
+    return Viewer(tenant, keys.is_admin(tenant), _csrf_token(session_id.encode()),
+                  by_cookie=True)
+
+
+async def start_session(state: GatewayState, key: str) -> str:
+    """A new session for a valid key: its id, for the cookie."""
+    session_id = secrets.token_hex(32)
+    await send_async(state.client, DashboardSessions(state.keys).create(
+        session_id, ApiKeys.digest(key), MAX_AGE_S))
+    return session_id
+
+
+async def end_session(request: Request, state: GatewayState) -> None:
+    """The request's session, if it has one, deleted: its cookie no longer signs anyone in."""
+    session_id = _session_id(request)
+    if session_id is not None:
+        await send_async(state.client, DashboardSessions(state.keys).delete(session_id))
 
 
 def check_post(request: Request, viewer: Viewer) -> None:
@@ -108,8 +138,8 @@ def same_origin(request: Request) -> bool:
     return origin is None or urlsplit(origin).netloc == request.headers.get("host")
 
 
-def set_cookie(response: Response, request: Request, key: str) -> None:
-    response.set_cookie(COOKIE, ApiKeys.digest(key).hex(), max_age=MAX_AGE_S, path=PATH,
+def set_cookie(response: Response, request: Request, session_id: str) -> None:
+    response.set_cookie(COOKIE, session_id, max_age=MAX_AGE_S, path=PATH,
                         secure=request.url.scheme == "https", httponly=True, samesite="strict")
 
 

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 # --- Wire caps. Checked before the scheduler sees anything; docs/protocol.md lists them. ---------
 MAX_PAYLOAD_BYTES = 1 << 20  # one entry's payload, checked before it is parsed
+# NOTE: an oversized payload is still read for its id (a skipping decode, a few ms per MB), so its
+# error reaches the stream its producer follows; past this (deploy/redis.conf's
+# proto-max-bulk-len lets no larger argument in) not even that.
+MAX_PROBED_PAYLOAD_BYTES = 16 << 20
 MAX_PROMPT_CHARS = 262_144  # a prompt, and each message's content
 MAX_MESSAGES = 256
 MAX_PROMPT_TOKEN_IDS = 65_536
@@ -293,8 +297,7 @@ def decode_request_entry(
     try:
         request = parse_request(payload, encoding_)
     except InvalidRequest as exc:
-        # NOTE: an oversized payload is not parsed at all, not even for its id.
-        request_id = (None if len(payload) > MAX_PAYLOAD_BYTES
+        request_id = (None if len(payload) > MAX_PROBED_PAYLOAD_BYTES
                       else _probe_request_id(payload, encoding_, entry_id))
         return RejectedEntry(entry_id=entry_id, request_id=request_id, encoding=encoding_,
                              code=ErrorCode.INVALID_REQUEST, message=str(exc))

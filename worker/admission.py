@@ -93,8 +93,12 @@ class Admission:
         if not fresh:
             return 0
         flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)]
-        # NOTE: an id-less request's id is its entry id, which no other entry may name.
-        named = [e for e in flagged if e.request_id != e.entry_id]
+        # NOTE: an id-less request's id is its entry id, which no other entry may name. A
+        # rejected entry that names a tenant's id (an oversized payload, say) is answered on
+        # that id's stream only when the tenant's submit function marked it for this entry.
+        named = [e for e in flagged if e.request_id != e.entry_id] + [
+            e for e, d, _ in fresh if isinstance(d, protocol.RejectedEntry)
+            and d.request_id not in (None, e.entry_id) and tenant_of(e.request_id)]
         while True:
             try:
                 now_ms, flags, owners = self._read_time_flags_and_markers(client, flagged, named)

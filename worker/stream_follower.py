@@ -2,10 +2,11 @@
 
 The cancel stream and the control stream are read this way: a plain XREAD (no consumer group:
 what they carry concerns every worker, or the one that holds a request), from the stream's last
-entry at start, so nothing older is replayed. After a Redis outage the stream may have been
-recreated with lower ids (a restart without persistence): the follower then reads the new stream
-from its beginning. Subclasses say what an entry means (`handle`) and may act before each
-blocking read (`before_read`).
+entry at start, so nothing older is replayed. Each read takes at most `READ_COUNT` entries: a
+burst (or a flood) is read in pages, never as one reply the size of all written since the last
+read. After a Redis outage the stream may have been recreated with lower ids (a restart without
+persistence): the follower then reads the new stream from its beginning. Subclasses say what an
+entry means (`handle`) and may act before each blocking read (`before_read`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+READ_COUNT = 256  # entries per read
 
 
 class StreamFollower:
@@ -78,7 +81,8 @@ class StreamFollower:
                         logger.warning("%s: %s was reset, reading it from the start", self.name,
                                        self.key)
                         self.last_id = "0-0"
-                reply = self.client.xread({self.key: self.last_id}, block=self.block_ms)
+                reply = self.client.xread({self.key: self.last_id}, count=READ_COUNT,
+                                          block=self.block_ms)
                 self.backoff.succeeded()
             except TRANSIENT_ERRORS as e:
                 self.backoff.failed(e)

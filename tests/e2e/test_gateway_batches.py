@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -37,26 +39,62 @@ LINES = [
 ]
 
 
+class BatchWorkers:
+    """The `llmq batch-worker` processes of the module: started, killed and stopped by PID."""
+
+    def __init__(self, url: str, logs: Path) -> None:
+        self.url, self.logs = url, logs
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self) -> subprocess.Popen[str]:
+        with open(self.logs / f"batch-worker-{len(self.procs)}.log", "ab") as log:
+            proc = llmq_process("batch-worker", env=subprocess_env(self.url), stdout=log,
+                                stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, proc: subprocess.Popen[str]) -> str:
+        return (self.logs / f"batch-worker-{self.procs.index(proc)}.log").read_text(
+            errors="replace")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()  # our own children, by PID
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (an rq worker's work horse)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
 @pytest.fixture(scope="module")
-def pool(valkey_server, tiny_model_path: Path, tmp_path_factory
+def batch_workers(valkey_server, tmp_path_factory) -> Iterator[BatchWorkers]:
+    workers = BatchWorkers(valkey_server.url, tmp_path_factory.mktemp("batch-workers"))
+    workers.start()
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(valkey_server, tiny_model_path: Path, tmp_path_factory, batch_workers: BatchWorkers
          ) -> Iterator[tuple[GatewayProcess, redis.Redis]]:
     logs = tmp_path_factory.mktemp("gateway-batches")
     worker = serve(valkey_server.url, tiny_model_path, logs, "gw-batch-w1")
     gateway = GatewayProcess(valkey_server.url, logs)
-    with open(logs / "batch-worker.log", "ab") as log:
-        batch_worker = llmq_process("batch-worker", env=subprocess_env(valkey_server.url),
-                                    stdout=log, stderr=subprocess.STDOUT)
     r = redis.Redis.from_url(valkey_server.url)
     try:
         yield gateway.start(), r
     finally:
         r.close()
         gateway.stop()
-        batch_worker.terminate()  # our own child, by PID
-        try:
-            batch_worker.wait(15)
-        except subprocess.TimeoutExpired:
-            batch_worker.kill()
         worker.stop()
 
 
@@ -182,3 +220,38 @@ def test_a_file_that_is_too_big_or_not_for_batch_is_refused(pool, tmp_path: Path
         assert response.json()["error"]["code"] == "file_too_large"
     finally:
         small.stop()
+
+
+def test_a_batch_survives_its_batch_worker_killed_mid_batch(pool, batch_workers) -> None:
+    gateway, _ = pool
+    client = gateway.openai()
+    # Given a batch of 200 requests, running, some of them answered
+    lines = [line(f"k{i}", "/v1/completions", {"model": "tiny-llama.gguf", "prompt": "x",
+                                               "max_tokens": 48, "ignore_eos": True})
+             for i in range(200)]
+    batch = client.batches.create(input_file_id=upload(client, lines),
+                                  endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 20:
+        assert time.monotonic() < deadline, "the batch never got going"
+        time.sleep(0.05)
+    # When its batch worker and the work horse running it are SIGKILLed, and another starts
+    (running,) = [p for p in batch_workers.procs if p.poll() is None]
+    horses = children(running.pid)
+    assert horses, "the batch worker has no work horse"
+    running.send_signal(signal.SIGKILL)
+    for horse in horses:
+        os.kill(horse, signal.SIGKILL)
+    running.wait()
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    second = batch_workers.start()
+    # Then the batch completes: every line answered, each custom_id exactly once, in order
+    batch = wait_final(client, batch.id, timeout=120)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed,
+            batch.request_counts.failed) == (200, 200, 0)
+    outputs = jsonl(client.files.content(batch.output_file_id).text)
+    assert [o["custom_id"] for o in outputs] == [f"k{i}" for i in range(200)]
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 48 for o in outputs)
+    # And the second worker resumed from the checkpoint rather than starting over
+    assert "resumes" in batch_workers.log(second)

@@ -252,3 +252,34 @@ def test_a_gateway_stopping_lets_its_open_streams_finish(gateways, tmp_path: Pat
         assert stopping.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         stopping.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_past_the_request_timeout_is_cancelled(gateways, tmp_path: Path,
+                                                         stream: bool) -> None:
+    _, _, r = gateways
+    url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
+    impatient = GatewayProcess(url, tmp_path, name=f"gateway-timeout-{stream}",
+                               extra=["--request-timeout", "1"]).start()
+    request_id = f"timeout-{stream}"
+    body = {**BODY, "max_tokens": 400, "stream": stream}
+    if not stream:
+        body.pop("stream_options")
+    try:
+        # Given a gateway with a 1 s request timeout, and a request that takes far longer
+        response = httpx.post(f"{impatient.base_url}/v1/chat/completions", json=body,
+                              headers={**AUTH, "X-Request-Id": request_id}, timeout=60)
+        # When the timeout passes, Then the client is told so
+        if stream:
+            events = parse_sse(response.text)
+            assert json.loads(events[-2][1])["error"]["code"] == "timeout"
+            assert events[-1][1] == "[DONE]"
+        else:
+            assert response.status_code == 504
+        # And the worker stops generating: a cancelled done, far short of 400 tokens
+        key = Keys().result(f"alice:{request_id}")
+        done = wait_for(lambda: next((e for e in (decode_event(f) for _, f in r.xrange(key))
+                                      if isinstance(e, Done)), None), 30, "a done event")
+        assert done.finish_reason == "cancelled" and done.usage.completion_tokens < 400
+    finally:
+        impatient.stop()

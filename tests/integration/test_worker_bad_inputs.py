@@ -76,6 +76,9 @@ CASES: dict[str, tuple[dict[str, Any], str | None, str, str]] = {
                                   "invalid_token_id", "100000"),
     "oversized payload": ({"json": json.dumps({"prompt": "x" * (2 << 20)})}, None,
                           "invalid_request", "bytes"),
+    "oversized payload with its own id": ({"json": json.dumps({"id": "big-2",
+                                                               "prompt": "x" * (2 << 20)})},
+                                          "big-2", "invalid_request", "bytes"),
     "deep nesting": ({"json": '{"prompt": "Hi", "metadata": {"a": ' + "[" * DEEP + "]" * DEEP
                       + "}}"}, None, "invalid_request", ""),
     "bad request id": ({"json": '{"id": "no spaces {allowed}", "prompt": "Hi"}'}, None,
@@ -148,7 +151,9 @@ ID_LESS: dict[str, dict[str, Any]] = {
     "garbage bytes": {"json": b"\x00\xff\xfe garbage \x81"},
     "garbage msgpack": {"msgpack": b"\xc1\xc1\xc1"},
     "wrong field name": {"payload": '{"prompt": "Hi"}'},
-    "5 MB payload": {"json": json.dumps({"id": "big-1", "prompt": "x" * (5 << 20)})},
+    "5 MB payload": {"json": json.dumps({"prompt": "x" * (5 << 20)})},
+    "17 MB payload, too large to read for its id": {
+        "json": json.dumps({"id": "big-1", "prompt": "x" * (17 << 20)})},
     "lone surrogate": {"json": b'{"prompt": "\xed\xa0\x80"}'},
     "escaped lone surrogate": {"json": '{"prompt": "\\ud800"}'},
     "deep nesting": {"json": '{"prompt": "Hi", "metadata": {"a": ' + "[" * DEEP + "]" * DEEP
@@ -176,3 +181,31 @@ def test_entry_without_a_usable_id_is_answered_on_its_entry_id(case, table_worke
              10, "the dead letter")
     wait_for(lambda: num_pending(redis_client) == 0, 10, "the entry to be acked")
     assert table_worker.alive(), table_worker.log_tail()
+
+
+def test_an_oversized_payload_with_a_tenant_id_is_answered_where_the_tenant_reads(
+        table_worker, redis_server, redis_client) -> None:
+    from llmq.broker.client import Client
+    from llmq.broker.commands import Submission
+    from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions
+
+    table_worker.wait_ready(redis_client)
+    ensure_functions(redis_client)
+    payload = json.dumps({"id": "acme:big-3", "prompt": "x" * (2 << 20)}).encode()
+    with Client(redis_server.url) as client:
+        # Given a tenant's submit function queuing a payload over the cap (a producer that
+        # skipped the client's own check), its id marked for that entry
+        args = client._fcall_args(Submission("acme:big-3", "json", payload), "default")
+        entry_id = protocol.as_str(redis_client.fcall(SUBMIT_FUNCTION, *args)[1])
+        # Then the tenant, following its own id, gets the invalid_request error there
+        error = wait_terminal(redis_client, "acme:big-3")
+        assert isinstance(error, protocol.Error) and error.code == "invalid_request", error
+        assert "bytes" in error.message
+        # But an entry someone XADDed with a tenant's id (unmarked) answers on its entry id
+        # only: it cannot write to the tenant's stream
+        forged = json.dumps({"id": "acme:big-4", "prompt": "x" * (2 << 20)})
+        forged_entry = redis_client.xadd(QUEUE_KEY, {"json": forged}).decode()
+        error = wait_terminal(redis_client, forged_entry)
+        assert isinstance(error, protocol.Error) and error.request_id == forged_entry
+        assert read_events(redis_client, "acme:big-4") == []
+    assert entry_id and table_worker.alive(), table_worker.log_tail()
