@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmq.worker.engine.model.attention import AttentionMetadata
+from llmq.worker.engine.model.llama import LlamaForCausalLM
 from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from llmq.worker.engine.sampler import Sampler, SamplingMetadata
 from llmq.worker.engine.sampling_params import SamplingParams
@@ -51,13 +52,13 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, model, num_kv_blocks: int, block_size: int, threads: int,
+    def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int, threads: int,
                  eos_token_ids: frozenset[int] = frozenset(),
                  structured_output: StructuredOutputManager | None = None) -> None:
         # NOTE: set explicitly: torch's default (one thread per core) collapses 5-30x on this
         # kind of machine whenever a neighbour is busy; one worker process per core is the plan.
         torch.set_num_threads(threads)
-        self.model = model
+        self._model: LlamaForCausalLM | None = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.vocab_size = model.arch.vocab_size
@@ -162,6 +163,12 @@ class ModelRunner:
         return ModelRunnerOutput([s.request_id for s in states], sampled, logprobs, errors,
                                  grammar_errors)
 
+    @property
+    def model(self) -> LlamaForCausalLM:
+        if self._model is None:
+            raise RuntimeError("the model was dropped by a level-2 sleep: wake_up(model) first")
+        return self._model
+
     def sleep(self, level: int) -> int:
         """Drop the KV cache (level 2: the model too); returns the bytes let go."""
         freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
@@ -169,14 +176,14 @@ class ModelRunner:
         if level == 2:
             tensors = [*self.model.parameters(), *self.model.buffers()]
             freed += sum(t.numel() * t.element_size() for t in tensors)
-            self.model = None
+            self._model = None
         self.requests.clear()
         self.sleep_level = level
         return freed
 
-    def wake_up(self, model=None) -> None:
+    def wake_up(self, model: LlamaForCausalLM | None = None) -> None:
         if model is not None:
-            self.model = model
+            self._model = model
         self.kv_caches = self.model.make_kv_caches(self.num_kv_blocks, self.block_size)
         self.sleep_level = 0
 
