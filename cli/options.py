@@ -6,6 +6,7 @@ sampling flags onto `SamplingParams`, so a flag, its variable and its field alwa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import click
@@ -104,16 +105,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 
 
 def sampling_kwargs(kwargs: dict) -> dict:
-    """Pop the sampling flags the user set (unset ones keep the protocol's defaults)."""
+    """Pop the sampling flags the user set (unset ones keep the protocol's defaults); the
+    constraint flags become the wire's `response_format` or `guided`."""
     picked = {name: kwargs.pop(name) for name in SAMPLING_FIELDS}
-    return {**{k: v for k, v in picked.items() if v is not None and v != () and v is not False},
-            **_constraint_fields(kwargs)}
-
-
-def _constraint_fields(kwargs: dict) -> dict:
-    """Pop --json-schema, --regex and --choice: the wire's `response_format` or `guided`."""
-    import json
-
+    params = {k: v for k, v in picked.items() if v is not None and v != () and v is not False}
     schema_file, regex, choices = (kwargs.pop("json_schema"), kwargs.pop("regex"),
                                    kwargs.pop("choice"))
     given = [flag for flag, value in (("--json-schema", schema_file), ("--regex", regex),
@@ -126,8 +121,10 @@ def _constraint_fields(kwargs: dict) -> dict:
         except ValueError as exc:
             raise click.BadParameter(f"{schema_file.name} is not JSON: {exc}",
                                      param_hint="--json-schema") from None
-        return {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "response", "schema": schema}}}
-    if regex is not None:
-        return {"guided": {"regex": regex}}
-    return {"guided": {"choice": list(choices)}} if choices else {}
+        params["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "response", "schema": schema}}
+    elif regex is not None:
+        params["guided"] = {"regex": regex}
+    elif choices:
+        params["guided"] = {"choice": list(choices)}
+    return params
