@@ -39,11 +39,11 @@ from llmq.gateway.following import (
     admission,
     cancel_unless_resumed,
     close_follower,
-    disconnected,
     following,
     in_background,
     openai_code,
     timeout_body,
+    unless_client_gone,
 )
 from llmq.gateway.openai_request import (
     CHAT,
@@ -158,20 +158,15 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
             events, admitted), grace=0.0 if keep_header is not None
             else state.settings.disconnect_grace), headers={**_SSE_HEADERS, **headers},
             media_type="text/event-stream")
-    answer = asyncio.ensure_future(_collect(state, endpoint, public_id, request_id, parsed.model,
-                                            parsed.tool_calls, _echo(parsed.request, parsed.echo)))
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not answer.done():
-            answer.cancel()
-            if not keep and not state.shutting_down():
-                await state.cancel(request_id, queue)
-    if not answer.done() or answer.cancelled():
+    outcome = await unless_client_gone(request, _collect(
+        state, endpoint, public_id, request_id, parsed.model, parsed.tool_calls,
+        _echo(parsed.request, parsed.echo)))
+    if isinstance(outcome, tuple):
+        status, payload = outcome
+    else:
+        if not keep and not state.shutting_down():
+            await state.cancel(request_id, queue)
         return Response(status_code=499, headers=headers)  # nobody is there to read it
-    status, payload = answer.result()
     if status == 504 and not keep:
         await state.cancel(request_id, queue)
     return json_response(payload, status, headers)
@@ -186,18 +181,14 @@ async def _create_many(request: Request, state: GatewayState, queue: str, tenant
     await asyncio.gather(*(state.client.submit(
         request_id=i, queue=queue, stream=parsed.logprobs is not None, **r)
         for i, r in zip(ids, requests, strict=True)))
-    answers = asyncio.ensure_future(asyncio.gather(*(
+    answers = await unless_client_gone(request, asyncio.gather(*(
         _collect(state, COMPLETIONS, public_id, i, parsed.model, echo=_echo(r, parsed.echo))
         for i, r in zip(ids, requests, strict=True))))
-    gone = asyncio.ensure_future(disconnected(request))
-    await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if not answers.done():
-        answers.cancel()
+    if not isinstance(answers, list):
         for request_id in ids:
             await state.cancel(request_id, queue)
         return Response(status_code=499)
-    status, body = merge_completions(answers.result(), parsed.n)
+    status, body = merge_completions(answers, parsed.n)
     return json_response(body, status, {"X-Request-Id": public_id})
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,8 +23,17 @@ from llmq.gateway.state import GatewayState, json_response
 from llmq.protocol import Done, Error, Start
 from llmq.protocol.errors import LLMQError, ResultTimeout
 
-__all__ = ["admission", "cancel_unless_resumed", "close_follower", "disconnected", "following",
-           "in_background", "openai_code", "timeout_body"]
+__all__ = ["GONE", "admission", "cancel_unless_resumed", "close_follower", "disconnected",
+           "following", "in_background", "openai_code", "timeout_body", "unless_client_gone"]
+
+T = TypeVar("T")
+
+
+class _Gone:
+    """What `unless_client_gone` returns when the client went away first."""
+
+
+GONE = _Gone()
 
 
 def openai_code(code: str) -> str:
@@ -37,6 +46,23 @@ async def disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def unless_client_gone(request: Request, work: Awaitable[T]) -> T | _Gone:
+    """`work`'s result, or GONE when the client went away first (`work` is cancelled then; the
+    request it followed is the caller's to cancel or keep)."""
+    answer = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if answer.done() and not answer.cancelled():
+        return answer.result()
+    answer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await answer
+    return GONE
 
 
 @contextlib.asynccontextmanager
@@ -111,20 +137,12 @@ async def admission(state: GatewayState, request: Request, request_id: str, queu
                                  503)
         raise AssertionError("follow() ends only after a terminal event")
 
-    answer = asyncio.ensure_future(admitted())
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not answer.done():
-        answer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await answer
+    outcome = await unless_client_gone(request, admitted())
+    if isinstance(outcome, _Gone):
         if not keep and not state.shutting_down():
             await state.cancel(request_id, queue)
         return Response(status_code=499)  # nobody is there to read it
-    return answer.result() or read
+    return outcome or read
 
 
 def timeout_body(state: GatewayState) -> dict[str, Any]:
