@@ -32,7 +32,16 @@ class PoolSample(msgspec.Struct, kw_only=True, omit_defaults=True):
     requests_per_s: float = 0.0
     lag: int = 0  # unread requests over every queue
     ttft_p50_ms: float | None = None  # None: no request finished within the last minute
-    ttft_p95_ms: float | None = None
+    ttft_p95_ms: float | None = None  # (TTFT after admission: first scheduled to first token)
+    queue_p50_ms: float | None = None  # arrival in the stream to first scheduled
+    queue_p95_ms: float | None = None
+    itl_p50_ms: float | None = None  # mean gap between tokens
+    itl_p95_ms: float | None = None
+    e2e_p50_ms: float | None = None  # arrival in the stream to the terminal event
+    e2e_p95_ms: float | None = None
+    kv_usage: float | None = None  # mean fraction of KV blocks in use over live workers
+    kv_usage_max: float | None = None
+    preemptions_per_s: float = 0.0
 
 
 _sample_decoder = msgspec.json.Decoder(PoolSample)

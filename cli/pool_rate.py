@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 from llmq.protocol import WorkerHeartbeat
+from llmq.protocol.errors import LLMQError
 
 __all__ = ["PoolTokenRate"]
 
@@ -44,13 +45,18 @@ class PoolTokenRate:
         self._gone = 0  # tokens counted by workers no longer beating
 
     def poll(self) -> None:
-        """Read the heartbeats (through `read`) at most once a second."""
+        """Read the heartbeats (through `read`) at most once a second; a failed read (Redis
+        away for a moment) leaves the figures as they were."""
         now = self._clock()
         if self._read is None or (self._read_at is not None
                                   and now - self._read_at < _READ_EVERY_S):
             return
         self._read_at = now
-        self.observe(self._read())
+        try:
+            heartbeats = self._read()
+        except LLMQError:
+            return  # NOTE: a figure on a progress bar is not worth failing the job over
+        self.observe(heartbeats)
 
     def observe(self, heartbeats: list[WorkerHeartbeat]) -> None:
         live = {b.worker_id: b for b in heartbeats if b.queue == self.queue and b.heartbeat_ms}

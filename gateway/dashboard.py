@@ -49,6 +49,7 @@ from llmq.gateway.dashboard_session import (
 from llmq.gateway.dead_letter_view import DeadLetterView
 from llmq.gateway.errors import APIError, bad_request, not_found
 from llmq.gateway.openai_response import sse
+from llmq.gateway.pool_series import RATE_WINDOW_S
 from llmq.gateway.state import GatewayState, json_response
 from llmq.protocol import Delta
 from llmq.protocol.errors import LLMQError, ResultTimeout
@@ -64,6 +65,8 @@ _SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Heartbeat fields the page has no use for (the charts get percentiles from the gateway).
+_HISTOGRAM_FIELDS = ("ttft_hist", "queue_hist", "ttft_admitted_hist", "itl_hist", "e2e_hist")
 STALE_AFTER_S = 25.0  # a heartbeat this old is shown as stale (renewals come every ~10 s)
 
 
@@ -158,13 +161,14 @@ async def pool(request: Request) -> Response:
     for w in sorted(beats, key=lambda w: (w.queue, w.worker_id)):
         row = msgspec.structs.asdict(w)
         # NOTE: hosts and pids are the operators' business, not a tenant's.
-        for name in ("ttft_hist",) if viewer.admin else ("ttft_hist", "host", "pid"):
+        for name in _HISTOGRAM_FIELDS + (() if viewer.admin else ("host", "pid")):
             row.pop(name, None)
         row["heartbeat_age_s"] = round(max(0.0, now - w.heartbeat_ms / 1000), 1)
         workers.append(row)
     return json_response({
         "viewer": {"tenant": viewer.tenant, "admin": viewer.admin}, "now_ms": int(now * 1000),
-        "stale_after_s": STALE_AFTER_S, "queues": queues, "workers": workers},
+        "stale_after_s": STALE_AFTER_S, "rate_window_s": RATE_WINDOW_S, "queues": queues,
+        "workers": workers},
         headers={"Cache-Control": "no-store"})
 
 
@@ -184,6 +188,7 @@ async def series(request: Request) -> Response:
         raise bad_request("since must be a unix time in ms", "since") from None
     samples = await state.series.read(since)
     return json_response({"interval_s": state.settings.dashboard_interval,
+                          "rate_window_s": RATE_WINDOW_S,
                           "samples": [msgspec.structs.asdict(s) for s in samples]},
                          headers={"Cache-Control": "no-store"})
 

@@ -6,11 +6,16 @@ interval's own entry id (`llmq.broker.pool_samples`): exactly one replica's samp
 interval, with no lock and no leader, and every replica's dashboard reads the same stream and
 draws the same chart. The stream is capped to an hour of samples (MAXLEN ~).
 
-Rates come from the cumulative counters of the heartbeats (docs/protocol.md section 9): for each
-worker, the difference between its two latest heartbeats over the time between them; the pool's
-rate is the sum over live workers, a queue's over the workers serving it. TTFT p50/p95 are read
-off the merged histogram of the requests that finished within the last minute, so a chart
-point never rests on a handful of requests from one interval.
+Rates come from the cumulative counters of the heartbeats (docs/protocol.md section 9), over a
+stated window (RATE_WINDOW_S, one minute): for each worker, the growth of its counters between
+its latest heartbeat and the one a minute before, over the time between them; the pool's rate is
+the sum over live workers, a queue's over the workers serving it. The queue table and the chart
+read the same `rates()`, so they show the same number at the same moment, and a wave of
+completions moves it a little instead of reading 0 or a spike (two heartbeats a second apart
+would). Latency percentiles (queue time, TTFT after admission, inter-token, end to end) are read
+off the merged histograms of the requests that finished within the last minute, so a chart
+point never rests on a handful of requests from one interval. KV use is the mean and the max over
+live workers at sampling time; preemptions per second come from their counters as rates do.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmq.broker.aio import AsyncClient
 from llmq.broker.exchange import send_async
@@ -28,32 +33,51 @@ from llmq.gateway.pool_view import PoolView
 from llmq.protocol import LatencyHistogram, WorkerHeartbeat
 from llmq.protocol.errors import LLMQError
 
-__all__ = ["PoolSample", "PoolSeries", "QueueRates"]
+__all__ = ["RATE_WINDOW_S", "PoolSample", "PoolSeries", "QueueRates"]
 
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 3600  # what the charts show
-TTFT_WINDOW_MS = 60_000  # the requests each TTFT point is computed over
+RATE_WINDOW_S = 60  # the window every rate is computed over
+LATENCY_WINDOW_MS = 60_000  # the requests each latency point is computed over
 _TICK_S = 1.0  # how often heartbeats are looked at (the pool view reads them anyway)
+
+# heartbeat histogram field -> the sample's field prefix
+_LATENCIES = {"queue_hist": "queue", "ttft_admitted_hist": "ttft", "itl_hist": "itl",
+              "e2e_hist": "e2e"}
 
 
 @dataclass(frozen=True)
 class QueueRates:
     tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
+    preemptions_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """One heartbeat's cumulative counters."""
+
+    at_ms: int
+    requests: int = 0
+    tokens: int = 0
+    preemptions: int = 0
 
 
 @dataclass
 class _Track:
-    """One worker's latest heartbeat counters and the rates between its last two heartbeats."""
+    """One worker's heartbeats within the rate window (plus the one just before it)."""
 
     queue: str
-    heartbeat_ms: int
-    requests_total: int
-    tokens_total: int
-    ttft: LatencyHistogram | None
-    requests_per_s: float = 0.0
-    tokens_per_s: float = 0.0
+    counts: deque[_Counts] = field(default_factory=deque)
+    hists: dict[str, LatencyHistogram | None] = field(default_factory=dict)
+    kv_usage: float = 0.0
+
+    def rate(self, read: str) -> float:
+        first, last = self.counts[0], self.counts[-1]
+        if last.at_ms <= first.at_ms:
+            return 0.0
+        return (getattr(last, read) - getattr(first, read)) * 1000 / (last.at_ms - first.at_ms)
 
 
 class PoolSeries:
@@ -63,7 +87,9 @@ class PoolSeries:
         self.interval_ms = int(interval * 1000)
         self.samples = PoolSamples(client.keys, WINDOW_S * 1000 // self.interval_ms + 2)
         self._tracks: dict[str, _Track] = {}
-        self._ttft: deque[tuple[int, LatencyHistogram]] = deque()  # (heartbeat ms, new counts)
+        # latency name -> (heartbeat ms, counts new in that heartbeat), over the last minute
+        self._latency: dict[str, deque[tuple[int, LatencyHistogram]]] = {
+            name: deque() for name in _LATENCIES.values()}
         self._watching_since_ms = int(time.time() * 1000)
         self._last_slot = 0
 
@@ -75,53 +101,76 @@ class PoolSeries:
         for gone in self._tracks.keys() - live.keys():
             del self._tracks[gone]
         for worker_id, beat in live.items():
+            counts = _Counts(beat.heartbeat_ms, beat.requests_total, beat.generated_tokens_total,
+                             beat.preemptions_total)
+            hists = {name: LatencyHistogram.decode(getattr(beat, hist_field))
+                     for hist_field, name in _LATENCIES.items()}
             track = self._tracks.get(worker_id)
-            ttft = LatencyHistogram.decode(beat.ttft_hist)
             if track is None:
+                track = self._tracks[worker_id] = _Track(beat.queue)
                 # NOTE: a worker started after this replica began watching counted everything
                 # since its start where we could see it: its totals are all new.
                 if beat.started_ms >= self._watching_since_ms:
-                    track = _Track(beat.queue, beat.started_ms, 0, 0, None)
+                    track.counts.append(_Counts(min(beat.started_ms, beat.heartbeat_ms)))
+                    track.hists = dict.fromkeys(hists)
                 else:
-                    self._tracks[worker_id] = _Track(beat.queue, beat.heartbeat_ms,
-                                                     beat.requests_total,
-                                                     beat.generated_tokens_total, ttft)
+                    track.counts.append(counts)
+                    track.hists = hists
+                    track.kv_usage = beat.kv_usage
                     continue
-            if beat.heartbeat_ms <= track.heartbeat_ms:
+            last = track.counts[-1]
+            if beat.heartbeat_ms <= last.at_ms:
                 continue
-            seconds = (beat.heartbeat_ms - track.heartbeat_ms) / 1000.0
-            # NOTE: a counter below the last one is a worker restarted under the same id.
-            new_requests = _since(beat.requests_total, track.requests_total)
-            new_tokens = _since(beat.generated_tokens_total, track.tokens_total)
-            if ttft is not None:
-                new_ttft = ttft if track.ttft is None else ttft.since(track.ttft)
-                if new_ttft.total:
-                    self._ttft.append((beat.heartbeat_ms, new_ttft))
-            self._tracks[worker_id] = _Track(beat.queue, beat.heartbeat_ms, beat.requests_total,
-                                             beat.generated_tokens_total, ttft,
-                                             new_requests / seconds, new_tokens / seconds)
+            track.kv_usage = beat.kv_usage
+            if counts.requests < last.requests or counts.tokens < last.tokens:
+                # NOTE: counters went down: the worker restarted under the same id; what it
+                # reports now is new since its last heartbeat.
+                track.counts = deque([_Counts(last.at_ms)])
+                track.hists = dict.fromkeys(hists)
+            for name, hist in hists.items():
+                if hist is None:
+                    continue
+                earlier = track.hists.get(name)
+                new = hist if earlier is None else hist.since(earlier)
+                if new.total:
+                    self._latency[name].append((beat.heartbeat_ms, new))
+            track.hists = hists
+            track.counts.append(counts)
+            # NOTE: one heartbeat at or before the window's start is kept, so a rate spans the
+            # whole window rather than whatever part of it the heartbeats fall in.
+            window_start = counts.at_ms - RATE_WINDOW_S * 1000
+            while len(track.counts) > 2 and track.counts[1].at_ms <= window_start:
+                track.counts.popleft()
 
     def rates(self) -> dict[str, QueueRates]:
-        """Tokens and requests per second by queue, from the workers serving it."""
+        """Tokens, requests and preemptions per second over the rate window, by queue."""
         by_queue: dict[str, QueueRates] = {}
         for track in self._tracks.values():
             seen = by_queue.get(track.queue, QueueRates())
-            by_queue[track.queue] = QueueRates(seen.tokens_per_s + track.tokens_per_s,
-                                               seen.requests_per_s + track.requests_per_s)
+            by_queue[track.queue] = QueueRates(
+                seen.tokens_per_s + track.rate("tokens"),
+                seen.requests_per_s + track.rate("requests"),
+                seen.preemptions_per_s + track.rate("preemptions"))
         return by_queue
 
     def sample(self, now_ms: int, lag: int) -> PoolSample:
-        while self._ttft and self._ttft[0][0] < now_ms - TTFT_WINDOW_MS:
-            self._ttft.popleft()
-        ttft = LatencyHistogram.merged(h for _, h in self._ttft)
+        figures: dict[str, float | None] = {}
+        for name, recent in self._latency.items():
+            while recent and recent[0][0] < now_ms - LATENCY_WINDOW_MS:
+                recent.popleft()
+            merged = LatencyHistogram.merged(h for _, h in recent)
+            for q, label in ((0.5, "p50"), (0.95, "p95")):
+                value = merged.quantile(q)
+                figures[f"{name}_{label}_ms"] = None if value is None else round(value, 1)
         rates = self.rates().values()
-        p50, p95 = ttft.quantile(0.5), ttft.quantile(0.95)
+        kv = [t.kv_usage for t in self._tracks.values()]
         return PoolSample(
             t=now_ms - now_ms % self.interval_ms,
             tokens_per_s=round(sum(r.tokens_per_s for r in rates), 2),
             requests_per_s=round(sum(r.requests_per_s for r in rates), 3), lag=lag,
-            ttft_p50_ms=None if p50 is None else round(p50, 1),
-            ttft_p95_ms=None if p95 is None else round(p95, 1))
+            preemptions_per_s=round(sum(r.preemptions_per_s for r in rates), 3),
+            kv_usage=round(sum(kv) / len(kv), 4) if kv else None,
+            kv_usage_max=round(max(kv), 4) if kv else None, **figures)
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -164,6 +213,3 @@ class PoolSeries:
         start = max(since_ms + 1, int(time.time() * 1000) - WINDOW_S * 1000)
         return await send_async(self.client, self.samples.since(start))
 
-
-def _since(now: int, then: int) -> int:
-    return now - then if now >= then else now

@@ -91,7 +91,9 @@
           `/dashboard/api/dead-letters/${enc(d.queue)}/${enc(d.dlq_entry_id)}/retry`),
       }, "Retry"))));
     $("#dead-letters tbody").replaceChildren(
-      ...(rows.length ? rows : [emptyRow("#dead-letters", "no dead letters")]));
+      ...(rows.length ? rows : [emptyRow("#dead-letters", viewer.admin ? "no dead letters"
+        : "none of your requests is a dead letter")]));
+    $("#dead-scope").textContent = viewer.admin ? "(every tenant's)" : "(your requests only)";
     const queues = [...new Set(letters.map((d) => d.queue))].sort();
     $("#purge-buttons").replaceChildren(...queues.map((queue) => el("button", {
       className: "purge danger", type: "button", dataset: { queue },
@@ -133,21 +135,107 @@
 
   // -- charts: hand-drawn SVG over the last hour ------------------------------------------------
 
+  // NOTE: rates (tokens, requests, preemptions) are the gateway's, over its stated window
+  // (rate_window_s), the same function the queue table reads: the table and the chart agree.
   const CHARTS = [
-    { title: "Tokens/s", lines: [["tokens_per_s", ""]], format: (x) => fmt.num(x) },
-    { title: "Requests/s", lines: [["requests_per_s", ""]], format: (x) => fmt.num(x, 2) },
-    { title: "Queue lag", lines: [["lag", ""]], format: (x) => fmt.num(x, 0) },
-    { title: "TTFT", lines: [["ttft_p50_ms", "p50"], ["ttft_p95_ms", "p95"]], format: fmt.ms },
+    { title: "Tokens/s", rate: true, lines: [["tokens_per_s", ""]], format: (x) => fmt.num(x, 1) },
+    { title: "Requests/s", rate: true, lines: [["requests_per_s", ""]],
+      format: (x) => fmt.num(x, 2) },
+    { title: "Queue lag (requests)", lines: [["lag", ""]], format: (x) => fmt.num(x, 1) },
+    { title: "Queue time", lines: [["queue_p50_ms", "p50"], ["queue_p95_ms", "p95"]],
+      format: fmt.ms },
+    { title: "TTFT after admission", lines: [["ttft_p50_ms", "p50"], ["ttft_p95_ms", "p95"]],
+      format: fmt.ms },
+    { title: "Inter-token latency", lines: [["itl_p50_ms", "p50"], ["itl_p95_ms", "p95"]],
+      format: fmt.ms },
+    { title: "End-to-end latency", lines: [["e2e_p50_ms", "p50"], ["e2e_p95_ms", "p95"]],
+      format: fmt.ms },
+    { title: "KV cache use", lines: [["kv_usage", "mean"], ["kv_usage_max", "max"]],
+      format: fmt.pct, max: 1 },
+    { title: "Preemptions/s", rate: true, lines: [["preemptions_per_s", ""]],
+      format: (x) => fmt.num(x, 2) },
   ];
   const SVG = "http://www.w3.org/2000/svg";
-  const W = 300, H = 100, LEFT = 4, TOP = 14, BOTTOM = 14;
+  const W = 320, H = 150, LEFT = 48, RIGHT = 8, TOP = 8, BOTTOM = 20;
   let samples = [];
   let intervalMs = 10000;
+  let rateWindowS = 60;
 
-  function svg(tag, attrs) {
+  function svg(tag, attrs, text) {
     const node = document.createElementNS(SVG, tag);
     for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+    if (text !== undefined) node.textContent = text;
     return node;
+  }
+
+  function niceStep(raw) {
+    const power = 10 ** Math.floor(Math.log10(raw));
+    return [1, 2, 2.5, 5, 10].map((m) => m * power).find((step) => step >= raw);
+  }
+
+  function windowLabel() {
+    return rateWindowS % 60 ? `${rateWindowS} s` : `${rateWindowS / 60} min`;
+  }
+
+  function drawChart(chart, start, now) {
+    const x = (t) => LEFT + ((t - start) / (now - start)) * (W - LEFT - RIGHT);
+    const values = samples.flatMap((s) => chart.lines.map(([key]) => s[key]))
+      .filter((v) => v !== null && v !== undefined);
+    // NOTE: a chart of zeros still gets a scale (0 to 1), not a collapsed one.
+    const peak = Math.max(0, ...values);
+    const step = chart.max ? chart.max / 4 : niceStep(peak > 0 ? peak / 4 : 0.25);
+    const top = chart.max || step * Math.max(1, Math.ceil(peak / step));
+    const y = (v) => TOP + (H - TOP - BOTTOM) * (1 - v / top);
+    const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img",
+      "aria-label": `${chart.title} over the last ${Math.round((now - start) / 60000)} min` });
+    // y: gridlines at round values, labelled with the unit
+    for (let v = 0; v <= top + step / 2; v += step) {
+      root.append(svg("line", { class: v ? "grid" : "axis", x1: LEFT, x2: W - RIGHT,
+        y1: y(v), y2: y(v) }));
+      root.append(svg("text", { x: LEFT - 4, y: y(v) + 3, "text-anchor": "end" },
+        chart.format(v)));
+    }
+    // x: four clock times, with gridlines
+    const short = now - start <= 5 * 60 * 1000;
+    for (let i = 0; i <= 3; i += 1) {
+      const t = start + ((now - start) * i) / 3;
+      root.append(svg("line", { class: "grid", x1: x(t), x2: x(t), y1: TOP, y2: H - BOTTOM }));
+      const label = new Date(t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit",
+        hourCycle: "h23", ...(short ? { second: "2-digit" } : {}) });
+      root.append(svg("text", { x: x(t), y: H - 6,
+        "text-anchor": i === 0 ? "start" : i === 3 ? "end" : "middle" }, label));
+    }
+    // the lines: a missing sample or a null value is a gap, never bridged
+    chart.lines.forEach(([key], index) => {
+      let d = "";
+      let run = [];
+      const flush = () => {
+        if (run.length === 1) {
+          root.append(svg("circle", { class: `dot${index}`, cx: run[0][0], cy: run[0][1], r: 1.8 }));
+        }
+        run = [];
+      };
+      let previous = null;
+      for (const s of samples) {
+        const v = s[key];
+        if (v === null || v === undefined) { flush(); previous = null; continue; }
+        const gap = previous === null || s.t - previous > intervalMs * 2.5;
+        if (gap) flush();
+        const point = [x(s.t).toFixed(1), y(v).toFixed(1)];
+        d += `${gap ? "M" : "L"}${point[0]},${point[1]}`;
+        run.push(point);
+        previous = s.t;
+      }
+      flush();
+      if (d) root.append(svg("path", { class: `line${index}`, d }));
+    });
+    const last = samples.length ? samples[samples.length - 1] : {};
+    const title = chart.rate ? `${chart.title} (${windowLabel()} window)` : chart.title;
+    const heading = el("h3", {}, title, ...chart.lines.filter(([, label]) => label)
+      .map(([, label], index) => el("span", { className: `key${index}` }, label)),
+    el("span", { className: "now" }, chart.lines.map(([key]) => chart.format(last[key]))
+      .join(" / ")));
+    return el("div", { className: "chart", dataset: { chart: chart.lines[0][0] } }, heading, root);
   }
 
   function drawCharts() {
@@ -156,51 +244,14 @@
     const now = Date.now();
     const first = samples.length ? samples[0].t : now;
     const start = Math.max(now - HOUR_MS, Math.min(first, now - 60 * 1000));
-    const span = now - start;
-    const x = (t) => LEFT + ((t - start) / span) * (W - LEFT * 2);
-    const since = span >= 60 * 1000 ? `${Math.round(span / 60000)} min ago`
-      : `${Math.round(span / 1000)} s ago`;
-    $("#charts").replaceChildren(...CHARTS.map((chart) => {
-      const values = samples.flatMap((s) => chart.lines.map(([key]) => s[key]))
-        .filter((v) => v !== null && v !== undefined);
-      const max = Math.max(1e-9, ...values) * 1.1;
-      const y = (v) => TOP + (H - TOP - BOTTOM) * (1 - v / max);
-      const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img",
-        "aria-label": `${chart.title} since ${since}` });
-      root.append(svg("line", { class: "axis", x1: LEFT, x2: W - LEFT, y1: H - BOTTOM,
-        y2: H - BOTTOM }));
-      const top = svg("text", { x: LEFT, y: 10 });
-      top.textContent = chart.format(values.length ? max / 1.1 : null);
-      const left = svg("text", { x: LEFT, y: H - 2 });
-      left.textContent = since;
-      const right = svg("text", { x: W - LEFT, y: H - 2, "text-anchor": "end" });
-      right.textContent = "now";
-      root.append(top, left, right);
-      chart.lines.forEach(([key], index) => {
-        let d = "";
-        let previous = null;
-        for (const s of samples) {
-          const v = s[key];
-          if (v === null || v === undefined) { previous = null; continue; }
-          const gap = previous === null || s.t - previous > intervalMs * 2.5;
-          d += `${gap ? "M" : "L"}${x(s.t).toFixed(1)},${y(v).toFixed(1)}`;
-          previous = s.t;
-        }
-        if (d) root.append(svg("path", { class: `line${index}`, d }));
-      });
-      const last = samples.length ? samples[samples.length - 1] : {};
-      const heading = el("h3", {}, chart.title, ...chart.lines.filter(([, label]) => label)
-        .map(([, label], index) => el("span", { className: `key${index}` }, label)),
-      el("span", { className: "now" }, chart.lines.map(([key]) => chart.format(last[key]))
-        .join(" / ")));
-      return el("div", { className: "chart", dataset: { chart: chart.lines[0][0] } }, heading, root);
-    }));
+    $("#charts").replaceChildren(...CHARTS.map((chart) => drawChart(chart, start, now)));
   }
 
   async function refreshSeries() {
     const since = samples.length ? samples[samples.length - 1].t : 0;
     const series = await api(`/dashboard/api/series?since=${since}`);
     intervalMs = series.interval_s * 1000;
+    rateWindowS = series.rate_window_s || rateWindowS;
     const cutoff = Date.now() - HOUR_MS;
     samples = samples.concat(series.samples).filter((s) => s.t >= cutoff);
     drawCharts();
@@ -213,6 +264,14 @@
       const pool = await api("/dashboard/api/pool");
       const viewer = pool.viewer;
       $("#viewer").textContent = viewer.admin ? `admin (${viewer.tenant})` : `tenant ${viewer.tenant}`;
+      rateWindowS = pool.rate_window_s || rateWindowS;
+      for (const node of document.querySelectorAll(".rate-window")) {
+        node.textContent = `(${windowLabel()})`;
+      }
+      $("#scope").textContent = viewer.admin ? ""
+        : `Signed in as tenant ${viewer.tenant}: queues, workers, rates and charts cover the whole `
+          + "pool (every tenant's requests); dead letters, the request inspector and purges cover "
+          + "only your own requests, so a queue's dead-letter count can exceed the letters you see.";
       renderQueues(pool.queues);
       renderWorkers(pool.workers, pool.stale_after_s);
       await refreshDeadLetters(pool.queues, viewer);

@@ -197,6 +197,21 @@ def test_metrics_port_env_gives_each_worker_its_own_port(run_dir: Path,
                 body = r.read().decode()
             assert "llmq_time_to_first_token_seconds_bucket" in body
             assert "llmq_kv_cache_usage_ratio" in body
+        # And the gateway's /metrics answers without a key with both workers' series
+        from tests.e2e.gateway_harness import GatewayProcess
+
+        url = (run_dir / "redis.url").read_text().strip()
+        gateway = GatewayProcess(url, run_dir, env=env).start()
+        try:
+            with urllib.request.urlopen(f"{gateway.base_url}/metrics", timeout=10) as r:
+                pool = r.read().decode()
+        finally:
+            gateway.stop()
+        for name in ("llmq_time_to_first_token_seconds_count",
+                     "llmq_inter_token_latency_seconds_count", "llmq_kv_cache_usage_ratio"):
+            workers = {line.split('worker="')[1].split('"')[0] for line in pool.splitlines()
+                       if line.startswith(name + "{")}
+            assert len(workers) == 2, (name, workers)
     finally:
         down = llmq_run("down", env=env)
     assert down.returncode == 0, down.stderr

@@ -187,6 +187,87 @@ def test_both_workers_show_and_the_queue_falls_while_a_file_job_runs(
     assert console_errors(browser) == []
 
 
+def pool_counters(gateway: GatewayProcess) -> tuple[float, float, float]:
+    """(monotonic time, generated tokens, finished requests) summed over the pool's workers,
+    from the gateway's /metrics (no key needed)."""
+    text = httpx.get(f"{gateway.base_url}/metrics").text
+    tokens = requests = 0.0
+    for line in text.splitlines():
+        if line.startswith("llmq_generation_tokens_total{"):
+            tokens += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("llmq_requests_total{"):
+            requests += float(line.rsplit(" ", 1)[1])
+    return time.monotonic(), tokens, requests
+
+
+READ_RATES = """
+const row = document.querySelector('#queues tr[data-queue="default"]');
+const now = (key) => document.querySelector(`[data-chart="${key}"] .now`);
+if (!row || !now("tokens_per_s") || !now("requests_per_s")) return null;
+const number = (text) => parseFloat(text.replace(/,/g, ""));
+return [number(row.querySelector(".tps").textContent),
+        number(now("tokens_per_s").textContent),
+        number(row.querySelector(".rps").textContent),
+        number(now("requests_per_s").textContent)];
+"""
+
+
+def test_the_table_and_the_charts_show_the_same_rates_during_a_steady_run(
+        browser, gateway, url, tmp_path) -> None:
+    # Given the admin's dashboard, its rates stated over a window
+    sign_in(browser, gateway, KEYS["ops"])
+    wait_for(lambda: (text_of(browser, "#queues thead .rate-window") or "") == "(1 min)", 15,
+             "the rate window in the table's header")
+    wait_for(lambda: "1 min window" in (text_of(browser, '[data-chart="tokens_per_s"] h3') or ""),
+             15, "the rate window in the chart's title")
+    # When a steady file job runs for over a minute
+    requests = tmp_path / "steady.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": f"Steady {i}", "max_tokens": 16,
+                                            "ignore_eos": True}) + "\n" for i in range(420)))
+    job = llmq_process("submit", "-f", str(requests), "-o", str(tmp_path / "steady.out"),
+                       "--no-progress", env=subprocess_env(url))
+    started = time.monotonic()
+    counted_from = pool_counters(gateway)
+    by_metrics: tuple[float, float, list[float]] | None = None
+    readings: list[list[float]] = []
+    try:
+        while job.poll() is None:
+            time.sleep(1.0)
+            if by_metrics is None and time.monotonic() - counted_from[0] >= 60:
+                # The same minute as Prometheus would see it: the gateway's /metrics counters
+                now = pool_counters(gateway)
+                seconds = now[0] - counted_from[0]
+                by_metrics = ((now[1] - counted_from[1]) / seconds,
+                              (now[2] - counted_from[2]) / seconds,
+                              browser.execute_script(READ_RATES))
+            # NOTE: once the run is 25 s old: the table is read live and the chart's point is
+            # up to ~2 s older, which within a 60 s window moves a rising rate by under 10%.
+            if time.monotonic() - started < 25:
+                continue
+            reading = browser.execute_script(READ_RATES)
+            if reading and all(v == v for v in reading):  # no NaN (a "–")
+                readings.append(reading)
+    finally:
+        job.wait(120)
+    assert job.returncode == 0
+    # Then every reading of the table's tokens/s and requests/s is within 10% of the chart's
+    assert len(readings) >= 5, readings
+    # And the rates from the gateway's /metrics counters over that minute agree with the table
+    assert by_metrics is not None, "the job ended within a minute"
+    metrics_tps, metrics_rps, reading = by_metrics
+    assert abs(metrics_tps - reading[0]) <= 0.1 * metrics_tps, (metrics_tps, reading)
+    assert abs(metrics_rps - reading[2]) <= 0.1 * metrics_rps, (metrics_rps, reading)
+    for table_tps, chart_tps, table_rps, chart_rps in readings:
+        assert table_tps > 0 and abs(table_tps - chart_tps) <= 0.1 * table_tps, readings
+        assert table_rps > 0 and abs(table_rps - chart_rps) <= 0.1 * table_rps, readings
+    # And every chart has gridlines labelled with units, and clock times along its x axis
+    tick = text_of(browser, '[data-chart="e2e_p50_ms"] svg text') or ""
+    assert tick.endswith(" ms") or tick.endswith(" s"), tick
+    assert len(browser.find_elements("css selector",
+                                     '[data-chart="tokens_per_s"] svg line.grid')) >= 5
+    assert console_errors(browser) == []
+
+
 def test_a_poison_request_shows_under_dead_letters_and_the_retry_button_requeues_it(
         browser, gateway, url, client, tiny_model) -> None:
     # Given a request that crashes the engine (TEST-ONLY fault) on a queue of its own ...
@@ -287,6 +368,9 @@ def test_a_plain_tenant_reaches_only_its_own_dead_letters_and_only_an_admin_all(
         return {d["request_id"] for d in rows if d["queue"] == "shared"}
     # Then alice sees only hers, by the id she knows; the admin sees them all
     assert shown(alice) == {"a-1"}
+    pool = alice.get(f"{base}/pool").json()
+    assert pool["viewer"] == {"tenant": "alice", "admin": False}
+    assert next(q for q in pool["queues"] if q["queue"] == "shared")["dead_letters"] == 3
     assert shown(ops) == {"alice:a-1", "bob:b-1", "cli-1"}
     # And alice can neither retry bob's nor purge anything but her own
     assert alice.post(f"{base}/dead-letters/shared/{bob_entry}/retry").status_code == 404
@@ -317,3 +401,19 @@ def test_the_session_cookie_is_strict_and_its_posts_need_the_page_s_token(gatewa
                                  ).status_code == 403
         # And the page's own request, with its token, goes through
         assert browser_like.post(purge, headers={"X-CSRF-Token": token}).status_code == 200
+
+
+def test_a_tenant_is_told_which_figures_are_the_pool_s_and_which_its_own(browser,
+                                                                         gateway) -> None:
+    # Given alice, a plain tenant, on the dashboard
+    sign_in(browser, gateway, KEYS["alice"])
+    wait_for(lambda: "tenant alice" in (text_of(browser, "#scope") or ""), 15, "the scope note")
+    # Then the page says the queues and charts are the whole pool's, the dead letters hers
+    scope = text_of(browser, "#scope") or ""
+    assert "whole pool" in scope and "only your own requests" in scope
+    wait_for(lambda: text_of(browser, "#dead-scope") == "(your requests only)", 15,
+             "the dead letters' scope")
+    # While the admin is told nothing is hidden
+    sign_in(browser, gateway, KEYS["ops"])
+    wait_for(lambda: text_of(browser, "#dead-scope") == "(every tenant's)", 15, "admin scope")
+    assert text_of(browser, "#scope") == ""

@@ -95,13 +95,19 @@ def _series(interval: float = 10.0) -> PoolSeries:
 
 
 def _beat(worker_id: str, at_ms: int, requests: int, tokens: int, *, queue: str = "default",
-          started_ms: int = 0, ttfts: tuple[float, ...] = ()) -> WorkerHeartbeat:
-    hist = LatencyHistogram()
+          started_ms: int = 0, ttfts: tuple[float, ...] = (), queued: tuple[float, ...] = (),
+          kv_usage: float = 0.0, preemptions: int = 0) -> WorkerHeartbeat:
+    hist, queue_hist = LatencyHistogram(), LatencyHistogram()
     for ttft in ttfts:
         hist.observe(ttft)
+    for seconds in queued:
+        queue_hist.observe(seconds)
     return WorkerHeartbeat(worker_id=worker_id, queue=queue, started_ms=started_ms,
                            heartbeat_ms=at_ms, requests_total=requests,
-                           generated_tokens_total=tokens, ttft_hist=hist.encode())
+                           generated_tokens_total=tokens,
+                           ttft_admitted_hist=hist.encode(with_sum=True),
+                           queue_hist=queue_hist.encode(with_sum=True), kv_usage=kv_usage,
+                           preemptions_total=preemptions)
 
 
 def test_rates_are_counter_differences_between_heartbeats_summed_by_queue() -> None:
@@ -144,3 +150,37 @@ def test_ttft_points_cover_the_requests_of_the_last_minute_over_every_worker() -
     assert 25 < sample.ttft_p50_ms <= 50 and sample.ttft_p95_ms > 2_500
     # A minute later with nothing finished, there is no TTFT to draw
     assert series.sample(1_071_000, lag=0).ttft_p50_ms is None
+
+
+
+def test_rates_span_the_stated_window_so_waves_of_completions_read_steady() -> None:
+    series = _series(interval=1.0)
+    # Given a worker finishing a wave of 32 requests (640 tokens) every 8 s, beating each second
+    requests = tokens = 0
+    table, chart = [], []
+    for second in range(0, 181):
+        if second and second % 8 == 0:
+            requests, tokens = requests + 32, tokens + 640
+        series.observe([_beat("a", 1_000_000 + second * 1000, requests, tokens)])
+        if second >= 60:
+            table.append(series.rates()["default"].requests_per_s)
+            chart.append(series.sample(1_000_000 + second * 1000, lag=0).requests_per_s)
+    # Then past the first minute, every reading is the true 4 req/s within 15% (two readings a
+    # second apart would have been 0 or 32), and the table and chart read the same numbers
+    assert all(3.4 <= rate <= 4.6 for rate in table), table
+    assert [round(r, 3) for r in table] == chart
+
+
+def test_a_sample_splits_latency_and_carries_kv_use_and_preemptions() -> None:
+    series = _series()
+    series.observe([_beat("a", 1_000_000, 0, 0), _beat("b", 1_000_000, 0, 0)])
+    # Given requests that waited ~2 s in the queue and then got their first token in ~40 ms
+    series.observe([_beat("a", 1_010_000, 9, 90, ttfts=(0.04,) * 9, queued=(2.0,) * 9,
+                          kv_usage=0.5, preemptions=3),
+                    _beat("b", 1_010_000, 1, 10, ttfts=(0.04,), queued=(2.0,), kv_usage=0.1)])
+    sample = series.sample(1_010_000, lag=0)
+    # Then queue time and TTFT after admission are told apart
+    assert 1_000 < sample.queue_p50_ms <= 2_500 and 25 < sample.ttft_p50_ms <= 50
+    # And the KV use is the workers' mean and max, preemptions a rate over the window
+    assert (sample.kv_usage, sample.kv_usage_max) == (0.3, 0.5)
+    assert sample.preemptions_per_s == 0.3

@@ -165,3 +165,15 @@ def test_the_pool_rate_ignores_idle_time_before_work_and_falls_when_work_stops()
     rate.observe([WorkerHeartbeat(worker_id="x", queue="other", heartbeat_ms=1,
                                   generated_tokens_total=9)])
     assert rate.tokens_since_start == 250
+
+
+def test_a_failed_heartbeat_read_leaves_the_bar_running() -> None:
+    from llmq.cli.pool_rate import PoolTokenRate
+    from llmq.protocol.errors import LLMQError
+
+    def unreachable() -> list[WorkerHeartbeat]:
+        raise LLMQError("Redis is away")
+
+    rate = PoolTokenRate("default", read=unreachable)
+    rate.poll()  # Then nothing is raised, and there is simply no figure yet
+    assert rate.tokens_per_s is None and rate.tokens_since_start == 0
