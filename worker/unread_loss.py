@@ -27,6 +27,7 @@ import redis
 
 from llmq import protocol
 from llmq.broker import replies
+from llmq.broker.commands import as_fields
 from llmq.broker.keys import GROUP
 from llmq.protocol.errors import ErrorCode
 from llmq.worker.worker_context import WorkerContext
@@ -89,7 +90,8 @@ class UnreadLoss:
             queue=self.ctx.queue, entry_id=last_delivered, request_id=None,
             code=ErrorCode.LOST_PAYLOAD, message=message, deliveries=0,
             worker=self.ctx.worker_id, at_ms=int(time.time() * 1000))
-        client.xadd(self.ctx.keys.dlq(self.ctx.queue), protocol.encode_dead_letter(letter, None))
+        client.xadd(self.ctx.keys.dlq(self.ctx.queue),
+                    as_fields(protocol.encode_dead_letter(letter, None)))
         if self.ctx.metrics is not None:
             self.ctx.metrics.inc_lost_unread(new)
             self.ctx.metrics.inc_dead_letters(1)
