@@ -492,3 +492,20 @@ def test_a_queue_wipe_by_a_raw_producer_is_reported_once(connect, acl_server):
     # And a later wipe adds to it
     producer.xadd(Q, {"json": '{"prompt": "again"}'}, maxlen=0, approximate=False)
     assert loss.check(worker) == 1
+
+
+def test_the_queue_registry_is_the_workers_and_its_readers_skip_bad_names(connect, acl_server):
+    producer, worker, admin = connect("producer"), connect("worker"), connect("admin")
+    # Given producers may not register queues (one bad name would break every reader's list)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        producer.sadd("llmq:queues", "bad name")
+    # ... and their client's group creation gets by without it
+    ensure_functions(worker)
+    with Client(acl_url(acl_server[0], "producer"), queue="fresh") as client:
+        client.submit("Hi", request_id="p-1", max_tokens=2)
+    worker.sadd("llmq:queues", "default")
+    # When names no llmq process would write are in the registry anyway (an older ACL, an admin)
+    admin.sadd("llmq:queues", "bad name", "x{y}", "*", "a" * 200)
+    # Then the readers list the valid ones only
+    with Client(acl_url(acl_server[0], "admin")) as client:
+        assert client.queues() == ["default"]
