@@ -116,7 +116,7 @@ ALLOWED = {
         ("FCALL_RO", "llmq_version", "0"), ("FUNCTION", "LOAD", "#!lua name=llmq\n"),
         ("HSCAN", SUB, "0"), ("HMGET", SUB, "1-0"), ("HDEL", SUB, "1-0"),  # vanished entries
         ("XADD", R, "MAXLEN", "~", "10000", "*", "json", "{}"),   # events
-        ("EXPIRE", R, "86400"),
+        ("EXPIRE", R, "86400"), ("EXISTS", R),                     # ... was it answered
         ("XADD", DLQ, "*", "json", "{}"),                          # dead letters
         ("XREVRANGE", CANCEL, "+", "-", "COUNT", "1"),             # cancellations
         ("XREAD", "BLOCK", "1000", "STREAMS", CANCEL, "0-0"),

@@ -309,3 +309,34 @@ def test_a_forged_submission_record_cannot_fail_another_tenants_request(
     assert [type(e).__name__ for e in read_events(admin, "bob:run")].count("Error") == 0
     acme_raw.close()
     admin.close()
+
+
+def test_forged_records_cannot_stall_the_lost_payload_pass_or_answer_a_finished_request(
+        tenants, tiny_model) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    acme_raw = redis.Redis.from_url(url(port, "acme"))
+    with Client(acl_url(port, "producer")) as shared, Client(url(port, "acme")) as acme:
+        # Given a finished id-less request of the shared producer, trimmed from the queue
+        with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="first"):
+            finished = shared.submit("Hi", max_tokens=2)
+            shared.result(finished, timeout=30)
+            wait_for(lambda: not admin.hexists(SUB, finished), 10, "its record acked")
+        admin.xdel(Q, finished)
+        before = read_events(admin, finished)
+        # And acme's request trimmed before any worker read it (a genuine record)
+        acme.submit("Hi", request_id="acme:gone", max_tokens=2)
+        gone = admin.get(KEYS.idempotency("default", "acme:gone")).decode()
+        admin.xdel(Q, gone)
+        # When acme forges records: one naming no entry, one naming the finished request
+        acme_raw.hset(SUB, mapping={"not-an-entry": "x", finished: finished})
+        with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="second") as w:
+            w.worker.reclaimer.answer_vanished_unread()
+            # Then acme's lost request is answered, by name, in the same pass
+            error = wait_terminal(admin, "acme:gone")
+            assert isinstance(error, protocol.Error) and error.code == "lost_payload"
+            wait_for(lambda: admin.hlen(SUB) == 0, 10, "every record cleared")
+    # And the finished request's stream is as it was
+    assert read_events(admin, finished) == before
+    acme_raw.close()
+    admin.close()
