@@ -48,6 +48,7 @@ from llmq.broker.keys import GROUP, is_valid_name
 from llmq.broker.replies import PendingEntry
 from llmq.broker.retention import trim_acked_requests
 from llmq.protocol.errors import ErrorCode
+from llmq.protocol.requests import ENTRY_ID_RE
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.io_thread import IOThread
@@ -276,6 +277,15 @@ class Reclaimer(IOThread):
                 return answered
 
     def _answer_vanished_in(self, records: dict[str, str]) -> int:
+        # NOTE: anyone who may submit may HSET a record (the submit function runs with the
+        # caller's rights): one that names no entry id must not fail the whole pass.
+        if bad := [e for e in records if not ENTRY_ID_RE.fullmatch(e)]:
+            logger.warning("dropping %d submission records naming no entry id: %r", len(bad),
+                           bad[:3])
+            self.client.hdel(self.keys.submissions(self.ctx.queue), *bad)
+            records = {e: r for e, r in records.items() if e not in bad}
+            if not records:
+                return 0
         pipe = self.client.pipeline(transaction=False)
         for entry_id in records:
             pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
@@ -287,9 +297,23 @@ class Reclaimer(IOThread):
         if not vanished:
             return 0
         owners = self._confirmed_ids(dict(vanished))
+        # NOTE: an answer on the entry's own stream (an id-less submit's, or a record naming no
+        # one) is written only where that stream has no events: one that has them ran and was
+        # answered, and the record is a forgery aimed at it.
+        unnamed = [e for e in vanished if owners.get(e, e) == e]
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in unnamed:
+            pipe.exists(self.keys.result(entry_id))
+        answered = {e for e, found in zip(unnamed, pipe.execute() if unnamed else [],
+                                          strict=True) if replies.integer(found, "EXISTS")}
+        if answered:
+            logger.warning("dropping %d submission records of entries answered already: %s",
+                           len(answered), sorted(answered)[:3])
+            self.client.hdel(self.keys.submissions(self.ctx.queue), *answered)
         message = "the entry was trimmed or deleted from the request stream before a worker read it"
         for entry_id in vanished:
-            self._answer_lost(entry_id, owners.get(entry_id), message)
+            if entry_id not in answered:
+                self._answer_lost(entry_id, owners.get(entry_id), message)
         logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
                        len(vanished), self.queue_key)
         return len(vanished)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import redis
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 
 from llmq import protocol
 from llmq.broker import Client
@@ -21,6 +22,10 @@ from llmq.broker.keys import GROUP, Keys
 from llmq.broker.tenant_acl import TenantAcl
 from llmq.cli.main import cli
 from llmq.protocol.errors import BrokerError, RequestIdConflict
+from llmq.worker.metrics import WorkerMetrics
+from llmq.worker.unread_loss import UnreadLoss
+from llmq.worker.worker_config import WorkerConfig
+from llmq.worker.worker_context import WorkerContext
 from tests.fixtures.acl_server import PASSWORDS, acl_url
 from tests.integration.worker_harness import (
     KEYS,
@@ -307,5 +312,96 @@ def test_a_forged_submission_record_cannot_fail_another_tenants_request(
             done = bob.result("bob:run", timeout=60)
     assert done.finish_reason == "length" and done.usage.completion_tokens == 40
     assert [type(e).__name__ for e in read_events(admin, "bob:run")].count("Error") == 0
+    acme_raw.close()
+    admin.close()
+
+
+def test_forged_records_cannot_stall_the_lost_payload_pass_or_answer_a_finished_request(
+        tenants, tiny_model) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    acme_raw = redis.Redis.from_url(url(port, "acme"))
+    with Client(acl_url(port, "producer")) as shared, Client(url(port, "acme")) as acme:
+        # Given a finished id-less request of the shared producer, trimmed from the queue
+        with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="first"):
+            finished = shared.submit("Hi", max_tokens=2)
+            shared.result(finished, timeout=30)
+            wait_for(lambda: not admin.hexists(SUB, finished), 10, "its record acked")
+        admin.xdel(Q, finished)
+        before = read_events(admin, finished)
+        # And acme's request trimmed before any worker read it (a genuine record)
+        acme.submit("Hi", request_id="acme:gone", max_tokens=2)
+        gone = admin.get(KEYS.idempotency("default", "acme:gone")).decode()
+        admin.xdel(Q, gone)
+        # When acme forges records: one naming no entry, one naming the finished request
+        acme_raw.hset(SUB, mapping={"not-an-entry": "x", finished: finished})
+        with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="second") as w:
+            w.worker.reclaimer.answer_vanished_unread()
+            # Then acme's lost request is answered, by name, in the same pass
+            error = wait_terminal(admin, "acme:gone")
+            assert isinstance(error, protocol.Error) and error.code == "lost_payload"
+            wait_for(lambda: admin.hlen(SUB) == 0, 10, "every record cleared")
+    # And the finished request's stream is as it was
+    assert read_events(admin, finished) == before
+    acme_raw.close()
+    admin.close()
+
+
+def test_a_queue_wipe_by_a_tenants_raw_xadd_is_reported_once(tenants) -> None:
+    port = tenants
+    worker = redis.Redis.from_url(acl_url(port, "worker"))
+    acme_raw = redis.Redis.from_url(url(port, "acme"))
+    metrics = WorkerMetrics("tiny", "default", registry=CollectorRegistry())
+    ctx = WorkerContext(WorkerConfig(redis_url=acl_url(port, "worker"), worker_id="w1"), "tiny",
+                        4, metrics)
+    loss = UnreadLoss(ctx)
+    # Given a queue where one request ran and two (bob's, say) wait
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    for _ in range(3):
+        acme_raw.xadd(Q, {"json": '{"prompt": "x"}'})
+    ((_, [(ran, _)]),) = worker.xreadgroup(GROUP, "w1", {Q: ">"}, count=1)
+    worker.xack(Q, GROUP, ran)
+    # Then waiting entries are not a loss
+    assert loss.check(worker) == 0
+    # When acme wipes the queue with a raw XADD ... MAXLEN 0 (an ACL cannot refuse it)
+    acme_raw.xadd(Q, {"json": '{"prompt": "wipe"}'}, maxlen=0, approximate=False)
+    assert worker.xlen(Q) == 0
+    # Then the next look reports the three entries no worker read (the two and the wipe's own),
+    # once, whichever worker looks
+    assert loss.check(worker) == 3
+    assert loss.check(worker) == 0 and UnreadLoss(ctx).check(worker) == 0
+    # ... as a dead letter with no request id, a metric, and in the queue's stats
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    ((letter, payload),) = dead_letters(admin)
+    assert letter.code == "lost_payload" and letter.request_id is None and not payload
+    assert "3 request entries were trimmed" in letter.message
+    assert metrics.registry.get_sample_value(
+        "llmq_entries_lost_unread_total", {"model": "tiny", "queue": "default"}) == 3
+    with Client(acl_url(port, "admin")) as client:
+        assert client.stats().lost_unread == 3
+    # And a later wipe adds to it
+    acme_raw.xadd(Q, {"json": '{"prompt": "again"}'}, maxlen=0, approximate=False)
+    assert loss.check(worker) == 1
+    for client in (worker, acme_raw, admin):
+        client.close()
+
+
+def test_the_queue_registry_is_the_workers_and_its_readers_skip_bad_names(tenants) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    # Given tenants may not register queues (one bad name would break every reader's list;
+    # 20,000 would make every cancel slow)
+    acme_raw = redis.Redis.from_url(url(port, "acme"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        acme_raw.sadd(KEYS.queues(), "bad name")
+    # ... and their client's group creation gets by without it
+    with Client(url(port, "acme"), queue="fresh") as acme:
+        acme.submit("Hi", request_id="acme:1", max_tokens=2)
+    admin.sadd(KEYS.queues(), "default")
+    # When names no llmq process would write are in the registry anyway (an older ACL, an admin)
+    admin.sadd(KEYS.queues(), "bad name", "x{y}", "*", "a" * 200)
+    # Then the readers list the valid ones only
+    with Client(acl_url(port, "admin")) as client:
+        assert client.queues() == ["default"]
     acme_raw.close()
     admin.close()
