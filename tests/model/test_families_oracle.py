@@ -138,6 +138,8 @@ def test_quantized_gguf_on_native_weights_equals_its_dequantized_model(q8_checkp
     # Then only plain Llama blocks decode in one kernel call; every other family says no
     # rather than computing something else (llama3 RoPE scaling only changes the tables)
     assert native._one_call == (family in ONE_CALL)
+    if native.arch.num_experts:
+        _experts_hold_only_their_blocks(native, dense)
     # When four short prompts prefill together (8 rows) and decode (4 rows), every step on
     # the quantized kernels (larger steps run the int8 form: close, not equal)
     g = torch.Generator().manual_seed(2)
@@ -149,3 +151,18 @@ def test_quantized_gguf_on_native_weights_equals_its_dequantized_model(q8_checkp
     assert ours == theirs
     for a, b in zip(our_logits, their_logits, strict=True):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def _experts_hold_only_their_blocks(native, dense) -> None:
+    """An MoE model's experts keep their quantized blocks only (no int8 or dense copy of
+    every expert), and run on them for any number of rows: the dequantized weights' result."""
+    from llmq.worker.engine.model.linear import QUANT_MAX_ROWS, Linear
+    from llmq.worker.engine.model.moe import SparseMoe
+
+    moe = next(m for m in native.modules() if isinstance(m, SparseMoe))
+    experts = [m for m in moe.experts.modules() if isinstance(m, Linear)]
+    assert all(e.quant_only and e.int8 is None and e.weight.numel() == 0 for e in experts)
+    dense_moe = next(m for m in dense.modules() if isinstance(m, SparseMoe))
+    x = torch.randn(3 * QUANT_MAX_ROWS + 1, native.arch.hidden_size)
+    expected = dense_moe.experts[0].gate_up_proj(x)
+    torch.testing.assert_close(moe.experts[0].gate_up_proj(x), expected, rtol=1e-4, atol=1e-4)

@@ -332,11 +332,13 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: the dense table stays only where lookups still need it; the tied head then
         # keeps just its packed copy.
         keep_embedding = self.embed_quant is None
+        experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
+                   for m in moe.experts.modules()}
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(native, self.kernels,
                                 keep_dense=keep_embedding and module.weight is self.embed_tokens,
-                                int8=module is not self.lm_head)
+                                int8=module is not self.lm_head, quant_only=id(module) in experts)
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         self._one_call = (self._one_call_able and self.kernels is not None
