@@ -1,4 +1,5 @@
-"""LlamaForCausalLM: a Llama-family decoder (Llama, SmolLM, TinyLlama, Qwen2) in plain torch.
+"""LlamaForCausalLM: the Llama-style decoder of every supported family (families.py: Llama,
+Mistral, Qwen2/3, Gemma 2/3, Phi-3, granite, and the MoE ones) in plain torch.
 
 References: nanoGPT `model.py` and gpt-fast `model.py` (a whole decoder in a few hundred lines,
 preallocated KV cache), Hugging Face `modeling_llama.py` (the numerics the oracle test holds us
@@ -9,6 +10,11 @@ Meta's original `llama/model.py` (RoPE as a complex multiply on interleaved pair
 Q/K rows are kept in interleaved-RoPE order (llama.cpp's; see gguf_loader.py), so RoPE is one
 in-place complex multiply; attention scores do not depend on the order of a head's dimensions.
 Every step runs each linear layer once over all scheduled tokens of all sequences.
+
+Three ways to run a step, the first that can express the model: the one-call decode kernel
+(plain Llama/Qwen2 blocks, native weights, a few decodes), the fused per-op kernels (SwiGLU,
+plain residuals and RoPE: adds Qwen3's Q/K norm, sliding windows, granite's multipliers), and
+torch ops per layer (everything else). docs/models.md lists which family runs where.
 
 Precision: `dtype` is the KV cache's. Activations (the residual stream, norms, RoPE) are float32
 except on the all-bfloat16 path (`weights="bf16"` with a bfloat16 cache), which keeps today's
