@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: run test install model redis-server browser cxx lint bench clean
+.PHONY: run test install model redis-server browser cxx llama-cpp-converter lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,13 +44,26 @@ cxx:
 	  apt-get install -y -qq g++ >/dev/null) \
 	  || echo "no C++ compiler: the engine runs torch ops instead of its CPU kernels (slower)"; }
 
+# llama.cpp's own HF -> GGUF converter, from the llama-cpp-python sdist on PyPI: the model tests
+# write each family's GGUF with it (tests/fixtures/tiny_hf.py). Without it they skip (fail in CI).
+LLAMA_CPP := $(VENV)/llama.cpp
+LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
+llama-cpp-converter: $(STAMP)
+	@test -f $(LLAMA_CPP)/convert_hf_to_gguf.py || { tmp=$$(mktemp -d) \
+	  && $(BIN)/python -m pip download -q --no-deps --no-binary :all: \
+	     llama-cpp-python==0.3.36 -d $$tmp \
+	  && mkdir -p $(LLAMA_CPP) && tar xzf $$tmp/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP) \
+	     --strip-components=3 $(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
+	     $(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py \
+	  ; rm -rf $$tmp; }
+
 # The whole pool for one answer: the embedded server and a worker in the background, one streamed
 # answer through the queue, then everything stopped again (also on failure or Ctrl-C).
 run: install model
 	@$(BIN)/llmq up --detach --workers 1 && trap '$(BIN)/llmq down' EXIT && trap 'exit 130' INT TERM && \
 	  $(BIN)/llmq submit --chat "$(PROMPT)" --max-tokens 64 --temperature 0
 
-test: install model redis-server browser cxx
+test: install model redis-server browser cxx llama-cpp-converter
 	$(BIN)/ruff check broker worker cli gateway tests bench
 	$(BIN)/python -m pytest -q
 
