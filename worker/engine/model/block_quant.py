@@ -44,7 +44,8 @@ class BlockQuant:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape  # type: ignore[return-value]
+        rows, cols = self.q.shape
+        return rows, cols
 
     def dequantize(self) -> np.ndarray:
         """[out, in] float32."""
@@ -99,31 +100,35 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
+# (q [n, block] integers, scales, offsets [n, groups] float32, group size, bits)
+_Decoded = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
+
+
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1's [n, 4] bytes of high bits -> [n, 32] of 0/16 (bit j is element j)."""
     bits = qh.copy().view("<u4")  # [n, 1]
     return (((bits >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
 
 
-def _q4_0(b: np.ndarray):
+def _q4_0(b: np.ndarray) -> _Decoded:
     d = _f16(b, 0)
     return _nibbles(b[:, 2:18]), d, -8 * d, 32, 4
 
 
-def _q4_1(b: np.ndarray):
+def _q4_1(b: np.ndarray) -> _Decoded:
     return _nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2), 32, 4
 
 
-def _q5_0(b: np.ndarray):
+def _q5_0(b: np.ndarray) -> _Decoded:
     q = (_nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6])).astype(np.int16) - 16
     return q, _f16(b, 0), np.zeros((len(b), 1), np.float32), 32, 8
 
 
-def _q5_1(b: np.ndarray):
+def _q5_1(b: np.ndarray) -> _Decoded:
     return _nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8]), _f16(b, 0), _f16(b, 2), 32, 8
 
 
-def _q8_0(b: np.ndarray):
+def _q8_0(b: np.ndarray) -> _Decoded:
     return b[:, 2:34].copy().view(np.int8), _f16(b, 0), np.zeros((len(b), 1), np.float32), 32, 8
 
 
@@ -133,14 +138,14 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _f16(b, 0) * sc.astype(np.float32), -(_f16(b, 2) * m.astype(np.float32))
 
 
-def _q4_k(b: np.ndarray):
+def _q4_k(b: np.ndarray) -> _Decoded:
     scales, offsets = _k_scales(b)
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)  # 4 chunks of 64: low nibbles, then high
     q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     return q.reshape(-1, 256), scales, offsets, 32, 4
 
 
-def _q5_k(b: np.ndarray):
+def _q5_k(b: np.ndarray) -> _Decoded:
     scales, offsets = _k_scales(b)
     qh = b[:, 16:48].reshape(-1, 1, 32)  # bit j of byte l: element 32 j + l
     qs = b[:, 48:176].reshape(-1, 4, 1, 32)
@@ -149,7 +154,7 @@ def _q5_k(b: np.ndarray):
     return (low | (high << 4)).reshape(-1, 256), scales, offsets, 32, 8
 
 
-def _q6_k(b: np.ndarray):
+def _q6_k(b: np.ndarray) -> _Decoded:
     ql, qh = b[:, :128], b[:, 128:192]
     sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [n, 16]
     low = ((ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
