@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmq.worker.engine.model.attention import AttentionMetadata
+from llmq.worker.engine.model.llama import LlamaForCausalLM
 from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from llmq.worker.engine.sampler import Sampler, SamplingMetadata
 from llmq.worker.engine.sampling_params import SamplingParams
@@ -46,13 +47,14 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, model, num_kv_blocks: int, block_size: int, threads: int,
+    def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int,
+                 threads: int,
                  eos_token_ids: frozenset[int] = frozenset(),
                  structured_output: StructuredOutputManager | None = None) -> None:
         # NOTE: set explicitly: torch's default (one thread per core) collapses 5-30x on this
         # kind of machine whenever a neighbour is busy; one worker process per core is the plan.
         torch.set_num_threads(threads)
-        self.model = model
+        self.model: LlamaForCausalLM | None = model  # None while asleep at level 2
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.vocab_size = model.arch.vocab_size
@@ -104,14 +106,15 @@ class ModelRunner:
 
         metadata = AttentionMetadata.build(
             query_lens, seq_lens, [s.block_ids for s in states], self.block_size)
-        hidden = self.model(  # [num_tokens, hidden_size]
+        model = self.awake_model
+        hidden = model(  # [num_tokens, hidden_size]
             torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches)
 
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list = [None] * len(states)
         errors: dict[str, str] = {}
         if sample_rows:
-            logits = self.model.compute_logits(hidden[logits_indices])  # [num_samples, vocab]
+            logits = model.compute_logits(hidden[logits_indices])  # [num_samples, vocab]
             sampling_states = [states[i] for i in sample_rows]
             self._suppress_stop_tokens_before_min_tokens(logits, sampling_states)
             self._apply_grammars(logits, sampling_states)
@@ -142,17 +145,24 @@ class ModelRunner:
         freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self.kv_caches = []
         if level == 2:
-            tensors = [*self.model.parameters(), *self.model.buffers()]
+            model = self.awake_model
+            tensors = [*model.parameters(), *model.buffers()]
             freed += sum(t.numel() * t.element_size() for t in tensors)
             self.model = None
         self.requests.clear()
         self.sleep_level = level
         return freed
 
-    def wake_up(self, model=None) -> None:
+    def wake_up(self, model: LlamaForCausalLM | None = None) -> None:
         if model is not None:
             self.model = model
-        self.kv_caches = self.model.make_kv_caches(self.num_kv_blocks, self.block_size)
+        self.kv_caches = self.awake_model.make_kv_caches(self.num_kv_blocks, self.block_size)
+
+    @property
+    def awake_model(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RuntimeError("the model was released (sleep level 2): wake_up with a model")
+        return self.model
         self.sleep_level = 0
 
     def _start_grammar(self, state: CachedRequestState) -> None:
