@@ -14,7 +14,7 @@ LINTED := protocol broker worker cli gateway jobs tests bench llmq
 # test that runs the real default model in torch: tests/conftest.py) are left to `make test`.
 CHECK_TESTS := tests/unit tests/engine tests/model
 
-.PHONY: run check test install model redis-server browser cxx lint typecheck bench clean
+.PHONY: run check test install model redis-server browser cxx llama-cpp-converter lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,19 @@ cxx:
 	  apt-get install -y -qq g++ >/dev/null) \
 	  || echo "no C++ compiler: the engine runs torch ops instead of its CPU kernels (slower)"; }
 
+# llama.cpp's own HF -> GGUF converter, from the llama-cpp-python sdist on PyPI: the model tests
+# write each family's GGUF with it (tests/fixtures/tiny_hf.py). Without it they skip (fail in CI).
+LLAMA_CPP := $(VENV)/llama.cpp
+LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
+llama-cpp-converter: $(STAMP)
+	@test -f $(LLAMA_CPP)/convert_hf_to_gguf.py || { tmp=$$(mktemp -d) \
+	  && $(BIN)/python -m pip download -q --no-deps --no-binary :all: \
+	     llama-cpp-python==0.3.36 -d $$tmp \
+	  && mkdir -p $(LLAMA_CPP) && tar xzf $$tmp/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP) \
+	     --strip-components=3 $(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
+	     $(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py \
+	  ; rm -rf $$tmp; }
+
 # The whole pool for one answer: the embedded server and a worker in the background, one streamed
 # answer through the queue, then everything stopped again (also on failure or Ctrl-C).
 run: install model
@@ -70,7 +83,7 @@ check: install model cxx
 
 # The whole suite (CI runs this: .ci/run): lint, types, the import rules and every test, with the
 # integration and cluster tests on real servers and the two-minute chaos soak.
-test: install model redis-server browser cxx
+test: install model redis-server browser cxx llama-cpp-converter
 	@status=0; \
 	echo "== ruff"; $(BIN)/ruff check $(LINTED) || status=1; \
 	echo "== mypy"; $(BIN)/python -m mypy || status=1; \

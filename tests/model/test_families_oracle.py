@@ -38,7 +38,12 @@ TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # logits are O(1-10): float32 rounding
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """family -> (HF folder, GGUF file), all converted in one converter run."""
     if llama_cpp_dir() is None:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not here: set LLAMA_CPP_DIR")
+        from tests.fixtures.redis_servers import in_ci
+
+        message = "no llama.cpp convert_hf_to_gguf.py: make llama-cpp-converter"
+        if in_ci():
+            pytest.fail(message + " (required under CI=true)")
+        pytest.skip(message)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     root = tmp_path_factory.mktemp("families")
     pairs = {family: (write_tiny_hf(family, root / family), root / f"{family}.gguf")
@@ -138,6 +143,8 @@ def test_quantized_gguf_on_native_weights_equals_its_dequantized_model(q8_checkp
     # Then only plain Llama blocks decode in one kernel call; every other family says no
     # rather than computing something else (llama3 RoPE scaling only changes the tables)
     assert native._one_call == (family in ONE_CALL)
+    if native.arch.num_experts:
+        _experts_hold_only_their_blocks(native, dense)
     # When four short prompts prefill together (8 rows) and decode (4 rows), every step on
     # the quantized kernels (larger steps run the int8 form: close, not equal)
     g = torch.Generator().manual_seed(2)
@@ -149,3 +156,18 @@ def test_quantized_gguf_on_native_weights_equals_its_dequantized_model(q8_checkp
     assert ours == theirs
     for a, b in zip(our_logits, their_logits, strict=True):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def _experts_hold_only_their_blocks(native, dense) -> None:
+    """An MoE model's experts keep their quantized blocks only (no int8 or dense copy of
+    every expert), and run on them for any number of rows: the dequantized weights' result."""
+    from llmq.worker.engine.model.linear import QUANT_MAX_ROWS, Linear
+    from llmq.worker.engine.model.moe import SparseMoe
+
+    moe = next(m for m in native.modules() if isinstance(m, SparseMoe))
+    experts = [m for m in moe.experts.modules() if isinstance(m, Linear)]
+    assert all(e.quant_only and e.int8 is None and e.weight.numel() == 0 for e in experts)
+    dense_moe = next(m for m in dense.modules() if isinstance(m, SparseMoe))
+    x = torch.randn(3 * QUANT_MAX_ROWS + 1, native.arch.hidden_size)
+    expected = dense_moe.experts[0].gate_up_proj(x)
+    torch.testing.assert_close(moe.experts[0].gate_up_proj(x), expected, rtol=1e-4, atol=1e-4)

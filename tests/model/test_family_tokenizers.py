@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizers of the Llama 3 and Qwen2 families encode as `tokenizers` does.
+"""Each family's tokenizer encodes as `tokenizers` does: byte-level BPE with the Llama 3 and
+Qwen2 pre-tokenizers, and Gemma's SentencePiece (no prefix space, byte fallback).
 
 A GGUF holds a tokenizer as a token list, merges and a pre-tokenizer *name*
 (`tokenizer.ggml.pre`); llmq maps the name to the family's split rule. Each case writes the same

@@ -174,7 +174,8 @@ class ModelRunner:
         freed = sum(t.numel() * t.element_size() for t in self.kv_caches)
         self.kv_caches = []
         if level == 2:
-            tensors = [*self.model.parameters(), *self.model.buffers()]
+            model = self.model
+            tensors = [*model.parameters(), *model.buffers()]
             freed += sum(t.numel() * t.element_size() for t in tensors)
             self._model = None
         self.requests.clear()

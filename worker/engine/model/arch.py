@@ -68,6 +68,11 @@ class ModelArchConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        if self.sliding_window and self.sliding_window >= self.max_position_embeddings:
+            # NOTE: a window as long as the context never slides (Phi-3.5's 262144): full
+            # attention, which keeps the compiled decode-attention kernel
+            object.__setattr__(self, "sliding_window", None)
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_layers} layers")

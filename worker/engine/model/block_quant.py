@@ -100,7 +100,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
-# What a block decoder gives: q, scales, offsets, the group size and the bits of q.
+# (q [n, block] integers, scales, offsets [n, groups] float32, group size, bits)
 _Decoded = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
 
 

@@ -77,17 +77,22 @@ class Linear(nn.Module):
         self.int8: Int8Matrix | None = None  # the large-batch form of `native`, if any
         self._kernels: CpuKernels | None = None
         self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
+        self.quant_only = False  # set by finalize: the quantized form serves every batch size
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows, for `finalize` to build the int4 form."""
         self._quantized_rows.append((rows or slice(0, self.out_features), tensor))
 
     def finalize(self, native: bool, kernels: CpuKernels | None, keep_dense: bool = False,
-                 int8: bool = True) -> None:
+                 int8: bool = True, quant_only: bool = False) -> None:
         """Build the forms once the weights are loaded: with `native`, quantized from the GGUF
         blocks and (`int8`, given the kernels) int8 for large batches; otherwise the
         oneDNN-packed dense weight. Unless it is shared (a tied head), the dense copy is freed:
-        the form built replaces it, and keeping both doubles the RSS."""
+        the form built replaces it, and keeping both doubles the RSS.
+
+        `quant_only` (mixture-of-experts experts): where a quantized form is built, it is the
+        only one, for every batch size: an expert sees a few tokens a step, and an int8 or
+        dense copy of every expert would multiply the weights' memory for nothing."""
         self._kernels = kernels
         if native:
             bq = self._block_quant()
@@ -95,9 +100,14 @@ class Linear(nn.Module):
                 self.quant = QuantMatrix(bq, self.bias)
             elif bq is not None:
                 self.quant = Int4Weight.from_block_quant(bq)
-            if self.quant is not None and kernels is not None and int8 and Int8Matrix.available():
+            if (self.quant is not None and kernels is not None and int8 and not quant_only
+                    and Int8Matrix.available()):
                 self.int8 = Int8Matrix(self.weight, self.bias)
         self._quantized_rows = []
+        self.quant_only = quant_only and self.quant is not None
+        if self.quant_only:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            return
         if self.int8 is None and self._packed is None and _onednn_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         if (self.int8 is not None or self._packed is not None) and not keep_dense:
@@ -134,7 +144,10 @@ class Linear(nn.Module):
         """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized and int8
         forms, bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers
         cast where they need another)."""
-        if self.quant is not None and x.shape[0] <= QUANT_MAX_ROWS:
+        if isinstance(self.quant, QuantMatrix) and self.quant_only and x.shape[0] > QUANT_MAX_ROWS:
+            # NOTE: the kernel takes up to QUANT_MAX_ROWS rows a call
+            return torch.cat([self(rows) for rows in x.split(QUANT_MAX_ROWS)])
+        if self.quant is not None and (x.shape[0] <= QUANT_MAX_ROWS or self.quant_only):
             if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
                 assert self._kernels is not None
                 return self._kernels.quant_matmul(x.float(), self.quant)

@@ -1,4 +1,5 @@
-"""LlamaForCausalLM: a Llama-family decoder (Llama, SmolLM, TinyLlama, Qwen2) in plain torch.
+"""LlamaForCausalLM: the Llama-style decoder of every supported family (families.py: Llama,
+Mistral, Qwen2/3, Gemma 2/3, Phi-3, granite, and the MoE ones) in plain torch.
 
 References: nanoGPT `model.py` and gpt-fast `model.py` (a whole decoder in a few hundred lines,
 preallocated KV cache), Hugging Face `modeling_llama.py` (the numerics the oracle test holds us
@@ -9,6 +10,11 @@ Meta's original `llama/model.py` (RoPE as a complex multiply on interleaved pair
 Q/K rows are kept in interleaved-RoPE order (llama.cpp's; see gguf_loader.py), so RoPE is one
 in-place complex multiply; attention scores do not depend on the order of a head's dimensions.
 Every step runs each linear layer once over all scheduled tokens of all sequences.
+
+Three ways to run a step, the first that can express the model: the one-call decode kernel
+(plain Llama/Qwen2 blocks, native weights, a few decodes), the fused per-op kernels (SwiGLU,
+plain residuals and RoPE: adds Qwen3's Q/K norm, sliding windows, granite's multipliers), and
+torch ops per layer (everything else). docs/models.md lists which family runs where.
 
 Precision: `dtype` is the KV cache's. Activations (the residual stream, norms, RoPE) are float32
 except on the all-bfloat16 path (`weights="bf16"` with a bfloat16 cache), which keeps today's
@@ -332,11 +338,13 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: the dense table stays only where lookups still need it; the tied head then
         # keeps just its packed copy.
         keep_embedding = self.embed_quant is None
+        experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
+                   for m in moe.experts.modules()}
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(native, self.kernels,
                                 keep_dense=keep_embedding and module.weight is self.embed_tokens,
-                                int8=module is not self.lm_head)
+                                int8=module is not self.lm_head, quant_only=id(module) in experts)
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         self._one_call = (self._one_call_able and self.kernels is not None
