@@ -64,3 +64,32 @@ def test_family_pre_tokenizer_encodes_as_tokenizers(tmp_path, write_tokenizer_gg
     for text in CORPUS:
         assert ours.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
         assert ours.decode(ours.encode(text)) == backend.decode(backend.encode(text).ids)
+
+
+def test_gemma_sentencepiece_encodes_as_tokenizers(tmp_path, write_tokenizer_gguf):
+    from tokenizers import models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tests.model.conftest import SPM_PIECES
+
+    # Given a SentencePiece vocabulary (scores by rank, byte fallback) as Gemma's GGUF holds
+    # it: no space prepended to the text
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+    path = write_tokenizer_gguf(tmp_path / "gemma.gguf", "llama", tokens, types, scores=scores,
+                                bos_token_id=1, eos_token_id=2, unk_token_id=0,
+                                add_bos_token=False, add_space_prefix=False)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    # And the same vocabulary in Gemma's tokenizer.json form: spaces replaced by "▁", BPE over
+    # the merges transformers extracts from a SentencePiece model (every pair of pieces whose
+    # join is a piece, ranked by that piece's score), byte fallback
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sorted(((a, b) for a in SPM_PIECES for b in SPM_PIECES if a + b in SPM_PIECES),
+                    key=lambda pair: vocab[pair[0] + pair[1]])
+    backend = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    # Then both give the same ids
+    for text in ["hello world", "helloworld", " hello", "hello  world", "héllo wörld!",
+                 "world hello hello"]:
+        assert ours.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
