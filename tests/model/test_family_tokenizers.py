@@ -67,8 +67,8 @@ def test_family_pre_tokenizer_encodes_as_tokenizers(tmp_path, write_tokenizer_gg
 
 
 def test_gemma_sentencepiece_encodes_as_tokenizers(tmp_path, write_tokenizer_gguf):
-    from tokenizers import models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers
 
     from tests.model.conftest import SPM_PIECES
 
