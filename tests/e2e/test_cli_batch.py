@@ -26,18 +26,19 @@ def line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+MODEL = "tiny-llama.gguf"  # what the tiny model's worker serves (a batch line must name it)
 MIXED = [
     line("chat-1", "/v1/chat/completions",
-         {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
           "temperature": 0}),
     line("cmpl-1", "/v1/completions",
-         {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}),
-    line("bad-url", "/v1/embeddings", {"model": "smollm2", "input": "Hi"}),
+         {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}),
+    line("bad-url", "/v1/embeddings", {"model": MODEL, "input": "Hi"}),
     line("chat-2", "/v1/chat/completions",
-         {"model": "smollm2", "messages": [{"role": "system", "content": "Be brief."},
-                                           {"role": "user", "content": "Why?"}],
+         {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Why?"}],
           "max_completion_tokens": 3, "ignore_eos": True}),
-    line("bad-temp", "/v1/completions", {"model": "smollm2", "prompt": "x", "temperature": 7}),
+    line("bad-temp", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 7}),
 ]
 
 
@@ -79,7 +80,7 @@ def test_a_mixed_batch_gives_answers_and_an_error_file(url: str, tmp_path: Path)
     assert all(rec["error"] is None and rec["id"].startswith("batch_req_") for rec in records)
     assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
     assert chat["body"]["choices"][0]["message"]["role"] == "assistant"
-    assert chat["body"]["model"] == "smollm2"
+    assert chat["body"]["model"] == "tiny-llama.gguf"
     assert completion["body"]["object"] == "text_completion"
     assert completion["body"]["choices"][0]["finish_reason"] == "length"
     assert completion["body"]["usage"]["completion_tokens"] == 4
