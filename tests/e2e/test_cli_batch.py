@@ -99,6 +99,25 @@ def test_a_mixed_batch_gives_answers_and_an_error_file(url: str, tmp_path: Path)
     assert batch_id in ok(llmq("batch", "list", url=url)).stdout
 
 
+def test_a_file_that_is_not_jsonl_or_names_an_unserved_model_fails(url: str,
+                                                                     tmp_path: Path) -> None:
+    # Given a CSV file, and a JSONL file one of whose lines names a model no worker serves
+    csv = ok(llmq("batch", "submit", str(_write(tmp_path / "in.csv", ["id,prompt", "q1,Hi"])),
+                  url=url)).stdout.strip()
+    unserved = line("u", "/v1/completions", {"model": "smollm2", "prompt": "x"})
+    wrong = ok(llmq("batch", "submit", str(_write(tmp_path / "in.jsonl", [MIXED[1], unserved])),
+                    url=url)).stdout.strip()
+    # When a batch worker runs them
+    ok(llmq("batch-worker", "--burst", url=url))
+    # Then both failed with nothing run, and their status says which line and why
+    status = _status(url, csv)
+    assert status["status"] == "failed" and status["request_counts"]["completed"] == 0
+    assert [(e["code"], e["line"]) for e in status["errors"]] == [("invalid_json_line", 1),
+                                                                  ("invalid_json_line", 2)]
+    shown = ok(llmq("batch", "status", wrong, url=url)).stdout
+    assert "failed" in shown and "line 2: the model `smollm2` does not exist" in shown
+
+
 def test_cancel_stops_the_fan_out_and_cancels_submitted_requests(url: str, r: redis.Redis,
                                                                   tmp_path: Path) -> None:
     # Given a 20-line batch on a queue no worker serves, fanned out 2 at a time
