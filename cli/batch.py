@@ -119,6 +119,7 @@ def status_batch(batch_id: str, as_json: bool, **kwargs: Any) -> None:
             rows.append([name.removesuffix("_at"), _when(summary[name])])
     if "error" in summary:
         rows.append(["error", summary["error"]])
+    rows += [["error", error["message"]] for error in summary.get("errors", [])]
     for name, value in rows:
         click.echo(f"{name:<10} {value}")
 

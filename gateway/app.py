@@ -40,7 +40,7 @@ from llmq.gateway import batches, completions, dashboard, files, responses
 from llmq.gateway.body_limit import BodyLimit
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
-from llmq.gateway.pool_view import PoolView
+from llmq.gateway.pool_view import PoolView, names_model
 from llmq.gateway.settings import GatewaySettings
 from llmq.gateway.state import GatewayState, json_response
 from llmq.protocol.errors import LLMQError, RequestIdConflict
@@ -84,7 +84,7 @@ async def model(request: Request) -> Response:
     state.tenant(request)
     wanted = request.path_params["model_id"]
     for m in await state.pool.models():
-        if m.name == wanted or m.name.lower() == wanted.lower():
+        if wanted and names_model(wanted, m.name):
             return json_response({"id": m.name, "object": "model", "created": m.created,
                                   "owned_by": "llmq", "queues": list(m.queues)})
     raise APIError(404, f"the model `{wanted}` does not exist or no worker serves it",

@@ -28,6 +28,13 @@ Steps 2 and 3, and the order of the lines, are the `OrderedRun`'s (broker/ordere
 runner `llmq submit -f` uses too); `BatchRun` is its adapter, and its Redis keys are
 `llmq.broker.batch_records`'.
 
+Validation, as OpenAI's: the batch ends `failed`, nothing run, with `errors` in the job's meta
+(OpenAI's `errors.data`: `code`, `message`, `param`, `line`) when the file is empty or not JSONL
+(`invalid_json_line`), when a line's `url` is not the gateway batch's `endpoint`
+(`invalid_url`), when a line names a model no live worker of the queue serves
+(`model_not_found`, the gateway's rule: `pool_view.names_model`), or when no line can run.
+Other invalid lines (a bad field) become error lines and the rest run.
+
 Cancel (`<prefix>:batch:<id>:cancel` set by `llmq batch cancel` or the gateway): stop
 submitting, cancel every unfinished request, wait a little for their `cancelled` answers, and
 finish with what completed; the rest are error lines with code `batch_cancelled`.
@@ -52,13 +59,16 @@ from llmq.broker.ordered_run import OrderedRun, RunEnd, Settled, Submit
 from llmq.broker.transcript import Transcript
 from llmq.gateway.batch_store import RQ_URL_VAR
 from llmq.gateway.openai_batch import (
+    INVALID_JSON,
     BatchLine,
     BatchLineError,
+    batch_error,
     error_record,
     failed_record,
     output_record,
     parse_line,
 )
+from llmq.gateway.pool_view import names_model
 from llmq.protocol import Done
 
 __all__ = ["BATCH_QUEUE", "LEASE_MS", "BatchRun", "checkpointed_results", "load_checkpoint",
@@ -69,6 +79,7 @@ logger = logging.getLogger(__name__)
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
 _CANCEL_GRACE = 3.0  # s to wait for cancelled requests' final events
 _META_INTERVAL = 0.5  # s between progress saves (and checkpoints, and lease renewals)
+_MAX_ERRORS = 100  # entries of a failed batch's `errors` kept (they live in the job's meta)
 LEASE_MS = 15_000  # a run's lease lapses this long after its last renewal
 _OUTPUT, _ERROR = b"o", b"e"  # how a checkpointed record says which file it belongs in
 _json = msgspec.json.Encoder()
@@ -134,6 +145,7 @@ class BatchRun:
         self.input_key = input_key or client.keys.batch_input(batch_id)
         self.lines: list[tuple[int, str | None]] = []  # per run line: (number, custom_id)
         self._batch_lines: dict[int, BatchLine] = {}  # run line -> its request, when valid
+        self._invalid: list[tuple[int, str, str]] = []  # (number, code, message) refused
         self.deadline = deadline  # unix s: past it the batch ends `expired`
         self.records: dict[int, Record] = {}  # run line -> its record, as they become known
         self._unsaved: dict[int, bytes] = {}  # records not checkpointed yet
@@ -154,7 +166,14 @@ class BatchRun:
     def run(self) -> dict[str, Any]:
         self._hold_lease()
         lines = self._read_lines()
-        run_lines = self._resume(self._validate(lines), self._load_checkpoint())
+        saved = self._load_checkpoint()
+        run_lines = self._validate(lines)
+        # NOTE: the models are checked on a first run only: a batch that has started does not
+        # fail later because the workers serving its model are gone for a moment.
+        refused = self._file_errors(check_models=not saved)
+        if refused:
+            return self._fail(refused, len(lines))
+        run_lines = self._resume(run_lines, saved)
         if self.records:
             logger.warning("batch %s resumes: %d of %d lines recorded already", self.batch_id,
                            len(self.records), len(lines))
@@ -185,6 +204,46 @@ class BatchRun:
         return {"status": status, "total": len(lines), "completed": self.completed,
                 "failed": self.failed}
 
+    def _file_errors(self, *, check_models: bool) -> list[dict[str, Any]]:
+        """Why the whole batch cannot run, as OpenAI's validation says it (`errors.data`): a
+        file that is not JSONL, a line for another endpoint than the batch's, a model no worker
+        of the queue serves, or no line that could run; [] when it can."""
+        if not self.lines:
+            return [batch_error("empty_file", "the batch input file has no lines")]
+        errors = [batch_error(code, message, number)
+                  for number, code, message in self._invalid if code == INVALID_JSON]
+        endpoint = self.job.meta.get("endpoint")  # a gateway batch's; `llmq batch` mixes both
+        served = self._served_models() if check_models else []
+        for line in self._batch_lines.values():
+            if endpoint and line.url != endpoint:
+                errors.append(batch_error(
+                    "invalid_url", f"line {line.number}: the url {line.url} is not the "
+                    f"batch's endpoint {endpoint}", line.number, "url"))
+            if served and not any(names_model(line.model, name) for name in served):
+                errors.append(batch_error(
+                    "model_not_found", f"line {line.number}: the model `{line.model}` does not "
+                    f"exist or no worker of queue {self.client.settings.queue!r} serves it "
+                    f"(served: {', '.join(served)})", line.number, "body.model"))
+        if not errors and not self._batch_lines:  # every line refused: nothing would run
+            errors = [batch_error(code, message, number)
+                      for number, code, message in self._invalid]
+        return errors[:_MAX_ERRORS]
+
+    def _served_models(self) -> list[str]:
+        """The models the live workers of the batch's queue serve; [] when none is live, and
+        then nothing is checked: the requests wait for workers as any producer's do."""
+        return sorted({w.model for w in self.client.workers()
+                       if w.queue == self.client.settings.queue and w.model})
+
+    def _fail(self, errors: list[dict[str, Any]], total: int) -> dict[str, Any]:
+        """End the batch `failed` before anything ran, with OpenAI's `errors` list."""
+        self.completed = self.failed = 0
+        self._save(status="failed", total=total, failed_at=int(time.time()),
+                   errors=errors, force=True)
+        send(self.client, self.records_store.release_lease(self.batch_id))
+        logger.warning("batch %s failed validation: %s", self.batch_id, errors[0]["message"])
+        return {"status": "failed", "total": total, "completed": 0, "failed": 0}
+
     def _hold_lease(self) -> None:
         send(self.client, self.records_store.hold_lease(self.batch_id, self.token, LEASE_MS))
 
@@ -214,6 +273,7 @@ class BatchRun:
             try:
                 line = parse_line(text, number)
             except BatchLineError as exc:
+                self._invalid.append((number, exc.code, f"line {number}: {exc}"))
                 self.lines.append((number, exc.custom_id))
                 index = len(self.lines) - 1
                 run_lines.append(Settled(self._settle(index, self._error(

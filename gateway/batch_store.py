@@ -67,7 +67,9 @@ def batch_summary(job: Any) -> dict[str, Any]:
         "created_at": meta.get("created_at"), "in_progress_at": meta.get("in_progress_at"),
         "completed_at": meta.get("completed_at"), "cancelled_at": meta.get("cancelled_at"),
     }
-    if summary["status"] == "failed" and job.exc_info:
+    if meta.get("errors"):  # validation refused the file: OpenAI's `errors.data` entries
+        summary["errors"] = meta["errors"]
+    elif summary["status"] == "failed" and job.exc_info:
         summary["error"] = job.exc_info.strip().splitlines()[-1]
     return summary
 

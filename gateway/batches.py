@@ -49,7 +49,9 @@ def batch_object(job: Any) -> dict[str, Any]:
     final = status in FINAL_STATUSES
     created = int(meta.get("created_at") or 0)
     errors = None
-    if status == "failed":
+    if meta.get("errors"):  # the job's validation refused the file (gateway/batch_job.py)
+        errors = {"object": "list", "data": meta["errors"]}
+    elif status == "failed":
         message = (job.exc_info or "the batch job failed").strip().splitlines()[-1]
         errors = {"object": "list", "data": [{"code": "batch_failed", "message": message,
                                               "param": None, "line": None}]}

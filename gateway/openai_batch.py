@@ -15,7 +15,8 @@ Output line: {"id", "custom_id", "response": {"status_code": 200, "request_id", 
 null}, the body a `text_completion` or `chat.completion` object with usage. Error line: a request
 the worker failed has a `response` with status 400/500 and an OpenAI error body; a line that failed
 validation, or did not run because the batch was cancelled, has `response: null` and an `error`
-{code, message, line}.
+{code, message, line}. A line that is not a JSON object (`invalid_json_line`) fails the whole
+batch instead (the file is not JSONL), with `batch_error` entries: gateway/batch_job.py.
 """
 
 from __future__ import annotations
@@ -34,18 +35,22 @@ from llmq.gateway.openai_response import (
 )
 from llmq.protocol import Done, Error
 
-__all__ = ["CHAT", "COMPLETIONS", "BatchLine", "BatchLineError", "error_record",
-           "failed_record", "output_record", "parse_line"]
+__all__ = ["CHAT", "COMPLETIONS", "INVALID_JSON", "BatchLine", "BatchLineError",
+           "batch_error", "error_record", "failed_record", "output_record", "parse_line"]
 
 _MAX_CUSTOM_ID = 512
+INVALID_JSON = "invalid_json_line"  # OpenAI's code for a line that is not a JSON object
 
 
 class BatchLineError(Exception):
-    """A batch input line that cannot run; `custom_id` when it was readable."""
+    """A batch input line that cannot run; `custom_id` when it was readable, and OpenAI's
+    error `code` (`invalid_json_line` when the line is not a JSON object: the file is not JSONL)."""
 
-    def __init__(self, message: str, custom_id: str | None = None) -> None:
+    def __init__(self, message: str, custom_id: str | None = None,
+                 code: str = "invalid_request") -> None:
         super().__init__(message)
         self.custom_id = custom_id
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,9 @@ def parse_line(text: str, number: int) -> BatchLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BatchLineError(f"not JSON: {exc}") from None
+        raise BatchLineError(f"not JSON: {exc}", code=INVALID_JSON) from None
     if not isinstance(obj, dict):
-        raise BatchLineError("a batch line is a JSON object")
+        raise BatchLineError("a batch line is a JSON object", code=INVALID_JSON)
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > _MAX_CUSTOM_ID:
         raise BatchLineError(f"`custom_id` must be a non-empty string of at most "
@@ -82,6 +87,12 @@ def parse_line(text: str, number: int) -> BatchLine:
     except BodyError as exc:
         raise BatchLineError(str(exc), custom_id) from None
     return BatchLine(number, custom_id, parsed.endpoint, parsed.model, parsed.request)
+
+
+def batch_error(code: str, message: str, line: int | None = None,
+                param: str | None = None) -> dict[str, Any]:
+    """One entry of a failed batch's `errors.data`, in OpenAI's shape."""
+    return {"code": code, "message": message, "param": param, "line": line}
 
 
 # -- results ---------------------------------------------------------------------------------------

@@ -25,13 +25,24 @@ from llmq.gateway.errors import APIError
 from llmq.protocol import WorkerHeartbeat
 from llmq.protocol.errors import LLMQError
 
-__all__ = ["PoolView", "ServedModel"]
+__all__ = ["PoolView", "ServedModel", "names_model"]
 
 logger = logging.getLogger(__name__)
 
 _TTL = 1.0  # seconds a view of the workers or of a queue's lag is used
 _RECHECK_AFTER = 0.2  # a negative answer from a view older than this is read again
 _RETRY_AFTER_S = 2
+
+
+def names_model(wanted: str | None, served: str) -> bool:
+    """Whether a request's `model` names the model a worker serves, the one rule for every
+    endpoint (chat, completions, responses, batch lines, GET /v1/models/{id}).
+
+    As vLLM does, an absent or empty `model` means whatever the queue serves; otherwise it must
+    be a served name, the `id` /v1/models lists (the worker's heartbeat `model`), compared
+    without case so `smollm2-135m-instruct` finds `SmolLM2-135M-Instruct`.
+    """
+    return not wanted or wanted.lower() == served.lower()
 
 
 @dataclass(frozen=True)
@@ -103,8 +114,7 @@ class PoolView:
         return queue
 
     def _pick(self, workers: list[WorkerHeartbeat], model: str | None) -> str | None:
-        wanted = None if not model else model.lower()
-        queues = {w.queue for w in workers if wanted is None or w.model.lower() == wanted}
+        queues = {w.queue for w in workers if names_model(model, w.model)}
         if not queues:
             return None
         return self.default_queue if self.default_queue in queues else sorted(queues)[0]

@@ -37,7 +37,8 @@ def test_llmq_batch_runs_through_the_cluster_with_rq_beside_it(cluster, cluster_
     batch_file = tmp_path / "batch.jsonl"
     batch_file.write_text("\n".join(json.dumps({
         "custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-        "body": {"model": "m", "prompt": "Once", "max_tokens": 3, "ignore_eos": True}})
+        "body": {"model": "tiny-llama.gguf", "prompt": "Once", "max_tokens": 3,
+                 "ignore_eos": True}})
         for i in range(4)) + "\n")
     # Given no rq server: batches refuse to start, saying what to set
     assert "LLMQ_RQ_REDIS_URL" in one_error_line(llmq("batch", "submit", str(batch_file),

@@ -26,18 +26,19 @@ def line(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+MODEL = "tiny-llama.gguf"  # what the tiny model's worker serves (a batch line must name it)
 MIXED = [
     line("chat-1", "/v1/chat/completions",
-         {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+         {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
           "temperature": 0}),
     line("cmpl-1", "/v1/completions",
-         {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}),
-    line("bad-url", "/v1/embeddings", {"model": "smollm2", "input": "Hi"}),
+         {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}),
+    line("bad-url", "/v1/embeddings", {"model": MODEL, "input": "Hi"}),
     line("chat-2", "/v1/chat/completions",
-         {"model": "smollm2", "messages": [{"role": "system", "content": "Be brief."},
-                                           {"role": "user", "content": "Why?"}],
+         {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Why?"}],
           "max_completion_tokens": 3, "ignore_eos": True}),
-    line("bad-temp", "/v1/completions", {"model": "smollm2", "prompt": "x", "temperature": 7}),
+    line("bad-temp", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 7}),
 ]
 
 
@@ -79,7 +80,7 @@ def test_a_mixed_batch_gives_answers_and_an_error_file(url: str, tmp_path: Path)
     assert all(rec["error"] is None and rec["id"].startswith("batch_req_") for rec in records)
     assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
     assert chat["body"]["choices"][0]["message"]["role"] == "assistant"
-    assert chat["body"]["model"] == "smollm2"
+    assert chat["body"]["model"] == "tiny-llama.gguf"
     assert completion["body"]["object"] == "text_completion"
     assert completion["body"]["choices"][0]["finish_reason"] == "length"
     assert completion["body"]["usage"]["completion_tokens"] == 4
@@ -96,6 +97,25 @@ def test_a_mixed_batch_gives_answers_and_an_error_file(url: str, tmp_path: Path)
     assert "3 result line(s)" in result.stderr and "2 error line(s)" in result.stderr
     # And the batch is listed
     assert batch_id in ok(llmq("batch", "list", url=url)).stdout
+
+
+def test_a_file_that_is_not_jsonl_or_names_an_unserved_model_fails(url: str,
+                                                                     tmp_path: Path) -> None:
+    # Given a CSV file, and a JSONL file one of whose lines names a model no worker serves
+    csv = ok(llmq("batch", "submit", str(_write(tmp_path / "in.csv", ["id,prompt", "q1,Hi"])),
+                  url=url)).stdout.strip()
+    unserved = line("u", "/v1/completions", {"model": "smollm2", "prompt": "x"})
+    wrong = ok(llmq("batch", "submit", str(_write(tmp_path / "in.jsonl", [MIXED[1], unserved])),
+                    url=url)).stdout.strip()
+    # When a batch worker runs them
+    ok(llmq("batch-worker", "--burst", url=url))
+    # Then both failed with nothing run, and their status says which line and why
+    status = _status(url, csv)
+    assert status["status"] == "failed" and status["request_counts"]["completed"] == 0
+    assert [(e["code"], e["line"]) for e in status["errors"]] == [("invalid_json_line", 1),
+                                                                  ("invalid_json_line", 2)]
+    shown = ok(llmq("batch", "status", wrong, url=url)).stdout
+    assert "failed" in shown and "line 2: the model `smollm2` does not exist" in shown
 
 
 def test_cancel_stops_the_fan_out_and_cancels_submitted_requests(url: str, r: redis.Redis,

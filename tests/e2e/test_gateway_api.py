@@ -322,6 +322,17 @@ def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="gpt-9", messages=MESSAGES)
     assert info.value.body["code"] == "model_not_found" and "tiny-llama.gguf" in str(
         info.value)
+    # the same rule on every endpoint: completions and responses refuse it too, naming it
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt="Hi", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found" and "`gpt-9`" in str(info.value)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model="gpt-9", input="Hi", max_output_tokens=2)
+    assert info.value.body["param"] == "model" and "`gpt-9`" in str(info.value)
+    # and what /v1/models lists is found whatever its case, there and on every endpoint
+    assert client.models.retrieve("TINY-LLAMA.GGUF").id == "tiny-llama.gguf"
+    assert client.completions.create(model="TINY-LLAMA.GGUF", prompt="Hi",
+                                     max_tokens=2).choices
 
 
 def test_a_full_queue_is_a_429_with_retry_after(client: openai.OpenAI,

@@ -205,6 +205,57 @@ def test_tenants_see_only_their_own_files_batches_and_requests(pool) -> None:
     assert wait_final(alice, batch.id).status == "completed"
 
 
+def failed_batch(client: openai.OpenAI, data: bytes, endpoint: str = "/v1/chat/completions"
+                 ) -> list:
+    """Run a batch on `data` to its end; it must be `failed`, with nothing run: its errors."""
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = wait_final(client, client.batches.create(
+        input_file_id=file_id, endpoint=endpoint, completion_window="24h").id)
+    assert batch.status == "failed", batch
+    assert batch.output_file_id is None and batch.error_file_id is None
+    assert batch.request_counts.completed == batch.request_counts.failed == 0
+    assert batch.failed_at and batch.errors is not None
+    return batch.errors.data
+
+
+def test_a_file_that_is_not_jsonl_fails_the_batch_with_errors(pool) -> None:
+    gateway, _ = pool
+    client = gateway.openai()
+    # Given an input file of CSV, not JSONL
+    errors = failed_batch(client, b"custom_id,prompt\nq1,Hello\n")
+    # Then the batch failed, and its errors name each line and why
+    assert [(e.code, e.line) for e in errors] == [("invalid_json_line", 1),
+                                                  ("invalid_json_line", 2)]
+    assert "not JSON" in errors[0].message
+    # And a file of valid JSON in which no line can run fails the same way, naming the field
+    errors = failed_batch(client, (LINES[2] + "\n").encode())
+    assert [(e.code, e.line) for e in errors] == [("invalid_request", 1)]
+    assert "temperature" in errors[0].message
+
+
+def test_a_line_for_another_endpoint_or_an_unknown_model_fails_the_batch(pool) -> None:
+    gateway, _ = pool
+    client = gateway.openai()
+    # Given a chat batch whose second line is a completion
+    completion = line("c", "/v1/completions", {"model": "tiny-llama.gguf", "prompt": "x",
+                                                "max_tokens": 2})
+    errors = failed_batch(client, f"{LINES[0]}\n{completion}\n".encode())
+    # Then the batch failed on that line's url
+    assert [(e.code, e.line, e.param) for e in errors] == [("invalid_url", 2, "url")]
+    assert "/v1/chat/completions" in errors[0].message
+    # And a line naming a model no worker serves fails it too, naming the model
+    unknown = line("u", "/v1/chat/completions", {"model": "smollm2", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "x"}]})
+    errors = failed_batch(client, f"{LINES[0]}\n{unknown}\n".encode())
+    assert [(e.code, e.line, e.param) for e in errors] == [("model_not_found", 2, "body.model")]
+    assert "`smollm2`" in errors[0].message and "tiny-llama.gguf" in errors[0].message
+    # As the chat endpoint refuses it
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model="smollm2", max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}])
+    assert refused.value.code == "model_not_found" and "smollm2" in refused.value.message
+
+
 def test_a_file_that_is_too_big_or_not_for_batch_is_refused(pool, tmp_path: Path) -> None:
     gateway, _ = pool
     client = gateway.openai()

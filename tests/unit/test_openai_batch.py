@@ -85,6 +85,9 @@ def test_a_bad_line_says_why(text: str, reason: str) -> None:
     with pytest.raises(BatchLineError, match=None) as info:
         parse_line(text, 7)
     assert reason in str(info.value)
+    # a line that is not a JSON object makes the file not JSONL: the batch fails on it
+    not_an_object = reason in ("not JSON", "JSON object")
+    assert info.value.code == ("invalid_json_line" if not_an_object else "invalid_request")
 
 
 def test_the_custom_id_is_kept_when_the_rest_of_the_line_is_bad() -> None:
