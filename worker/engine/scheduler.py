@@ -143,7 +143,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            draft = self._propose(request, budget) if num_new == 1 else []
+            draft = self.speculator.propose(request, budget, self.max_model_len) \
+                if self.speculator is not None and num_new == 1 else []
             num_new += len(draft)
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self.running[-1]
@@ -237,7 +238,8 @@ class Scheduler:
                 continue
             request_sampled = sampled.get(request_id, [])
             if draft:
-                self._roll_back(request, draft, request_sampled)
+                assert self.speculator is not None
+                self.speculator.roll_back(request, draft, request_sampled, self.kv_cache_manager)
             new_token_ids: list[int] = []
             status = None
             for token_id in request_sampled:
@@ -284,28 +286,6 @@ class Scheduler:
         return self.kv_cache_manager.prefix_cache_hit_rate
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens to verify with this decode; none without a speculator or room."""
-        if self.speculator is None or request.num_computed_tokens != request.num_tokens - 1:
-            return []
-        # A draft of d tokens yields up to d + 1: never past max_tokens or the context.
-        max_drafts = min(budget - 1,
-                         request.sampling_params.max_tokens - request.num_output_tokens - 1,
-                         self.max_model_len - request.num_tokens - 1)
-        return self.speculator.propose(request, max_drafts) if max_drafts > 0 else []
-
-    def _roll_back(self, request: Request, draft: list[int], sampled: list[int]) -> None:
-        """Count the accepted draft tokens as computed; free blocks past the accepted ones.
-
-        The rejected positions' KV stays in blocks the request keeps, past its computed
-        tokens, where the next step overwrites it; it was never offered to the prefix cache.
-        """
-        num_accepted = max(len(sampled) - 1, 0)
-        request.num_computed_tokens += num_accepted
-        assert self.speculator is not None
-        self.speculator.record(request, len(draft), num_accepted)
-        self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
 
     def _order_key(self, request: Request) -> tuple[float, float, int]:
         return self._order_keys[request.request_id]
