@@ -290,3 +290,20 @@ def test_prompt_lookup_on_the_real_model_keeps_greedy_output_and_accepts_copies(
     # answers accepted a good part of their drafts
     assert outs == expected
     assert all(rate >= 0.4 and drafted >= 10 for rate, drafted in rates[:2]), rates
+
+
+def test_parallel_sampling_children_speculate_and_draw_the_same_tokens(
+        tiny_model, tiny_model_path):
+    # Given a seeded request for 3 completions, and drafts from its first completion
+    prompt = prompts_of(20)[19]  # 24 tokens: the parent prefills shared blocks, then forks
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=3, ignore_eos=True)
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False, block_size=4)
+    expected = [o.new_token_ids for o in plain.generate([prompt], params)]
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True, block_size=4)
+    speculator = use_oracle(engine, {tuple(prompt): expected[0]})
+    # When it runs with speculation
+    outs = engine.generate([prompt], params)
+    # Then every child drew what it draws without speculation
+    assert [o.new_token_ids for o in outs] == expected
+    assert speculator.stats.num_accepted_tokens > 0
+    assert engine.stats().kv_cache_usage == 0.0
