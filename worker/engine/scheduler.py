@@ -147,6 +147,10 @@ class Scheduler:
                 if self.speculator is not None and num_new == 1 else []
             num_new += len(draft)
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                if draft:  # NOTE: a draft never preempts anyone: it is dropped first
+                    num_new -= len(draft)
+                    draft = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
