@@ -122,13 +122,14 @@ def run_llmq(engine: EngineCore, prompt_ids: list[int], max_tokens: int) -> Run:
                cpu_end - cpu_first)
 
 
-def run_llama_lookup(model: Path, prompt: str, max_tokens: int, draft_max: int) -> Run:
+def run_llama_lookup(binary: Path, model: Path, prompt: str, max_tokens: int,
+                     draft_max: int) -> Run:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
         proc = subprocess.run(
-            [str(LLAMA_LOOKUP), "-m", str(model), "-f", f.name, "-n", str(max_tokens), "-t", "1",
-             "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", "2048", "--no-warmup"],
+            [str(binary), "-m", str(model), "-f", f.name, "-n", str(max_tokens), "-t", "1",
+             "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", "2048"],
             capture_output=True, text=True, timeout=600, check=False)
     finally:
         os.unlink(f.name)
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--llama-draft-max", type=int, default=None,
                     help="llama-lookup's --spec-draft-n-max (default: --num-speculative-tokens)")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the default model's")
+    ap.add_argument("--llama-lookup", type=Path, default=LLAMA_LOOKUP,
+                    help="the llama-lookup binary (built by ../shared/peers/setup.sh)")
     ap.add_argument("--skip-llama", action="store_true")
     args = ap.parse_args()
 
@@ -164,7 +167,7 @@ def main() -> None:
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min),
         loaded=loaded)
-    llama = not args.skip_llama and LLAMA_LOOKUP.exists()
+    llama = not args.skip_llama and args.llama_lookup.exists()
     draft_max = args.llama_draft_max or args.num_speculative_tokens
     print(f"model {gguf.name}, 1 thread, greedy, max_tokens {args.max_tokens}, best of "
           f"{args.repeats}; llmq ngram k={args.num_speculative_tokens} "
@@ -186,8 +189,8 @@ def main() -> None:
                 runs = {"llmq": run_llmq(plain, ids, args.max_tokens),
                         "llmq+ngram": run_llmq(spec, ids, args.max_tokens)}
                 if llama:
-                    runs["llama-lookup"] = run_llama_lookup(gguf, text, args.max_tokens,
-                                                            draft_max)
+                    runs["llama-lookup"] = run_llama_lookup(args.llama_lookup, gguf, text,
+                                                            args.max_tokens, draft_max)
                 for name, run in runs.items():
                     if name not in best or run.num_tokens / run.seconds > \
                             best[name].num_tokens / best[name].seconds:
