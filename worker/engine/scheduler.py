@@ -17,6 +17,9 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
 - `SchedulerOutput.finished_request_ids`: requests finished, aborted or preempted since the
   previous `schedule()`. The runner must drop those before adding new requests, and ignore ids
   it does not hold.
+- Speculative decoding (worker/engine/spec_decode/speculator.py): a decode may carry draft
+  tokens (`SchedulerOutput.scheduled_spec_decode_tokens`), counted as computed only once
+  accepted; a draft is dropped rather than preempt anyone for its KV slots.
 - Parallel sampling (n > 1): a parent prefills the prompt's full blocks once, then forks into
   n children holding them by reference (worker/engine/parallel_sampling.py).
 """
