@@ -245,3 +245,65 @@ def test_a_request_that_opts_out_never_drafts(tiny_model, tiny_model_path):
     assert [o.new_token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
     # Then they never draft, and produce the same tokens
     assert speculator.stats.num_draft_tokens == 0
+
+
+COPY_PROMPTS = [
+    "Repeat the following list in reverse order, one item per line: apple, banana, cherry, "
+    "date, elderberry, fig, grape, honeydew, kiwi, lemon.",
+    'Re-format this JSON record with one key per line: {"id": 48213, "name": "Alice Johnson", '
+    '"email": "alice.johnson@example.com", "city": "Portland", "skills": ["python", "sql"]}',
+]
+STORY_PROMPT = "Write a short story about a dragon who learns to bake bread."
+
+
+def chat(tokenizer, user: str) -> list[int]:
+    return tokenizer.encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prompt_lookup_on_the_real_model_keeps_greedy_output_and_accepts_copies(
+        default_model_f32, default_model_path):
+    # Given the default model in float32, prompts whose answers copy their prompt and one that
+    # does not
+    def engine(speculative: bool) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(default_model_path), dtype="float32",
+                                       speculative_method="ngram" if speculative else None),
+                          loaded=default_model_f32)
+
+    tokenizer = default_model_f32.tokenizer
+    prompts = [chat(tokenizer, p) for p in [*COPY_PROMPTS, STORY_PROMPT]]
+    params = SamplingParams(max_tokens=96, temperature=0.0)
+    expected = [o.new_token_ids for o in engine(False).generate(prompts, params)]
+    # When each runs alone with prompt-lookup speculation
+    speculating = engine(True)
+    outs, rates = [], []
+    for prompt in prompts:
+        before = speculating.stats()
+        outs.append(speculating.generate([prompt], params)[0].new_token_ids)
+        after = speculating.stats()
+        drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        rates.append((accepted / drafted if drafted else 0.0, drafted))
+    # Then the outputs are the same (float32: the kernels agree to ~1e-5 whatever the rows
+    # beside a row, see worker/engine/spec_decode/rejection_sampler.py), and the copying
+    # answers accepted a good part of their drafts
+    assert outs == expected
+    assert all(rate >= 0.4 and drafted >= 10 for rate, drafted in rates[:2]), rates
+
+
+def test_parallel_sampling_children_speculate_and_draw_the_same_tokens(
+        tiny_model, tiny_model_path):
+    # Given a seeded request for 3 completions, and drafts from its first completion
+    prompt = prompts_of(20)[19]  # 24 tokens: the parent prefills shared blocks, then forks
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=3, ignore_eos=True)
+    plain = make_engine(tiny_model, tiny_model_path, speculative=False, block_size=4)
+    expected = [o.new_token_ids for o in plain.generate([prompt], params)]
+    engine = make_engine(tiny_model, tiny_model_path, speculative=True, block_size=4)
+    speculator = use_oracle(engine, {tuple(prompt): expected[0]})
+    # When it runs with speculation
+    outs = engine.generate([prompt], params)
+    # Then every child drew what it draws without speculation
+    assert [o.new_token_ids for o in outs] == expected
+    assert speculator.stats.num_accepted_tokens > 0
+    assert engine.stats().kv_cache_usage == 0.0

@@ -93,7 +93,8 @@ def test_requests_that_cannot_use_a_draft_get_none():
 
     def draft(**params: Any) -> list[int]:
         request = Request("r", tokens, SamplingParams(**params), arrival_time=0.0)
-        return speculator.propose(request, max_drafts=4)
+        request.num_computed_tokens = len(tokens) - 1  # decoding: the last token is new
+        return speculator.propose(request, budget=5, max_model_len=100)
 
     assert draft() == [3, 1, 2]
     assert draft(speculative=False) == []

@@ -17,6 +17,9 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
 - `SchedulerOutput.finished_request_ids`: requests finished, aborted or preempted since the
   previous `schedule()`. The runner must drop those before adding new requests, and ignore ids
   it does not hold.
+- Speculative decoding (worker/engine/spec_decode/speculator.py): a decode may carry draft
+  tokens (`SchedulerOutput.scheduled_spec_decode_tokens`), counted as computed only once
+  accepted; a draft is dropped rather than preempt anyone for its KV slots.
 - Parallel sampling (n > 1): a parent prefills the prompt's full blocks once, then forks into
   n children holding them by reference (worker/engine/parallel_sampling.py).
 """
@@ -143,9 +146,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            draft = self._propose(request, budget) if num_new == 1 else []
+            draft = self.speculator.propose(request, budget, self.max_model_len) \
+                if self.speculator is not None and num_new == 1 else []
             num_new += len(draft)
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                if draft:  # NOTE: a draft never preempts anyone: it is dropped first
+                    num_new -= len(draft)
+                    draft = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -237,7 +245,8 @@ class Scheduler:
                 continue
             request_sampled = sampled.get(request_id, [])
             if draft:
-                self._roll_back(request, draft, request_sampled)
+                assert self.speculator is not None
+                self.speculator.roll_back(request, draft, request_sampled, self.kv_cache_manager)
             new_token_ids: list[int] = []
             status = None
             for token_id in request_sampled:
@@ -284,28 +293,6 @@ class Scheduler:
         return self.kv_cache_manager.prefix_cache_hit_rate
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens to verify with this decode; none without a speculator or room."""
-        if self.speculator is None or request.num_computed_tokens != request.num_tokens - 1:
-            return []
-        # A draft of d tokens yields up to d + 1: never past max_tokens or the context.
-        max_drafts = min(budget - 1,
-                         request.sampling_params.max_tokens - request.num_output_tokens - 1,
-                         self.max_model_len - request.num_tokens - 1)
-        return self.speculator.propose(request, max_drafts) if max_drafts > 0 else []
-
-    def _roll_back(self, request: Request, draft: list[int], sampled: list[int]) -> None:
-        """Count the accepted draft tokens as computed; free blocks past the accepted ones.
-
-        The rejected positions' KV stays in blocks the request keeps, past its computed
-        tokens, where the next step overwrites it; it was never offered to the prefix cache.
-        """
-        num_accepted = max(len(sampled) - 1, 0)
-        request.num_computed_tokens += num_accepted
-        assert self.speculator is not None
-        self.speculator.record(request, len(draft), num_accepted)
-        self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
 
     def _order_key(self, request: Request) -> tuple[float, float, int]:
         return self._order_keys[request.request_id]

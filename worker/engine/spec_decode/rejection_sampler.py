@@ -19,7 +19,13 @@ the bonus token after a wholly accepted draft.
 Because each row draws exactly what the ordinary sampler would draw there (for a seeded
 request, the same uniform: it depends on the number of output tokens only), the outputs are
 not only equal in distribution: greedy and seeded requests produce the same tokens with and
-without speculation.
+without speculation, as far as the model computes a position's logits the same whatever rows
+share its step. That is what batching already asks of it, and it holds to float32 rounding
+(~1e-5 on the logits). NOTE: the quantized kernels (model/kernels/layer_kernels.cpp
+`quant_tile`) pick their partial sums by row count for speed, so on `--weights native` a
+verification row differs from a lone decode by up to ~0.03 in a logit, and a near-tie can go
+the other way (seen once in 400 story tokens): the same happens to a request decoded in a batch
+of 3 or more without speculation.
 """
 
 from __future__ import annotations

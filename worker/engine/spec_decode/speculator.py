@@ -6,7 +6,7 @@ appends the request's draft tokens (`propose`) to that position, the model runne
 of them in one pass (a decode that looks like a small prefill chunk) and keeps the longest
 prefix of the draft the target model agrees with, plus one token of its own
 (worker/engine/spec_decode/rejection_sampler.py), and the scheduler rolls the KV cache back over
-the rejected positions (`Scheduler._roll_back`).
+the rejected positions (`roll_back`).
 
 A request drafts only where the draft cannot change what it would sample:
 - not when it opted out (`SamplingParams.speculative`), nor under structured output (the grammar
@@ -24,6 +24,7 @@ from llmq.worker.engine.spec_decode.draft_length import DraftLength
 from llmq.worker.engine.spec_decode.ngram_proposer import NgramIndex
 
 if TYPE_CHECKING:
+    from llmq.worker.engine.kv_cache_manager import KVCacheManager
     from llmq.worker.engine.request import Request
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -82,11 +83,18 @@ class Speculator:
         self.stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """Draft tokens to verify after the request's last token this step (maybe none)."""
+    def propose(self, request: Request, budget: int, max_model_len: int) -> list[int]:
+        """Draft tokens to verify after the request's last token this step (maybe none), within
+        a step budget of `budget` tokens (the decode's own included)."""
         params = request.sampling_params
         if (not params.speculative or params.structured_output is not None
-                or request.num_output_tokens < params.min_tokens or request.fork_at is not None):
+                or request.num_output_tokens < params.min_tokens or request.fork_at is not None
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return []
+        # A draft of d tokens yields up to d + 1: never past max_tokens or the context.
+        max_drafts = min(budget - 1, params.max_tokens - request.num_output_tokens - 1,
+                         max_model_len - request.num_tokens - 1)
+        if max_drafts <= 0:
             return []
         state: RequestSpecState | None = request.spec_state
         if state is None:
@@ -102,6 +110,20 @@ class Speculator:
     def draft(self, request: Request, state: RequestSpecState, k: int) -> list[int]:
         """Up to k draft tokens: the proposer (tests substitute their own here)."""
         return state.index.propose(request.all_token_ids, k)
+
+    def roll_back(self, request: Request, draft: list[int], sampled: list[int],
+                  kv_cache_manager: KVCacheManager) -> None:
+        """After a verification: count the accepted draft tokens as computed, and free the
+        blocks past them.
+
+        The rejected positions' KV stays in blocks the request keeps, past its computed
+        tokens, where the next step overwrites it; it was never offered to the prefix cache
+        (only computed tokens are).
+        """
+        num_accepted = max(len(sampled) - 1, 0)
+        request.num_computed_tokens += num_accepted
+        self.record(request, len(draft), num_accepted)
+        kv_cache_manager.trim(request, request.num_computed_tokens + 1)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """What verification kept of the request's draft this step."""
