@@ -105,6 +105,7 @@ class BatchStore:
         self.records = BatchRecords(client.keys)
         self.serializer = JSONSerializer
         self.queue = Queue(BATCH_QUEUE, connection=connection, serializer=JSONSerializer)
+        self._rq_llmq_client: Client | None = None
 
     def enqueue(self, batch_id: str, *, queue: str, max_in_flight: int, ttl: int, timeout: int,
                 description: str, meta: dict[str, Any], tenant: str | None = None,
@@ -199,9 +200,14 @@ class BatchStore:
             send(self._rq_client(), self.records.lapse(registry.key, member))
         if abandoned:
             registry.cleanup()
-        for job in abandoned:
-            if batch_status(job.fetch(job.id, connection=self.rq, serializer=self.serializer)
-                            ) == "failed":
+        # NOTE: also the batches rq failed itself (a work horse that died or raised with no
+        # retries left): they too end with what their checkpoint has.
+        for batch_id in self.queue.failed_job_registry.get_job_ids():
+            try:
+                job = self.fetch(batch_id)
+            except LLMQError:
+                continue
+            if job.meta.get("status") not in FINAL_STATUSES:
                 self.fail_with_checkpoint(job)
         return [job.id for job in abandoned]
 
@@ -220,7 +226,9 @@ class BatchStore:
         """A `Client` on rq's Redis, to send exchanges about rq's own keys."""
         if self.rq is self.client.redis:
             return self.client
-        return Client(connection=self.rq, prefix=self.keys.prefix)
+        if self._rq_llmq_client is None:
+            self._rq_llmq_client = Client(connection=self.rq, prefix=self.keys.prefix)
+        return self._rq_llmq_client
 
     def results(self, batch_id: str) -> tuple[list[bytes], list[bytes]]:
         """(output lines, error lines) a finished batch wrote."""
