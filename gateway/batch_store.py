@@ -7,13 +7,13 @@ calls it from a thread. What llmq itself keeps of a batch (input, results, the c
 `llmq.broker.batch_records`, sent through a sync `Client`. rq is imported only when a batch is
 touched.
 
-A batch outlives its batch worker: the job is enqueued with retries and backoff (`RETRY_INTERVALS`;
-rq's scheduler, which `llmq batch-worker` runs, requeues it), and resumes from its checkpoint
-(gateway/batch_job.py). A worker killed with its work horse leaves the job `started` until rq's
-heartbeat lapses (90 s and more); `BatchWorker` looks sooner, at each of its maintenance rounds:
-a started batch whose lease has lapsed (`rescue_abandoned`) is handed to rq's own cleanup, which
-retries it or, with no retries left, fails it, and the batch then keeps what it had
-(`fail_with_checkpoint`).
+A batch outlives its batch worker: the job is enqueued with retries and backoff
+(`RETRY_INTERVALS`; rq's scheduler, which `llmq batch-worker` runs, requeues the later ones),
+and resumes from its checkpoint (gateway/batch_job.py). A worker killed with its work horse
+leaves the job `started` until rq's heartbeat lapses (90 s and more); `BatchWorker` looks
+sooner, at each of its maintenance rounds: a started batch whose lease has lapsed
+(`rescue_abandoned`) is handed to rq's own cleanup, which retries it or, with no retries left,
+fails it, and the batch then keeps what it had (`fail_with_checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
 
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
 FINAL_STATUSES = ("completed", "cancelled", "failed", "expired")
-RETRY_INTERVALS = [5, 30, 120]  # s before each rq retry of a batch job that died or raised
+# s before each rq retry of a batch job that died or raised. NOTE: the first is at once: a rerun
+# resumes from the checkpoint, so it costs little, and a delayed retry needs rq's scheduler,
+# whose lock a killed batch worker keeps for a minute.
+RETRY_INTERVALS = [0, 30, 120]
 _MAINTENANCE_S = 5  # s between a batch worker's looks for abandoned batches
 _DAY = 24 * 3600
 
