@@ -192,12 +192,15 @@ class Frontends:
         return outcomes, violations
 
     def _final(self, http: httpx.Client, batch_id: str, deadline: float) -> dict | None:
-        while time.monotonic() < deadline:
+        """The batch once final; None if not by `deadline` (looked at once at least, so one
+        stuck batch does not make the ones after it unfinished)."""
+        while True:
             try:
                 batch = http.get(f"/v1/batches/{batch_id}").json()
                 if batch.get("status") in _FINAL:
                     return batch
             except (httpx.HTTPError, ValueError):
                 pass  # the gateway restarting
+            if time.monotonic() > deadline:
+                return None
             time.sleep(0.5)
-        return None

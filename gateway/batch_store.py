@@ -43,6 +43,7 @@ FINAL_STATUSES = ("completed", "cancelled", "failed", "expired")
 # whose lock a killed batch worker keeps for a minute.
 RETRY_INTERVALS = [0, 30, 120]
 _MAINTENANCE_S = 5  # s between a batch worker's looks for abandoned batches
+_MAINTENANCE_LOCK_S = 30  # s rq's registry-cleaning lock may outlive its holder
 _DAY = 24 * 3600
 
 
@@ -175,6 +176,13 @@ class BatchStore:
 
         return bool(Worker.all(queue=self.queue))
 
+    def cap_maintenance_lock(self) -> None:
+        """rq's lock on cleaning the queue's registries lasts 15 minutes when its holder dies
+        holding it (a SIGKILL, Redis going away mid-clean): meanwhile nothing requeues a job
+        stranded between dequeue and start. Capped, it outlives a dead holder briefly."""
+        send(self._rq_client(), self.records.cap_ttl(self.queue.registry_cleaning_key,
+                                                       _MAINTENANCE_LOCK_S))
+
     def rescue_abandoned(self, lease_s: float) -> list[str]:
         """Hand the started batches whose run is gone (no lease for `lease_s`) to rq's cleanup:
         each is retried, or failed with what it has when out of retries or past its deadline.
@@ -247,6 +255,7 @@ def new_batch_worker(store: BatchStore, name: str | None) -> Any:
 
     class BatchWorker(Worker):
         def run_maintenance_tasks(self) -> None:
+            store.cap_maintenance_lock()
             super().run_maintenance_tasks()
             for batch_id in store.rescue_abandoned(LEASE_MS / 1000):
                 self.log.warning("batch %s was abandoned by its worker: handed back to rq",
