@@ -12,6 +12,10 @@ injected one at a time at random, in shuffled rounds so every kind comes up:
     sigterm      SIGTERM a worker (it drains)       redis_kill9  kill -9 Redis, restart it
     client_pause CLIENT PAUSE 1-12 s (WRITE|ALL)    client_kill  CLIENT KILL TYPE normal
 
+With `--frontends`, a gateway and two batch workers join, with batches and streams through them,
+and SIGKILLs of each (bench/chaos_frontends.py): every batch must complete with each `custom_id`
+exactly once.
+
 Then everything is let to settle and the invariants are checked (docs/reliability.md, I1-I3):
 
 - every accepted request has exactly one terminal event for its final (highest) attempt;
@@ -38,7 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,10 @@ from redis.retry import Retry
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.fixtures.tiny_gguf writes the tiny model
+sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules
+
+from chaos_frontends import FRONTEND_FAULTS, Frontends  # noqa: E402
+from chaos_report import ChaosReport  # noqa: E402
 
 from llmq import protocol  # noqa: E402
 from llmq.broker import Client  # noqa: E402
@@ -73,59 +80,7 @@ class ChaosConfig:
     settle_timeout: float = 180.0  # s to wait for every request to end after the faults
     work_dir: Path | None = None
     worker_flags: list[str] = field(default_factory=list)  # extra `llmq worker` flags
-
-
-@dataclass
-class ChaosReport:
-    config: ChaosConfig
-    accepted: int = 0
-    refused: Counter[str] = field(default_factory=Counter)  # failed submits, by error
-    faults: Counter[str] = field(default_factory=Counter)
-    worker_exits: Counter[str] = field(default_factory=Counter)
-    outcomes: Counter[str] = field(default_factory=Counter)  # done / error code
-    rerun: int = 0  # requests whose final attempt was > 1
-    max_attempt: int = 0
-    superseded_terminals: int = 0  # terminal events of lower attempts (allowed, dropped)
-    lost_in_window: int = 0
-    lost_outside_window: int = 0
-    latencies: list[float] = field(default_factory=list)  # s from accept to final terminal
-    pending_at_end: int = 0
-    violations: list[str] = field(default_factory=list)
-    log_dir: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations and self.lost_outside_window == 0 and not self.pending_at_end
-
-    def table(self) -> str:
-        c = self.config
-        lat = sorted(self.latencies)
-        pct = (lambda q: f"{lat[min(len(lat) - 1, int(q * len(lat)))]:.2f} s") if lat else \
-            (lambda q: "-")
-        rows = [
-            ("run", f"{c.duration:g} s of faults, {c.workers} workers, {c.server}, seed {c.seed}"),
-            ("requests accepted", f"{self.accepted} ({sum(self.refused.values())} refused: "
-                                  f"{dict(self.refused) or 'none'})"),
-            ("faults injected", ", ".join(f"{k} {self.faults[k]}" for k in FAULTS)),
-            ("worker exits", ", ".join(f"{k} {v}" for k, v in sorted(self.worker_exits.items()))
-             or "none"),
-            ("final outcomes", ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items()))),
-            ("rerun (final attempt > 1)", f"{self.rerun} (highest attempt {self.max_attempt})"),
-            ("superseded terminal events", str(self.superseded_terminals)),
-            ("latency accept -> answer", f"p50 {pct(0.5)}, p99 {pct(0.99)}, max {pct(1.0)}"),
-            ("lost in the AOF window", f"{self.lost_in_window} (resubmitted, finished)"),
-            ("lost outside it", str(self.lost_outside_window)),
-            ("pending at the end", str(self.pending_at_end)),
-            ("one terminal per final attempt", "PASS" if not any(
-                "terminal" in v for v in self.violations) else "FAIL"),
-            ("deltas concatenate to the text", "PASS" if not any(
-                "delta" in v for v in self.violations) else "FAIL"),
-            ("invariants", "PASS" if self.ok else f"FAIL: {self.violations[:5]}"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        lines = [f"| {'check'.ljust(width)} | result |", f"| {'-' * width} | --- |"]
-        lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
-        return "\n".join(lines)
+    frontends: bool = False  # a gateway and batch workers too, killed (chaos_frontends.py)
 
 
 class Pool:
@@ -203,7 +158,8 @@ class Chaos:
     def __init__(self, config: ChaosConfig) -> None:
         self.config = config
         self.rng = random.Random(config.seed)
-        self.report = ChaosReport(config)
+        self.report = ChaosReport(config, FAULTS + (FRONTEND_FAULTS if config.frontends else ()))
+        self.frontends: Any = None  # chaos_frontends.Frontends, with --frontends
         self.accepted: dict[str, float] = {}  # request id -> unix time its submit returned
         self.bodies: dict[str, dict[str, Any]] = {}  # request id -> what was submitted
         self.redis_kills: list[float] = []  # unix times of kill -9
@@ -233,13 +189,27 @@ class Chaos:
                     self.report, self.rng)
         try:
             self._wait_for_workers(c.workers)
-            producer = threading.Thread(target=self._produce, name="chaos-producer", daemon=True)
-            producer.start()
+            producers = [self._produce]
+            if c.frontends:
+                self.frontends = Frontends(self.server.url, work / "logs", self.rng,
+                                           Path(model).name)
+                producers.append(lambda: self.frontends.produce(self.stop))
+            threads = [threading.Thread(target=p, daemon=True) for p in producers]
+            for thread in threads:
+                thread.start()
             self._inject(pool, time.monotonic() + c.duration)
             self.stop.set()
-            producer.join(120)
+            for thread in threads:
+                thread.join(120)
+            if self.frontends is not None:
+                self.accepted.update(self.frontends.accepted)
+                self.report.batches, batch_violations = self.frontends.settle(
+                    c.settle_timeout)
+                self.report.violations += batch_violations
             self._settle(pool)
         finally:
+            if self.frontends is not None:
+                self.frontends.close()
             pool.close()
             self.admin.close()
             self.server.stop()
@@ -293,7 +263,7 @@ class Chaos:
         time.sleep(self.rng.uniform(*self.config.gap))
         while time.monotonic() < until:
             if not round_:
-                round_ = list(FAULTS)
+                round_ = list(self.report.fault_kinds)
                 self.rng.shuffle(round_)
             fault = round_.pop()
             if getattr(self, f"_{fault}")(pool):
@@ -305,6 +275,12 @@ class Chaos:
             return False
         pool.signal(*picked, signal.SIGKILL)
         return True
+
+    def _batch_worker_kill(self, _pool: Pool) -> bool:
+        return bool(self.frontends.batch_worker_kill())
+
+    def _gateway_kill(self, _pool: Pool) -> bool:
+        return bool(self.frontends.gateway_kill())
 
     def _sigterm(self, pool: Pool) -> bool:
         if (picked := pool.pick()) is None:
@@ -447,11 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--server", choices=["valkey", "redis7"], default="valkey")
     parser.add_argument("--model", default=None, help="a GGUF (default: a tiny random Llama)")
+    parser.add_argument("--frontends", action="store_true",
+                        help="a gateway and batch workers too, with batches, streams and kills")
     parser.add_argument("--json", action="store_true", help="also print the report as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the client's retry warnings during outages
     report = run_chaos(ChaosConfig(duration=args.duration, workers=args.workers, rate=args.rate,
-                                   seed=args.seed, server=args.server, model=args.model))
+                                   seed=args.seed, server=args.server, model=args.model,
+                                   frontends=args.frontends))
     print(report.table())
     print(f"worker logs: {report.log_dir}")
     if args.json:

@@ -107,6 +107,10 @@ class BatchRecords:
         return Exchange(lambda pipe: pipe.zrange(registry_key, 0, -1),
                         lambda replies: [as_str(m) for m in replies[0]])
 
+    def cap_ttl(self, key: str, seconds: int) -> Exchange[None]:
+        """Shorten `key`'s TTL to at most `seconds` (a longer one only: EXPIRE ... LT)."""
+        return Exchange(lambda pipe: pipe.expire(key, seconds, lt=True), _none)
+
     def lapse(self, registry_key: str, member: str) -> Exchange[None]:
         """Mark an execution's heartbeat as lapsed long ago, for rq's cleanup to act on it."""
         return Exchange(lambda pipe: pipe.zadd(registry_key, {member: 1}, xx=True), _none)

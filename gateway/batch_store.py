@@ -7,13 +7,13 @@ calls it from a thread. What llmq itself keeps of a batch (input, results, the c
 `llmq.broker.batch_records`, sent through a sync `Client`. rq is imported only when a batch is
 touched.
 
-A batch outlives its batch worker: the job is enqueued with retries and backoff (`RETRY_INTERVALS`;
-rq's scheduler, which `llmq batch-worker` runs, requeues it), and resumes from its checkpoint
-(gateway/batch_job.py). A worker killed with its work horse leaves the job `started` until rq's
-heartbeat lapses (90 s and more); `BatchWorker` looks sooner, at each of its maintenance rounds:
-a started batch whose lease has lapsed (`rescue_abandoned`) is handed to rq's own cleanup, which
-retries it or, with no retries left, fails it, and the batch then keeps what it had
-(`fail_with_checkpoint`).
+A batch outlives its batch worker: the job is enqueued with retries and backoff
+(`RETRY_INTERVALS`; rq's scheduler, which `llmq batch-worker` runs, requeues the later ones),
+and resumes from its checkpoint (gateway/batch_job.py). A worker killed with its work horse
+leaves the job `started` until rq's heartbeat lapses (90 s and more); `BatchWorker` looks
+sooner, at each of its maintenance rounds: a started batch whose lease has lapsed
+(`rescue_abandoned`) is handed to rq's own cleanup, which retries it or, with no retries left,
+fails it, and the batch then keeps what it had (`fail_with_checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
 
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
 FINAL_STATUSES = ("completed", "cancelled", "failed", "expired")
-RETRY_INTERVALS = [5, 30, 120]  # s before each rq retry of a batch job that died or raised
+# s before each rq retry of a batch job that died or raised. NOTE: the first is at once: a rerun
+# resumes from the checkpoint, so it costs little, and a delayed retry needs rq's scheduler,
+# whose lock a killed batch worker keeps for a minute.
+RETRY_INTERVALS = [0, 30, 120]
 _MAINTENANCE_S = 5  # s between a batch worker's looks for abandoned batches
+_MAINTENANCE_LOCK_S = 30  # s rq's registry-cleaning lock may outlive its holder
 _DAY = 24 * 3600
 
 
@@ -107,6 +111,7 @@ class BatchStore:
         self.records = BatchRecords(client.keys)
         self.serializer = JSONSerializer
         self.queue = Queue(BATCH_QUEUE, connection=connection, serializer=JSONSerializer)
+        self._rq_llmq_client: Client | None = None
 
     def enqueue(self, batch_id: str, *, queue: str, max_in_flight: int, ttl: int, timeout: int,
                 description: str, meta: dict[str, Any], tenant: str | None = None,
@@ -173,6 +178,13 @@ class BatchStore:
 
         return bool(Worker.all(queue=self.queue))
 
+    def cap_maintenance_lock(self) -> None:
+        """rq's lock on cleaning the queue's registries lasts 15 minutes when its holder dies
+        holding it (a SIGKILL, Redis going away mid-clean): meanwhile nothing requeues a job
+        stranded between dequeue and start. Capped, it outlives a dead holder briefly."""
+        send(self._rq_client(), self.records.cap_ttl(self.queue.registry_cleaning_key,
+                                                       _MAINTENANCE_LOCK_S))
+
     def rescue_abandoned(self, lease_s: float) -> list[str]:
         """Hand the started batches whose run is gone (no lease for `lease_s`) to rq's cleanup:
         each is retried, or failed with what it has when out of retries or past its deadline.
@@ -201,9 +213,14 @@ class BatchStore:
             send(self._rq_client(), self.records.lapse(registry.key, member))
         if abandoned:
             registry.cleanup()
-        for job in abandoned:
-            if batch_status(job.fetch(job.id, connection=self.rq, serializer=self.serializer)
-                            ) == "failed":
+        # NOTE: also the batches rq failed itself (a work horse that died or raised with no
+        # retries left): they too end with what their checkpoint has.
+        for batch_id in self.queue.failed_job_registry.get_job_ids():
+            try:
+                job = self.fetch(batch_id)
+            except LLMQError:
+                continue
+            if job.meta.get("status") not in FINAL_STATUSES:
                 self.fail_with_checkpoint(job)
         return [job.id for job in abandoned]
 
@@ -222,7 +239,9 @@ class BatchStore:
         """A `Client` on rq's Redis, to send exchanges about rq's own keys."""
         if self.rq is self.client.redis:
             return self.client
-        return Client(connection=self.rq, prefix=self.keys.prefix)
+        if self._rq_llmq_client is None:
+            self._rq_llmq_client = Client(connection=self.rq, prefix=self.keys.prefix)
+        return self._rq_llmq_client
 
     def results(self, batch_id: str) -> tuple[list[bytes], list[bytes]]:
         """(output lines, error lines) a finished batch wrote."""
@@ -238,6 +257,7 @@ def new_batch_worker(store: BatchStore, name: str | None) -> Any:
 
     class BatchWorker(Worker):
         def run_maintenance_tasks(self) -> None:
+            store.cap_maintenance_lock()
             super().run_maintenance_tasks()
             for batch_id in store.rescue_abandoned(LEASE_MS / 1000):
                 self.log.warning("batch %s was abandoned by its worker: handed back to rq",

@@ -65,7 +65,7 @@ def batch_object(job: Any) -> dict[str, Any]:
         "expires_at": created + _WINDOW, "finalizing_at": meta.get("finalizing_at"),
         "completed_at": meta.get("completed_at"),
         "failed_at": meta.get("failed_at") or (int(time.time()) if status == "failed" else None),
-        "expired_at": None, "cancelling_at": meta.get("cancelling_at"),
+        "expired_at": meta.get("expired_at"), "cancelling_at": meta.get("cancelling_at"),
         "cancelled_at": meta.get("cancelled_at"),
         "request_counts": {"total": meta.get("total", 0), "completed": meta.get("completed", 0),
                            "failed": meta.get("failed", 0)},
