@@ -19,102 +19,34 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from llmq.worker.engine.model.chat_template import ChatTemplate
+from llmq.worker.engine.model.tokenizer_vocab import (
+    CONTROL,
+    END_OF_GENERATION_TEXTS,
+    NORMAL,
+    UNKNOWN,
+    USER_DEFINED,
+    byte_level_token_bytes,
+    decoder_kind,
+    gguf_pre_tokenizer,
+    gguf_value,
+    hf_chat_template,
+    read_json,
+    spm_backend,
+    spm_token_bytes,
+)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
-
-# GGUF token types (gguf.TokenType / llama.cpp llama_token_type), mirrored so that loading a
-# tokenizer.json never needs the gguf package.
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-
-# Token texts llama.cpp treats as end of generation whatever the metadata says
-# (llama-vocab.cpp, "special_eog_ids"; ref ggml-org/llama.cpp#9606).
-_END_OF_GENERATION_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>", "_<EOT>",
-})
-
-# --- llama.cpp pre-tokenizer regexes, applied one after another (llama-vocab.cpp) -------------
-# NOTE: llama.cpp writes the GPT-2 regex without its trailing `|\s+`; its custom GPT-2 splitter
-# behaves as if it were there, so it is spelled out here.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-
-
-@dataclass(frozen=True)
-class _PreTokenizer:
-    regexes: tuple[str, ...]
-    ignore_merges: bool = False  # a piece that is a whole vocab token is taken as is
-    add_bos: bool = False  # llama.cpp's default when the GGUF has no add_bos_token key
-
-
-_DEFAULT_PRE = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"))
-_GPT2_PRE = _PreTokenizer((_GPT2,))
-# "smollm" and friends: every digit is its own piece before the GPT-2 split, so "12345" is 5 tokens.
-_DIGITS_PRE = _PreTokenizer((r"\p{N}", _GPT2))
-_LLAMA3_PRE = _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
-
-_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
-    "default": _DEFAULT_PRE,
-    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"), _GPT2_PRE),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                     "minerva-7b"), _DIGITS_PRE),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _LLAMA3_PRE),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _PreTokenizer((_QWEN2,))),
-    "falcon": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
-}
-
-_SPM_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's `bytes_to_unicode`, inverted: the printable stand-in character of each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    char_to_byte = {chr(b): b for b in printable}
-    # Bytes without a printable form (controls, space, ...) get code points 256, 257, ...
-    others = [b for b in range(256) if b not in printable]
-    char_to_byte.update({chr(256 + n): b for n, b in enumerate(others)})
-    return char_to_byte
-
-
-_CHAR_TO_BYTE = _byte_level_alphabet()
-
-
-def _byte_level_token_bytes(token: str) -> bytes:
-    try:
-        return bytes([_CHAR_TO_BYTE[c] for c in token])
-    except KeyError:
-        # NOTE: tokenizers' ByteLevel decoder does the same: a token with a character outside
-        # the byte alphabet (added tokens written as raw text) stands for its own UTF-8 bytes.
-        return token.encode("utf-8")
-
-
-def _spm_token_bytes(token: str) -> bytes:
-    if match := _SPM_BYTE_TOKEN.fullmatch(token):
-        return bytes([int(match.group(1), 16)])
-    return token.replace("\u2581", " ").encode("utf-8")
-
-
-def _gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
 
 class Tokenizer:
     """Encode text, decode ids, render chat templates; built by `from_gguf` or `from_hf_dir`.
@@ -161,20 +93,20 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
         """Build from the `tokenizer.ggml.*` metadata of an open GGUF file."""
-        model = _gguf_value(reader, "tokenizer.ggml.model")
-        tokens: list[str] | None = _gguf_value(reader, "tokenizer.ggml.tokens")
+        model = gguf_value(reader, "tokenizer.ggml.model")
+        tokens: list[str] | None = gguf_value(reader, "tokenizer.ggml.tokens")
         if model is None or tokens is None:
             raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model / tokens missing)")
-        token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or (
-            [_NORMAL] * len(tokens))
-        special_ids = frozenset(i for i, t in enumerate(token_types) if t in (_CONTROL, _UNKNOWN))
-        user_defined_ids = [i for i, t in enumerate(token_types) if t == _USER_DEFINED]
+        token_types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type") or (
+            [NORMAL] * len(tokens))
+        special_ids = frozenset(i for i, t in enumerate(token_types) if t in (CONTROL, UNKNOWN))
+        user_defined_ids = [i for i, t in enumerate(token_types) if t == USER_DEFINED]
 
         if model == "gpt2":
-            pre_name = _gguf_value(reader, "tokenizer.ggml.pre")
-            pre = cls._gguf_pre_tokenizer(pre_name)
+            pre_name = gguf_value(reader, "tokenizer.ggml.pre")
+            pre = gguf_pre_tokenizer(pre_name)
             merges = [tuple(m.split(" ", 1))
-                      for m in _gguf_value(reader, "tokenizer.ggml.merges", [])]
+                      for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
             vocab = {token: i for i, token in enumerate(tokens)}
             backend = _Backend(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
             backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -182,14 +114,14 @@ class Tokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])
             backend.decoder = decoders.ByteLevel()
-            token_bytes = [_byte_level_token_bytes(t) for t in tokens]
+            token_bytes = [byte_level_token_bytes(t) for t in tokens]
             add_bos_default, strip = pre.add_bos, False
         elif model == "llama":
-            add_space_prefix = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
-            scores = _gguf_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-            backend = cls._spm_backend(tokens, scores, token_types, add_space_prefix,
-                                       _gguf_value(reader, "tokenizer.ggml.unknown_token_id"))
-            token_bytes = [_spm_token_bytes(t) for t in tokens]
+            add_space_prefix = bool(gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
+            scores = gguf_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+            backend = spm_backend(tokens, scores, token_types, add_space_prefix,
+                                       gguf_value(reader, "tokenizer.ggml.unknown_token_id"))
+            token_bytes = [spm_token_bytes(t) for t in tokens]
             add_bos_default, strip = True, add_space_prefix
         else:
             raise ValueError(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
@@ -204,68 +136,25 @@ class Tokenizer:
                             for i in user_defined_ids])
 
         def token_id(key: str) -> int | None:
-            value = _gguf_value(reader, key)
+            value = gguf_value(reader, key)
             return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
         bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
         eog = {i for i in (eos, token_id("tokenizer.ggml.eot_token_id"),
                            token_id("tokenizer.ggml.eom_token_id")) if i is not None}
-        eog.update(i for i, t in enumerate(tokens) if t in _END_OF_GENERATION_TEXTS)
+        eog.update(i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TEXTS)
         template_tokens = {name: tokens[i] for name, i in (
             ("bos_token", bos), ("eos_token", eos),
             ("unk_token", token_id("tokenizer.ggml.unknown_token_id")),
             ("pad_token", token_id("tokenizer.ggml.padding_token_id"))) if i is not None}
         return cls(
             backend, token_bytes, special_ids, bos, eos, frozenset(eog),
-            add_bos=bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
-            add_eos=bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False)),
+            add_bos=bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
+            add_eos=bool(gguf_value(reader, "tokenizer.ggml.add_eos_token", False)),
             strip_leading_space=strip,
-            chat_template=_gguf_value(reader, "tokenizer.chat_template"),
+            chat_template=gguf_value(reader, "tokenizer.chat_template"),
             template_tokens=template_tokens,
         )
-
-    @staticmethod
-    def _gguf_pre_tokenizer(name: str | None) -> _PreTokenizer:
-        if name is None:
-            logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' "
-                           "pre-tokenizer (generation quality may suffer)")
-            return _DEFAULT_PRE
-        if name not in _PRE_TOKENIZERS:
-            raise ValueError(f"unsupported pre-tokenizer {name!r} (tokenizer.ggml.pre); "
-                             f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}")
-        return _PRE_TOKENIZERS[name]
-
-    @staticmethod
-    def _spm_backend(tokens: list[str], scores: list[float], token_types: list[int],
-                     add_space_prefix: bool, unknown_id: int | None) -> _Backend:
-        """SentencePiece-style BPE: llama.cpp merges the adjacent pair whose union scores best.
-
-        That is BPE with one merge per way of splitting each normal token, ranked by the merged
-        token's score (transformers' GGUF converter builds the same merges).
-        """
-        vocab: dict[str, int] = {}
-        for i, token in enumerate(tokens):
-            vocab.setdefault(token, i)
-        mergeable = {t for t, i in vocab.items() if token_types[i] in (_NORMAL, _USER_DEFINED)}
-        ranked = []
-        for token in mergeable:
-            for k in range(1, len(token)):
-                left, right = token[:k], token[k:]
-                if left in mergeable and right in mergeable:
-                    ranked.append((-scores[vocab[token]], vocab[left], vocab[right], left, right))
-        ranked.sort()
-        unk = tokens[unknown_id] if unknown_id is not None and unknown_id < len(tokens) else None
-        backend = _Backend(models.BPE(vocab, [(r[3], r[4]) for r in ranked], unk_token=unk,
-                                      fuse_unk=True, byte_fallback=True))
-        # NOTE: tokenizers normalizes each stretch of text between special tokens on its own, so
-        # the "▁" is prepended after every special token too, as llama.cpp does (is_prev_special).
-        escape = normalizers.Replace(" ", "\u2581")
-        backend.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), escape])
-                              if add_space_prefix else escape)
-        backend.decoder = decoders.Sequence([
-            decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-            *([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])])
-        return backend
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -275,13 +164,13 @@ class Tokenizer:
         spec_text = (path / "tokenizer.json").read_text(encoding="utf-8")
         spec = json.loads(spec_text)
         backend = _Backend.from_str(spec_text)
-        config = _read_json(path / "tokenizer_config.json")
-        generation = _read_json(path / "generation_config.json")
+        config = read_json(path / "tokenizer_config.json")
+        generation = read_json(path / "generation_config.json")
 
         size = backend.get_vocab_size(with_added_tokens=True)
         texts = [backend.id_to_token(i) for i in range(size)]
-        kind, strip = _decoder_kind(spec.get("decoder"))
-        to_bytes = _byte_level_token_bytes if kind == "byte_level" else _spm_token_bytes
+        kind, strip = decoder_kind(spec.get("decoder"))
+        to_bytes = byte_level_token_bytes if kind == "byte_level" else spm_token_bytes
         token_bytes = [b"" if t is None else to_bytes(t) for t in texts]
         added = {t["id"]: t for t in spec.get("added_tokens", [])}
         special_ids = frozenset(i for i, t in added.items() if t.get("special"))
@@ -297,7 +186,7 @@ class Tokenizer:
         if eos is None and isinstance(gen_eos_ids[0], int):
             eos = gen_eos_ids[0]
         eog = {i for i in (eos, *gen_eos_ids) if isinstance(i, int)}
-        eog.update(i for i in special_ids if texts[i] in _END_OF_GENERATION_TEXTS)
+        eog.update(i for i in special_ids if texts[i] in END_OF_GENERATION_TEXTS)
 
         with_specials = backend.encode("a", add_special_tokens=True).ids
         without = backend.encode("a", add_special_tokens=False).ids
@@ -315,7 +204,7 @@ class Tokenizer:
             add_bos=bool(config.get("add_bos_token", detected_bos)),
             add_eos=bool(config.get("add_eos_token", detected_eos)),
             strip_leading_space=strip,
-            chat_template=_hf_chat_template(path, config),
+            chat_template=hf_chat_template(path, config),
             template_tokens=template_tokens,
         )
 
@@ -443,41 +332,3 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, add_bos={self.add_bos})")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
-def _decoder_kind(decoder: dict[str, Any] | None) -> tuple[str, bool]:
-    """('byte_level' | 'spm', strips one leading space) for a tokenizer.json decoder."""
-    if decoder is None:
-        raise ValueError("tokenizer.json has no decoder; cannot map tokens to bytes")
-    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-    kinds = {step.get("type") for step in steps}
-    if "ByteLevel" in kinds:
-        return "byte_level", False
-    if "Metaspace" in kinds:
-        step = next(s for s in steps if s.get("type") == "Metaspace")
-        default_scheme = "always" if step.get("add_prefix_space", True) else "never"
-        scheme = step.get("prepend_scheme", default_scheme)
-        return "spm", scheme != "never"
-    if "ByteFallback" in kinds or any(
-            s.get("type") == "Replace" and "\u2581" in json.dumps(s, ensure_ascii=False)
-            for s in steps):
-        strip = any(s.get("type") == "Strip" and s.get("start", 0) >= 1 for s in steps)
-        return "spm", strip
-    raise ValueError(f"unsupported tokenizer.json decoder {sorted(k for k in kinds if k)}; "
-                     "supported: ByteLevel, Metaspace, SentencePiece-style ByteFallback")
-
-
-def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default", next(iter(named.values()), None))
-    if template is None and (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    if template is None and (path / "chat_template.json").exists():
-        template = _read_json(path / "chat_template.json").get("chat_template")
-    return template if isinstance(template, str) else None
