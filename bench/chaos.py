@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.fixtures.tiny_gguf writes the tiny model
 sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules
 
-from chaos_frontends import FRONTEND_FAULTS, Frontends  # noqa: E402
+from chaos_frontends import FRONTEND_FAULTS, Frontends, stop_processes  # noqa: E402
 from chaos_report import ChaosReport  # noqa: E402
 
 from llmq import protocol  # noqa: E402
@@ -142,16 +142,7 @@ class Pool:
     def close(self) -> None:
         self._closing.set()
         self._thread.join()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()))
 
 
 class Chaos:

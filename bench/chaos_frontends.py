@@ -38,6 +38,20 @@ BATCH_LINES = 20
 _FINAL = ("completed", "failed", "cancelled", "expired")
 
 
+
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM (and SIGCONT, for one a fault paused) to all, then 20 s each to exit, then KILL."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 class Frontends:
     def __init__(self, url: str, log_dir: Path, rng: random.Random, model: str) -> None:
         self.url, self.log_dir, self.rng, self.model = url, log_dir, rng, model
@@ -109,14 +123,7 @@ class Frontends:
     def close(self) -> None:
         self._closing.set()
         self._supervisor.join()
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()))
 
     # -- the traffic ------------------------------------------------------------------------------
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import redis
 
 from tests.e2e.cli_harness import serve
+from tests.e2e.gateway_harness import GatewayProcess
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +36,17 @@ def r(url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(url)
     yield client
     client.close()
+
+
+# NOTE: for the gateway modules, each of which defines its own `pool` (a GatewayProcess in front
+# of its workers); these two follow whichever `pool` the requesting module has.
+@pytest.fixture(scope="module")
+def client(pool: GatewayProcess) -> openai.OpenAI:
+    """The official SDK on the module's gateway."""
+    return pool.openai()
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    """The model the module's pool serves, as /v1/models names it."""
+    return client.models.list().data[0].id

@@ -39,16 +39,6 @@ def pool(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[Gat
         worker.stop()
 
 
-@pytest.fixture(scope="module")
-def client(pool: GatewayProcess) -> openai.OpenAI:
-    return pool.openai()
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_lists_what_live_workers_serve(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny-llama.gguf"]

@@ -44,16 +44,6 @@ def pool(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[Gat
         worker.stop()
 
 
-@pytest.fixture(scope="module")
-def client(pool: GatewayProcess) -> openai.OpenAI:
-    return pool.openai()
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 # -- errors that fail fast ------------------------------------------------------------------------
 
 
