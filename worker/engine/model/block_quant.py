@@ -69,6 +69,23 @@ class BlockQuant:
                    offsets.astype(np.float32).reshape(out_features, groups), group, bits)
 
 
+def merge_rows(parts: list[BlockQuant]) -> BlockQuant:
+    """Row blocks of one matrix (a fused QKV whose parts have different types) -> one
+    BlockQuant, exactly: in the finest group size (a group's scale and offset repeat over its
+    sub-groups) and 8 bits where any part has them (every 4-bit q, 0..15, is a valid int8)."""
+    if len(parts) == 1:
+        return parts[0]
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        raise ValueError(f"group sizes {[p.group for p in parts]} do not nest")
+    bits = max(p.bits for p in parts)
+    return BlockQuant(np.concatenate([p.q for p in parts]),
+                      np.concatenate([np.repeat(p.scales, p.group // group, axis=1)
+                                      for p in parts]),
+                      np.concatenate([np.repeat(p.offsets, p.group // group, axis=1)
+                                      for p in parts]), group, bits)
+
+
 class QuantizedEmbedding:
     """Rows of a block-quantized embedding, dequantized on lookup (as gguf-py would: exact),
     so the table is never held dense: 1/4 of float32's bytes for a Q8_0 table."""

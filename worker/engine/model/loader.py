@@ -21,6 +21,7 @@ from .arch import ModelArchConfig
 from .gguf_loader import check_tensor_types, iter_gguf_weights
 from .hf_loader import iter_hf_weights, read_hf_arch
 from .llama import DTYPES, WEIGHTS, LlamaForCausalLM, default_weights
+from .repack_cache import RepackCache
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
         arch = ModelArchConfig.from_gguf(reader)
         check_tensor_types(reader)  # before the slow parts, so a bad file fails fast
         model = LlamaForCausalLM(arch, dtype, weights)
-        model.load_weights(iter_gguf_weights(reader, arch, keep_quantized=weights == "native"))
+        native = weights == "native"
+        model.load_weights(iter_gguf_weights(reader, arch, keep_quantized=native),
+                           RepackCache.for_model(path) if native else None)
         tokenizer = Tokenizer.from_gguf(reader)
     elif path.is_dir():
         arch = read_hf_arch(path)
