@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
-
 from .arch import ModelArchConfig
-from .gguf_loader import check_tensor_types, iter_gguf_weights
+from .gguf_loader import FastGGUFReader, check_tensor_types, iter_gguf_weights
 from .hf_loader import iter_hf_weights, read_hf_arch
 from .llama import DTYPES, WEIGHTS, LlamaForCausalLM, default_weights
 from .repack_cache import RepackCache
@@ -52,7 +50,7 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
     path = Path(path)
     start = time.perf_counter()
     if path.is_file() and path.suffix == ".gguf":
-        reader = gguf.GGUFReader(path)
+        reader = FastGGUFReader(path)
         arch = ModelArchConfig.from_gguf(reader)
         check_tensor_types(reader)  # before the slow parts, so a bad file fails fast
         model = LlamaForCausalLM(arch, dtype, weights)
