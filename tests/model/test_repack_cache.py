@@ -4,11 +4,13 @@ built, gives the same numbers, and never takes another file's or another CPU's e
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from llmq.worker.engine.model import block_quant, repack_cache
 from llmq.worker.engine.model.cpu_kernels import QuantMatrix
+from llmq.worker.engine.model.gguf_loader import FastGGUFReader
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
 from tests.fixtures.models import greedy_paged
@@ -82,13 +84,16 @@ def test_another_file_or_another_cpu_gets_its_own_entry(tmp_path, cache_dir, mon
     assert all(torch.equal(a, b) for a, b in zip(logits, uncached_logits, strict=True))
     monkeypatch.setenv(repack_cache.ENV, str(cache_dir))
 
-    # And the same file rewritten in place (new mtime) or on another CPU is rebuilt too
+    # And the same file rewritten in place (new mtime) is rebuilt, its old entry dropped
+    before = entries(cache_dir)
     tiny(tmp_path, "a.gguf", seed=5)
     run(first)
-    assert len(entries(cache_dir)) == 3
+    after = entries(cache_dir)
+    assert len(after) == 2 and after != before
+    # And on another CPU (a cache on shared storage) it gets its own entry beside this one's
     monkeypatch.setattr(repack_cache, "_cpu_model", lambda: "model name : another CPU")
     run(first)
-    assert len(entries(cache_dir)) == 4
+    assert len(entries(cache_dir)) == 3 and set(after) < set(entries(cache_dir))
 
 
 def test_a_truncated_entry_is_rebuilt(tmp_path, cache_dir):
@@ -138,3 +143,16 @@ def test_fused_rows_of_mixed_types_run_quantized_with_the_dequantized_numbers(
     assert ours == theirs
     for a, b in zip(our_logits, their_logits, strict=True):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def test_the_fast_reader_reads_what_gguf_py_reads(tmp_path):
+    path = tiny(tmp_path)
+    ours, theirs = FastGGUFReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+        assert ours.fields[name].types == field.types, name
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data)
+               for a, b in zip(ours.tensors, theirs.tensors, strict=True))

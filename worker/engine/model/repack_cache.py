@@ -48,8 +48,15 @@ def default_root() -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "llmq" / "repacked"
 
 
+def _file_tag(model_path: Path) -> str:
+    """The part of the key naming the file and CPU: entries of the file's older versions (or
+    of older code) share it; another CPU's (a cache on shared storage) does not."""
+    return hashlib.sha256(f"{model_path.resolve()}\0{_cpu_model()}".encode()).hexdigest()[:8]
+
+
 def cache_key(model_path: Path) -> str:
-    """Another file, another version of it, another CPU or another build code: another key."""
+    """Another file, another version of it, another CPU or another build code: another key,
+    `<file tag>-<hash of the rest>`."""
     stat = model_path.stat()
     digest = hashlib.sha256()
     for part in (str(model_path.resolve()), str(stat.st_size), str(stat.st_mtime_ns),
@@ -58,7 +65,7 @@ def cache_key(model_path: Path) -> str:
     here = Path(__file__).parent
     for name in _CODE:
         digest.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
-    return digest.hexdigest()[:24]
+    return f"{_file_tag(model_path)}-{digest.hexdigest()[:16]}"
 
 
 class RepackCache:
@@ -141,10 +148,19 @@ class RepackCache:
                 return
             os.replace(self._staging, self.path)
             logger.info("repack cache written: %s (%d forms)", self.path, len(self._new))
+            self._drop_stale()
         except OSError as exc:
             logger.warning("repack cache %s not written: %s", self.root, exc)
             self._abandon()
         self._staging = None
+
+    def _drop_stale(self) -> None:
+        """Delete this file's entries for its older versions, CPUs or code: each is as big as
+        the model's repacked forms, and nothing will ask for them again."""
+        tag = self.key.split("-")[0]
+        for other in self.root.glob(f"{tag}-*"):
+            if other.name != self.key and ".tmp-" not in other.name:
+                shutil.rmtree(other, ignore_errors=True)
 
     def _abandon(self) -> None:
         if self._staging is not None:
