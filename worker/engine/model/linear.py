@@ -127,7 +127,7 @@ class Linear(nn.Module):
             self.quant = Int4Weight.from_block_quant(bq)
         if self.quant is not None and want_int8 and Int8Matrix.available():
             # NOTE: from this projection's blocks alone: one float32 matrix at a time
-            self.int8 = Int8Matrix(torch.from_numpy(bq.dequantize()), self.bias)
+            self.int8 = Int8Matrix(bq.dequantize_torch(), self.bias)
         if cache is not None and isinstance(self.quant, QuantMatrix):
             quant = self.quant
             arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy(),
