@@ -110,6 +110,14 @@ class QuantizedEmbedding:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scales.nbytes + self.offsets.nbytes
 
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """The whole table into `out` [vocab, hidden] float32 (a tied LM head's dense form),
+        with the same two roundings as `BlockQuant.dequantize`."""
+        vocab, hidden = self.q.shape
+        grouped = out.view(vocab, -1, self.group)
+        torch.mul(self.q.view(vocab, -1, self.group), self.scales[..., None], out=grouped)
+        grouped.add_(self.offsets[..., None])
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> [n, hidden] float32."""
         n, hidden = ids.shape[0], self.q.shape[1]

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, merge_rows
+from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
 from .cpu_kernels import CpuKernels, QuantMatrix
 from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
@@ -78,6 +79,7 @@ class Linear(nn.Module):
         self._kernels: CpuKernels | None = None
         self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
         self.quant_only = False  # set by finalize: the quantized form serves every batch size
+        self.dense_from: QuantizedEmbedding | None = None  # a tied head's faster dense source
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows: `finalize` builds the forms from them and
@@ -134,8 +136,9 @@ class Linear(nn.Module):
                       "offsets": quant.offsets.numpy()}
             if self.int8 is not None:
                 arrays |= {"int8_q": self.int8.q.numpy(), "int8_scale": self.int8.scale.numpy()}
-            cache.put(name, {"shape": [quant.out_features, quant.in_features],
-                             "group": quant.group, "bits": quant.bits}, arrays)
+            meta = {"shape": [quant.out_features, quant.in_features], "group": quant.group,
+                    "bits": quant.bits}
+            self._bind_forms(meta, cache.put(name, meta, arrays), want_int8)
 
     def _forms_from_cache(self, cache: RepackCache, name: str, want_int8: bool) -> bool:
         """Take the forms from the repack cache; False (nothing set) if it lacks them."""
@@ -147,16 +150,23 @@ class Linear(nn.Module):
             return False
         if want_int8 and Int8Matrix.available() != ("int8_q" in arrays):
             return False
+        self._bind_forms(meta, arrays, want_int8)
+        return True
+
+    def _bind_forms(self, meta: dict, arrays: dict[str, np.ndarray], want_int8: bool) -> None:
         t = {part: torch.from_numpy(a) for part, a in arrays.items()}
         self.quant = QuantMatrix.from_tiles(t["q"], t["scales"], t["offsets"],
                                             (self.out_features, self.in_features),
                                             meta["group"], meta["bits"], self.bias)
         if want_int8 and "int8_q" in t:
             self.int8 = Int8Matrix.from_parts(t["int8_q"], t["int8_scale"], self.bias)
-        return True
 
     def _fill_dense(self) -> None:
-        """Dequantize the rows load_weights left to us into the dense weight."""
+        """Dequantize the rows load_weights left to us into the dense weight (a tied head:
+        from the embedding's decoded blocks, in place, ~8x faster than from the file's)."""
+        if self.dense_from is not None and self._quantized_rows:
+            self.dense_from.dequantize_into(self.weight.data)
+            return
         for rows, tensor in self._quantized_rows:
             self.weight[rows].copy_(tensor.dequantize())
 

@@ -248,8 +248,10 @@ class LlamaForCausalLM(nn.Module):
                                                  arrays["offsets"], meta["group"], meta["bits"]))
         bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
         if repack is not None:
-            repack.put("embed_tokens", {"group": bq.group, "bits": bq.bits},
-                       {"q": bq.q, "scales": bq.scales, "offsets": bq.offsets})
+            meta = {"group": bq.group, "bits": bq.bits}
+            arrays = repack.put("embed_tokens", meta,
+                                {"q": bq.q, "scales": bq.scales, "offsets": bq.offsets})
+            bq = BlockQuant(arrays["q"], arrays["scales"], arrays["offsets"], bq.group, bq.bits)
         return QuantizedEmbedding(bq)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -355,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: the dense table stays only where lookups still need it; the tied head then
         # keeps just its packed copy.
         keep_embedding = self.embed_quant is None
+        if arch.tie_word_embeddings:
+            self.lm_head.dense_from = self.embed_quant
         experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
                    for m in moe.experts.modules()}
         for name, module in self.named_modules():

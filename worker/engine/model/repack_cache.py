@@ -117,10 +117,13 @@ class RepackCache:
         self.hits += 1
         return entry["meta"], arrays
 
-    def put(self, name: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        """Stage a form built this start (written under the staging folder, not yet visible)."""
+    def put(self, name: str, meta: dict[str, Any], arrays: dict[str, np.ndarray]
+            ) -> dict[str, np.ndarray]:
+        """Stage a form built this start (written under the staging folder, not yet visible).
+        Returns its arrays mapped from the files written (the caller drops the copies it
+        built, so a cold start ends with the RSS of a warm one), or `arrays` if not written."""
         if self.warm:
-            return  # the entry is complete already: a form it lacks is not cached
+            return arrays  # the entry is complete already: a form it lacks is not cached
         try:
             if self._staging is None:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -133,9 +136,13 @@ class RepackCache:
                 np.save(target, np.ascontiguousarray(array))
                 files[part] = target.stat().st_size
             self._new[name] = {"meta": meta, "files": files}
-        except OSError as exc:  # a full or read-only disk costs the cache, not the load
+            # NOTE: the maps stay valid when the folder is renamed (they hold the inodes)
+            return {part: np.load(self._staging / f"{name}.{part}.npy", mmap_mode="c")
+                    for part in files}
+        except (OSError, ValueError) as exc:  # a full or read-only disk costs the cache only
             logger.warning("repack cache %s not written: %s", self.root, exc)
             self._abandon()
+            return arrays
 
     def commit(self) -> None:
         """Make the staged entry visible: manifest last, then one rename of the folder."""
