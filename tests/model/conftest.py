@@ -99,3 +99,16 @@ def spm_tokenizer(tmp_path_factory):
 
     path = _write_spm_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf")
     return Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _repack_cache_in_a_temp_dir(tmp_path_factory):
+    """Native loads write the repack cache (repack_cache.py): keep the tests' entries (one per
+    temporary model file) out of the user's ~/.cache."""
+    old = os.environ.get("LLMQ_REPACK_DIR")
+    os.environ["LLMQ_REPACK_DIR"] = str(tmp_path_factory.mktemp("repacked"))
+    yield
+    if old is None:
+        os.environ.pop("LLMQ_REPACK_DIR", None)
+    else:
+        os.environ["LLMQ_REPACK_DIR"] = old

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant
+from llmq.worker.engine.model.block_quant import (
+    BLOCK_QUANT_TYPES,
+    BlockQuant,
+    QuantizedEmbedding,
+    merge_rows,
+)
 from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
 from llmq.worker.engine.model.gguf_loader import QuantizedTensor
 from llmq.worker.engine.model.int4_weight import Int4Weight
@@ -51,6 +56,24 @@ def test_blocks_decode_to_exactly_the_dequantized_matrix(tmp_path, qtype):
     assert np.array_equal(bq.dequantize(), tensor.dequantize().numpy())
     if bq.bits == 4:
         assert 0 <= bq.q.min() and bq.q.max() <= 15
+    # And so are the torch forms the loader uses (the int8 copy's source, a tied head's table)
+    assert torch.equal(bq.dequantize_torch(), tensor.dequantize())
+    table = torch.empty(tensor.shape)
+    QuantizedEmbedding(bq).dequantize_into(table)
+    assert torch.equal(table, tensor.dequantize())
+
+
+@pytest.mark.parametrize(("first", "second"), [(Q.Q4_K, Q.Q6_K), (Q.Q4_0, Q.Q8_0),
+                                               (Q.Q6_K, Q.Q4_1)])
+def test_rows_of_mixed_types_merge_into_one_exact_matrix(tmp_path, first, second):
+    # Given a fused matrix whose row blocks have different types (Q4_K_M's QKV with V in Q6_K)
+    parts = [write_and_read(tmp_path, first, (32, 256), seed=2),
+             write_and_read(tmp_path, second, (16, 256), seed=3)]
+    # When merged, then it dequantizes to the parts' own numbers, stacked
+    merged = merge_rows([BlockQuant.from_gguf(t.qtype, t.data, t.shape) for t in parts])
+    assert np.array_equal(merged.dequantize(),
+                          np.concatenate([t.dequantize().numpy() for t in parts]))
+    assert merged.group == 16 if Q.Q6_K in (first, second) else merged.group == 32
 
 
 @pytest.mark.usefixtures("cpu_kernels")

@@ -54,6 +54,16 @@ class BlockQuant:
         return (q * self.scales[..., None] + self.offsets[..., None]).reshape(
             out_features, in_features)
 
+    def dequantize_torch(self) -> torch.Tensor:
+        """`dequantize()` as a torch tensor, computed by torch (threaded, no numpy
+        temporaries: ~5x faster on a 1B model's projections). The same two roundings (the
+        product, then the sum; no fused multiply-add), so the same bits."""
+        out_features, in_features = self.q.shape
+        q = torch.from_numpy(self.q).view(out_features, -1, self.group).float()
+        q.mul_(torch.from_numpy(self.scales)[..., None])
+        q.add_(torch.from_numpy(self.offsets)[..., None])
+        return q.view(out_features, in_features)
+
     @classmethod
     def from_gguf(cls, qtype: Q, data: np.ndarray, shape: tuple[int, int]) -> BlockQuant:
         """A tensor's raw bytes [out, row_bytes] of one of BLOCK_QUANT_TYPES."""
@@ -69,6 +79,23 @@ class BlockQuant:
                    offsets.astype(np.float32).reshape(out_features, groups), group, bits)
 
 
+def merge_rows(parts: list[BlockQuant]) -> BlockQuant:
+    """Row blocks of one matrix (a fused QKV whose parts have different types) -> one
+    BlockQuant, exactly: in the finest group size (a group's scale and offset repeat over its
+    sub-groups) and 8 bits where any part has them (every 4-bit q, 0..15, is a valid int8)."""
+    if len(parts) == 1:
+        return parts[0]
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        raise ValueError(f"group sizes {[p.group for p in parts]} do not nest")
+    bits = max(p.bits for p in parts)
+    return BlockQuant(np.concatenate([p.q for p in parts]),
+                      np.concatenate([np.repeat(p.scales, p.group // group, axis=1)
+                                      for p in parts]),
+                      np.concatenate([np.repeat(p.offsets, p.group // group, axis=1)
+                                      for p in parts]), group, bits)
+
+
 class QuantizedEmbedding:
     """Rows of a block-quantized embedding, dequantized on lookup (as gguf-py would: exact),
     so the table is never held dense: 1/4 of float32's bytes for a Q8_0 table."""
@@ -82,6 +109,14 @@ class QuantizedEmbedding:
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """The whole table into `out` [vocab, hidden] float32 (a tied LM head's dense form),
+        with the same two roundings as `BlockQuant.dequantize`."""
+        vocab, hidden = self.q.shape
+        grouped = out.view(vocab, -1, self.group)
+        torch.mul(self.q.view(vocab, -1, self.group), self.scales[..., None], out=grouped)
+        grouped.add_(self.offsets[..., None])
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> [n, hidden] float32."""

@@ -148,12 +148,26 @@ class QuantMatrix:
         q = bq.q.astype(np.uint8)  # int8 keeps its bits
         if bq.bits == 4:
             q = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # [out, in / 2]
-        self.q = tiled(q)
-        self.scales, self.offsets = tiled(bq.scales), tiled(bq.offsets)
+        self._bind(tiled(q), tiled(bq.scales), tiled(bq.offsets), bias)
+
+    @classmethod
+    def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                   shape: tuple[int, int], group: int, bits: int,
+                   bias: torch.Tensor | None = None) -> QuantMatrix:
+        """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = shape
+        self.group, self.bits = group, bits
+        self._bind(q, scales, offsets, bias)
+        return self
+
+    def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+              bias: torch.Tensor | None) -> None:
+        self.q, self.scales, self.offsets = q, scales, offsets
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
-                           0 if self.bias is None else self.bias.data_ptr(), out_features,
-                           in_features, bq.group, bq.bits, 0)
+                           0 if self.bias is None else self.bias.data_ptr(), self.out_features,
+                           self.in_features, self.group, self.bits, 0)
 
     @staticmethod
     def supports(bq: BlockQuant) -> bool:

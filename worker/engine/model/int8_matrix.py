@@ -39,6 +39,17 @@ class Int8Matrix:
         self.q = torch.round(w * inv[:, None]).to(torch.int8).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
+    @classmethod
+    def from_parts(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                   ) -> Int8Matrix:
+        """An Int8Matrix of q [out, in] int8 and scale [out] float32 built before (the repack
+        cache's arrays)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = q.shape
+        self.q, self.scale = q, scale
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        return self
+
     @staticmethod
     @functools.cache
     def available() -> bool:

@@ -40,6 +40,7 @@ from .decoder_layer import LlamaDecoderLayer, Target, rms_norm
 from .gguf_loader import QuantizedTensor
 from .linear import QUANT_MAX_ROWS, Linear, _param
 from .moe import SparseMoe
+from .repack_cache import RepackCache
 from .rope import RopeConfig, Rotary
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,21 @@ class LlamaForCausalLM(nn.Module):
             self._one_call_layers = (key, (DecoderLayer * len(structs))(*structs))
         return self._one_call_layers[1]
 
+    def _quantized_embedding(self, tensor: QuantizedTensor, repack: RepackCache | None
+                             ) -> QuantizedEmbedding:
+        found = repack.get("embed_tokens") if repack is not None else None
+        if found is not None:
+            meta, arrays = found
+            return QuantizedEmbedding(BlockQuant(arrays["q"], arrays["scales"],
+                                                 arrays["offsets"], meta["group"], meta["bits"]))
+        bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
+        if repack is not None:
+            meta = {"group": bq.group, "bits": bq.bits}
+            arrays = repack.put("embed_tokens", meta,
+                                {"q": bq.q, "scales": bq.scales, "offsets": bq.offsets})
+            bq = BlockQuant(arrays["q"], arrays["scales"], arrays["offsets"], bq.group, bq.bits)
+        return QuantizedEmbedding(bq)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [n] -> a fresh [n, hidden_size] tensor in the activations' dtype (the
         residual adds go in place), scaled where the family scales it."""
@@ -290,15 +306,16 @@ class LlamaForCausalLM(nn.Module):
     # ---- weights --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
-                     ) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+                     repack: RepackCache | None = None) -> None:
         """Copy named tensors in Hugging Face layout and names (`model.layers.0.self_attn.
         q_proj.weight`, ...) into the fused parameters, converting dtype on the way.
 
         Takes an iterator so a loader can dequantize one tensor at a time. A `QuantizedTensor`
-        is dequantized into the dense weight and, with `weights="native"`, also kept for the
-        projection's quantized form. Call it once: afterwards the projections build their forms
-        (linear.py) and free the dense copies they no longer need.
+        is dequantized into the dense weight, or with `weights="native"` kept for the
+        projection's quantized forms. Call it once: afterwards the projections build their
+        forms one at a time (linear.py; from `repack`, the repack cache, where it has them) and
+        dequantize only what a dense form still needs.
         """
         arch = self.arch
         tied_head = self.lm_head if arch.tie_word_embeddings else None
@@ -324,12 +341,14 @@ class LlamaForCausalLM(nn.Module):
                     f"weight {name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(dest.shape)}")
             if isinstance(tensor, QuantizedTensor):
-                if native and linear is not None:
-                    linear.add_quantized(rows, tensor)
                 if (native and param is self.embed_tokens
                         and tensor.qtype in BLOCK_QUANT_TYPES):
-                    self.embed_quant = QuantizedEmbedding(
-                        BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape))
+                    self.embed_quant = self._quantized_embedding(tensor, repack)
+                if native and linear is not None:
+                    linear.add_quantized(rows, tensor)  # dequantized there if still needed
+                    continue
+                if self.embed_quant is not None and param is self.embed_tokens:
+                    continue  # looked up from its blocks: the dense table is never read
                 tensor = tensor.dequantize()
             dest.copy_(tensor)
         if targets:
@@ -338,13 +357,18 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: the dense table stays only where lookups still need it; the tied head then
         # keeps just its packed copy.
         keep_embedding = self.embed_quant is None
+        if arch.tie_word_embeddings:
+            self.lm_head.dense_from = self.embed_quant
         experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
                    for m in moe.experts.modules()}
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.finalize(native, self.kernels,
                                 keep_dense=keep_embedding and module.weight is self.embed_tokens,
-                                int8=module is not self.lm_head, quant_only=id(module) in experts)
+                                int8=module is not self.lm_head, quant_only=id(module) in experts,
+                                cache=repack, name=name)
+        if repack is not None:
+            repack.commit()
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         self._one_call = (self._one_call_able and self.kernels is not None

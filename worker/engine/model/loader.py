@@ -9,18 +9,18 @@ objects for every token string (~3 s for a 49k vocabulary), more than dequantizi
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
-
 from .arch import ModelArchConfig
-from .gguf_loader import check_tensor_types, iter_gguf_weights
+from .gguf_loader import FastGGUFReader, check_tensor_types, iter_gguf_weights
 from .hf_loader import iter_hf_weights, read_hf_arch
 from .llama import DTYPES, WEIGHTS, LlamaForCausalLM, default_weights
+from .repack_cache import RepackCache
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +51,13 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
     path = Path(path)
     start = time.perf_counter()
     if path.is_file() and path.suffix == ".gguf":
-        reader = gguf.GGUFReader(path)
+        reader = FastGGUFReader(path)
         arch = ModelArchConfig.from_gguf(reader)
         check_tensor_types(reader)  # before the slow parts, so a bad file fails fast
         model = LlamaForCausalLM(arch, dtype, weights)
-        model.load_weights(iter_gguf_weights(reader, arch, keep_quantized=weights == "native"))
+        native = weights == "native"
+        model.load_weights(iter_gguf_weights(reader, arch, keep_quantized=native),
+                           RepackCache.for_model(path) if native else None)
         tokenizer = Tokenizer.from_gguf(reader)
     elif path.is_dir():
         arch = read_hf_arch(path)
@@ -65,6 +67,19 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
     model.eval()
+    _return_freed_memory()
     logger.info("loaded %s (%s, %d layers, %s cache, %s weights) in %.2f s", path.name,
                 arch.architecture, arch.num_layers, dtype, weights, time.perf_counter() - start)
     return LoadedModel(model=model, tokenizer=tokenizer, arch=arch)
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed temporaries back to the OS.
+
+    NOTE: glibc keeps freed heap memory in its arenas; after a cold load (each projection's
+    blocks decoded, its forms built and then mapped from the repack cache instead) that is
+    ~1 GB of a 1B model, counted in the worker's RSS until something reuses it."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or no way to
+        pass
