@@ -76,6 +76,12 @@ def _enabled_endpoint(endpoint: str | None, env: Mapping[str, str]) -> tuple[boo
         raise TracingUnavailable(
             f"OTEL_TRACES_EXPORTER={env['OTEL_TRACES_EXPORTER']!r}: llmq exports traces over "
             "OTLP/HTTP only; set it to `otlp` or `none`")
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        if env.get(name, "http/protobuf") != "http/protobuf":
+            # NOTE: a gRPC collector (port 4317, vLLM's default) would refuse every export
+            # silently: say so at start.
+            raise TracingUnavailable(f"{name}={env[name]!r}: llmq exports traces over "
+                                     "OTLP/HTTP (http/protobuf, port 4318) only")
     if endpoint:
         return True, traces_url(endpoint)
     named = bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")

@@ -21,11 +21,11 @@ otlp_traces_endpoint_option = click.option(
 
 
 def start_tracing(service_name: str, endpoint: str | None) -> tracing.Tracing | None:
-    """Configure the process's tracing; a setting that cannot work is a usage error."""
+    """Configure the process's tracing; a setting that cannot work is a one-line error."""
     try:
         return tracing.configure(service_name, endpoint)
     except tracing.TracingUnavailable as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.ClickException(str(exc)) from None
 
 
 def traces_url(endpoint: str) -> str:
@@ -33,4 +33,4 @@ def traces_url(endpoint: str) -> str:
     try:
         return tracing.traces_url(endpoint)
     except tracing.TracingUnavailable as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.ClickException(str(exc)) from None

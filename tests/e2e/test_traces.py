@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from tests.e2e.cli_harness import LLMQ, subprocess_env
+from tests.e2e.cli_harness import LLMQ, llmq, one_error_line, subprocess_env
 from tests.e2e.gateway_harness import KEYS, GatewayProcess
 from tests.fixtures.otlp_collector import CollectedSpan, OtlpCollector
 from tests.integration.worker_harness import WorkerProcess
@@ -162,6 +162,15 @@ def test_a_producer_s_own_traceparent_is_carried_as_given(
     # Then the worker's span joins that trace under that parent
     spans = collector.wait_for(_has_worker_spans(trace_id), "the worker's spans")
     assert _one(_trace(spans, trace_id), "llm_request").parent_id == parent
+
+
+def test_a_collector_url_that_cannot_work_is_a_one_line_error_at_start() -> None:
+    # When the gateway is given an endpoint that is no URL
+    result = llmq("serve", "--no-auth", "--otlp-traces-endpoint", "collector:4318",
+                  env={"OTEL_EXPORTER_OTLP_PROTOCOL": None})
+    # Then it says which flag and why, and nothing starts
+    line = one_error_line(result)
+    assert "--otlp-traces-endpoint 'collector:4318'" in line and "http(s) URL" in line
 
 
 def test_with_nothing_configured_no_process_loads_opentelemetry(

@@ -58,6 +58,8 @@ def test_a_bare_collector_url_gets_the_traces_path() -> None:
 @pytest.mark.parametrize(("endpoint", "env", "named"), [
     ("collector:4318", {}, "--otlp-traces-endpoint 'collector:4318'"),
     (None, {"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin'"),
+    ("http://c:4317", {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL='grpc'"),
 ])
 def test_a_setting_that_cannot_work_is_a_clear_error(endpoint: str | None, env: dict[str, str],
                                                      named: str) -> None:
