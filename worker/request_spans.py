@@ -6,9 +6,12 @@ on the busy loop, and a worker that does not trace (`ctx.spans is None`) pays on
 per read and per write. The spans, children of the producer's `traceparent` (protocol/requests.py)
 when the request carries one:
 
-    llm_request      CONSUMER, XADD -> terminal event written; vLLM's `gen_ai.*` attributes
+    llm_request      CONSUMER, XADD -> terminal event written; vLLM's `gen_ai.*` attributes;
+                     status ERROR with the code for an `error`
       queue_wait     XADD -> this worker read the entry (Redis's clock: both are its TIME)
-      admission      read -> handed to the busy loop (decode, checks, tokenizing)
+      admission      read -> handed to the busy loop (decode, checks, tokenizing), or to the
+                     write of its answer when admission answered it (refused, past its
+                     deadline, cancelled before it started: no engine phase then)
       prefill        first scheduled -> first token (the engine's timings)
       decode         first token -> last token
       result_write   the write (MULTI/EXEC) that carried the terminal event and the ack
@@ -93,6 +96,21 @@ class RequestSpans:
             timings = (terminal.timings if isinstance(terminal, protocol.Done)
                        else output.timings)
             self._emit(entry.trace, terminal, timings, {
+                tracing.REQUEST_ID: entry.request_id, "llmq.entry_id": entry.entry_id,
+                "llmq.attempt": entry.attempt}, write_started_ns, written_ns)
+
+    def answered(self, answered: list[tuple[str, protocol.Done | protocol.Error]],
+                 table: InFlightTable, write_started_ns: int) -> None:
+        """Requests answered at admission (refused, past their deadline, cancelled before they
+        started): llm_request with queue_wait, admission and the answer's result_write."""
+        written_ns = time.time_ns()
+        for entry_id, terminal in answered:
+            entry = table.get(entry_id)
+            if entry is None or entry.trace is None:
+                continue
+            # NOTE: never handed over: admission ends with the write of its answer.
+            entry.trace.admitted_ns = entry.trace.admitted_ns or write_started_ns
+            self._emit(entry.trace, terminal, None, {
                 tracing.REQUEST_ID: entry.request_id, "llmq.entry_id": entry.entry_id,
                 "llmq.attempt": entry.attempt}, write_started_ns, written_ns)
 

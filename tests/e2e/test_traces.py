@@ -164,6 +164,24 @@ def test_a_producer_s_own_traceparent_is_carried_as_given(
     assert _one(_trace(spans, trace_id), "llm_request").parent_id == parent
 
 
+def test_a_request_refused_at_admission_ends_its_trace_with_the_error(
+        pool: GatewayProcess, valkey_server, collector: OtlpCollector) -> None:
+    # Given a request the wire accepts but the model cannot run (a token id past its vocabulary)
+    from llmq.broker.client import Client
+
+    trace_id, parent = "5af7651916cd43dd8448eb211c80319c", "c7ad6b7169203331"
+    with Client(valkey_server.url) as client:
+        client.submit(prompt_token_ids=[2**31 - 1], request_id="refused-traced", max_tokens=2,
+                      traceparent=f"00-{trace_id}-{parent}-01")
+    # Then its trace ends at admission: llm_request in error, with the code, no engine phase
+    spans = _trace(collector.wait_for(lambda s: {"llm_request", "admission"} <= {
+        x.name for x in _trace(s, trace_id)}, "the refused request's spans"), trace_id)
+    request = _one(spans, "llm_request")
+    assert request.status_code == 2 and request.attributes["error.type"] == "invalid_token_id"
+    assert sorted(s.name for s in spans if s.parent_id == request.span_id) == [
+        "admission", "queue_wait", "result_write"]
+
+
 def test_a_collector_url_that_cannot_work_is_a_one_line_error_at_start() -> None:
     # When the gateway is given an endpoint that is no URL
     result = llmq("serve", "--no-auth", "--otlp-traces-endpoint", "collector:4318",
