@@ -182,10 +182,12 @@ def test_a_request_refused_at_admission_ends_its_trace_with_the_error(
         "admission", "queue_wait", "result_write"]
 
 
-def test_a_collector_url_that_cannot_work_is_a_one_line_error_at_start() -> None:
-    # When the gateway is given an endpoint that is no URL
-    result = llmq("serve", "--no-auth", "--otlp-traces-endpoint", "collector:4318",
-                  env={"OTEL_EXPORTER_OTLP_PROTOCOL": None})
+@pytest.mark.parametrize("command", [["serve", "--no-auth"], ["up"]])
+def test_a_collector_url_that_cannot_work_is_a_one_line_error_at_start(
+        command: list[str], tmp_path: Path) -> None:
+    # When the gateway, or `llmq up` for its workers, is given an endpoint that is no URL
+    result = llmq(*command, "--otlp-traces-endpoint", "collector:4318",
+                  env={"OTEL_EXPORTER_OTLP_PROTOCOL": None, "LLMQ_RUN_DIR": str(tmp_path)})
     # Then it says which flag and why, and nothing starts
     line = one_error_line(result)
     assert "--otlp-traces-endpoint 'collector:4318'" in line and "http(s) URL" in line
