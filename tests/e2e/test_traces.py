@@ -164,6 +164,31 @@ def test_a_producer_s_own_traceparent_is_carried_as_given(
     assert _one(_trace(spans, trace_id), "llm_request").parent_id == parent
 
 
+def test_each_request_of_a_pipelined_submit_gets_its_own_trace(
+        pool: GatewayProcess, valkey_server, collector: OtlpCollector) -> None:
+    # Given a traced producer (this process) sending three requests in one round trip, as
+    # file, batch and dataset jobs do
+    from llmq.broker import tracing
+    from llmq.broker.client import Client
+
+    tracing.configure("many-producer", collector.endpoint, env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    try:
+        with Client(valkey_server.url) as client:
+            ids = client.submit_many([{"id": f"many-{i}", "prompt": "Hi", "max_tokens": 2}
+                                      for i in range(3)])
+    finally:
+        tracing.shutdown()  # exports what is buffered
+    # Then each has its own trace: its `submit` span, parent of the worker's llm_request
+    spans = collector.wait_for(lambda s: {f"many-{i}" for i in range(3)} <= {
+        x.attributes.get("gen_ai.request.id") for x in s if x.name == "llm_request"},
+        "the worker's spans of the three requests")
+    submits = {s.attributes["gen_ai.request.id"]: s for s in spans
+               if s.name == "submit" and s.service == "many-producer"}
+    requests = {s.attributes["gen_ai.request.id"]: s for s in spans if s.name == "llm_request"}
+    assert len({submits[i].trace_id for i in ids}) == 3
+    assert all(requests[i].parent_id == submits[i].span_id for i in ids)
+
+
 def test_a_request_refused_at_admission_ends_its_trace_with_the_error(
         pool: GatewayProcess, valkey_server, collector: OtlpCollector) -> None:
     # Given a request the wire accepts but the model cannot run (a token id past its vocabulary)
