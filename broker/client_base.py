@@ -32,6 +32,7 @@ from llmq.broker.functions import is_missing_function, submit_error
 from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.broker.settings import BrokerSettings
+from llmq.broker.tracing import submit_traceparent
 from llmq.protocol import Encoding, encode_cancel
 from llmq.protocol.errors import InvalidRequest
 from llmq.protocol.requests import ENTRY_ID_RE
@@ -85,12 +86,16 @@ class ClientBase:
                                  f"{NAME_PATTERN}")
         body = {"id": request_id, "prompt": prompt, "messages": messages,
                 "prompt_token_ids": prompt_token_ids, **params}
+        if (traceparent := submit_traceparent(request_id, params)) is not None:
+            body["traceparent"] = traceparent
         return build_submission(body, self.encoding)
 
     def _submissions(self, requests: Iterable[Mapping[str, Any]]) -> list[Submission]:
         """Every request of a batch validated before any is sent; InvalidRequest names the index."""
         submissions = []
         for index, body in enumerate(requests):
+            if (traceparent := submit_traceparent(body.get("id"), body)) is not None:
+                body = {**body, "traceparent": traceparent}
             try:
                 submissions.append(build_submission(body, self.encoding))
             except InvalidRequest as exc:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from llmq.cli.dataset_progress_report import DatasetProgressReport
 from llmq.cli.helpers import note, open_client, warn_if_unserved
 from llmq.cli.options import connection_kwargs, connection_options
 
@@ -129,19 +130,30 @@ def run(job_file: str | None, dataset: str | None, map_items: tuple[str, ...],
     client = open_client(**connection_kwargs(kwargs))
     warn_if_unserved(client)
     status = _StatusLine(progress)
-    job = DatasetJob(client, spec, on_tick=status)
+    job = DatasetJob(client, spec)
+    report = DatasetProgressReport(client, job)  # what the gateway's dashboard shows
+
+    def on_tick(job_progress: Any) -> None:
+        status(job_progress)
+        report(job_progress)
+
+    job.on_tick = on_tick
     try:
         job.run()
     except SpecError as exc:
+        report.save("failed")
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
+        report.save("failed")
         raise click.FileError(exc.filename or spec.output, exc.strerror) from None
     except KeyboardInterrupt:
+        report.save("interrupted")
         status.done()
         note(f"interrupted: {job.progress.num_resumed + job.progress.num_written} rows written; "
              "rerun the same command to resume (queued requests are not queued again)")
         sys.exit(130)
     status.done()
+    report.save("completed")
     if job.finished_before:
         note(f"{spec.output} is already complete (remove it to run the job again)")
         return

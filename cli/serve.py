@@ -13,6 +13,7 @@ from __future__ import annotations
 import click
 
 from llmq.cli.options import connection_options
+from llmq.cli.tracing_option import otlp_traces_endpoint_option, start_tracing
 
 
 @click.command()
@@ -59,11 +60,13 @@ from llmq.cli.options import connection_options
               help="Answer /metrics only with an API key (default: open, as scrapers expect).")
 @click.option("--log-requests", is_flag=True, envvar="LLMQ_LOG_REQUESTS",
               help="One access-log line per request.")
+@otlp_traces_endpoint_option
 def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
           api_keys: tuple[str, ...], api_keys_file: tuple[str, ...], no_auth: bool,
           admin_tenants: tuple[str, ...], max_queue: int, request_timeout: float,
           max_file_bytes: int, max_body_bytes: int, file_ttl: int, dashboard_interval: float,
-          disconnect_grace: float, metrics_require_key: bool, log_requests: bool) -> None:
+          disconnect_grace: float, metrics_require_key: bool, log_requests: bool,
+          otlp_traces_endpoint: str | None) -> None:
     """Serve the OpenAI API (chat, completions, files, batches) in front of the pool."""
     import uvicorn
 
@@ -83,6 +86,7 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
             metrics_require_key=metrics_require_key)
     except (ValueError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
+    start_tracing("llmq-gateway", otlp_traces_endpoint)
     server: uvicorn.Server | None = None
     app = create_app(settings, redis_url=redis_url,
                      shutting_down=lambda: server is not None and server.should_exit)

@@ -28,6 +28,7 @@ from llmq.broker.client import Client
 from llmq.broker.connection import redact_url
 from llmq.broker.embedded import EmbeddedServer, default_run_dir
 from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
+from llmq.cli.tracing_option import otlp_traces_endpoint_option, traces_url
 
 if TYPE_CHECKING:
     from llmq.worker.supervisor import Supervisor
@@ -90,10 +91,11 @@ def _engine_argv(kwargs: dict) -> list[str]:
               "worker-2 BASE+1, ... (0: off).")
 @click.option("--ready-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds to wait for every worker to load its model.")
+@otlp_traces_endpoint_option
 @connection_options
 @engine_options
 def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
-       ready_timeout: float, **kwargs: Any) -> None:
+       ready_timeout: float, otlp_traces_endpoint: str | None, **kwargs: Any) -> None:
     """Start a Redis-compatible server and N workers on this machine.
 
     Without --redis-url / LLMQ_REDIS_URL a private server is started under the run folder
@@ -107,6 +109,9 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
     engine_argv = _engine_argv(kwargs)
     layout = plan_layout(num_workers, threads, sorted(os.sched_getaffinity(0)))
     metrics_ports = plan_metrics_ports(metrics_port, num_workers)
+    if otlp_traces_endpoint:
+        # NOTE: the workers read it as the standard variable they inherit.
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url(otlp_traces_endpoint)
     run_dir = default_run_dir()
     supervisor = Supervisor(run_dir)
     if pid := supervisor.foreground_pid():

@@ -15,7 +15,9 @@ from typing import Any
 
 import click
 
+from llmq.broker import tracing
 from llmq.cli.options import connection_options, engine_config_kwargs, engine_options
+from llmq.cli.tracing_option import otlp_traces_endpoint_option, start_tracing
 
 
 def parse_cpus(value: str | None) -> set[int] | None:
@@ -66,12 +68,14 @@ def parse_cpus(value: str | None) -> set[int] | None:
 @click.option("--cpus", envvar="LLMQ_CPUS", default=None, callback=lambda _c, _p, v: parse_cpus(v),
               help="Cores to run on, e.g. 0 or 2-3,5 (default: any). `llmq up` pins each "
               "worker to its own.")
+@otlp_traces_endpoint_option
 @engine_options
 def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None,
            lease_timeout: float, renew_interval: float | None, heartbeat_timeout: float,
            claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
-           metrics_port: int, cpus: set[int] | None, **kwargs: Any) -> None:
+           metrics_port: int, cpus: set[int] | None, otlp_traces_endpoint: str | None,
+           **kwargs: Any) -> None:
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
     if cpus:
         # NOTE: before torch starts its threads: they inherit the process's affinity.
@@ -109,10 +113,12 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
         observability = start_observability(metrics_port, model_name, queue)
     except MetricsPortInUse as e:
         raise click.ClickException(e.strerror or str(e)) from None
+    start_tracing("llmq-worker", otlp_traces_endpoint)
     engine = EngineCore(engine_config)
     code = Worker(config, engine, model_name=model_name, observability=observability).run()
     # NOTE: everything is written and handed back by now; the interpreter's own teardown of
     # torch and the model (about a second) would only push the exit past the drain budget.
+    tracing.shutdown()  # the spans still buffered: os._exit skips the exporter's own exit hook
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

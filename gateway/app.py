@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmq import __version__
+from llmq.broker import tracing
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
 from llmq.gateway import batches, completions, dashboard, files, responses
@@ -41,6 +42,7 @@ from llmq.gateway.body_limit import BodyLimit
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
 from llmq.gateway.pool_view import PoolView, names_model
+from llmq.gateway.request_tracing import TracedRequests
 from llmq.gateway.settings import GatewaySettings
 from llmq.gateway.state import GatewayState, json_response
 from llmq.protocol.errors import LLMQError, RequestIdConflict
@@ -246,4 +248,6 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes)
     app.add_middleware(RequestIdAndMetrics)
+    if (traced := tracing.current()) is not None:
+        app.add_middleware(TracedRequests, tracing_=traced)
     return app

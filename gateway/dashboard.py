@@ -6,6 +6,7 @@
     GET  /dashboard/api/pool                      queues and workers (every 2 s)
     GET  /dashboard/api/dead-letters              the newest dead letters in reach
     GET  /dashboard/api/series?since=<ms>         chart samples of the last hour (PoolSeries)
+    GET  /dashboard/api/jobs                      batches and dataset jobs in reach (JobsView)
     POST /dashboard/api/dead-letters/{queue}/{dlq_entry_id}/retry
     POST /dashboard/api/dead-letters/{queue}/purge
     GET  /dashboard/api/requests/{request_id}/events   one request's events, live (SSE)
@@ -48,6 +49,7 @@ from llmq.gateway.dashboard_session import (
 )
 from llmq.gateway.dead_letter_view import DeadLetterView
 from llmq.gateway.errors import APIError, bad_request, not_found
+from llmq.gateway.jobs_view import JobsView
 from llmq.gateway.openai_response import sse
 from llmq.gateway.pool_series import RATE_WINDOW_S
 from llmq.gateway.state import GatewayState, json_response
@@ -193,6 +195,11 @@ async def series(request: Request) -> Response:
                          headers={"Cache-Control": "no-store"})
 
 
+async def jobs(request: Request) -> Response:
+    state, viewer = await _viewer(request)
+    return json_response(await JobsView(state).read(viewer), headers={"Cache-Control": "no-store"})
+
+
 # -- dead letters ---------------------------------------------------------------------------------
 
 
@@ -279,6 +286,7 @@ ROUTES = [
     Route("/dashboard/api/pool", pool, methods=["GET"]),
     Route("/dashboard/api/series", series, methods=["GET"]),
     Route("/dashboard/api/dead-letters", dead_letters, methods=["GET"]),
+    Route("/dashboard/api/jobs", jobs, methods=["GET"]),
     Route("/dashboard/api/dead-letters/{queue}/{dlq_entry_id}/retry", retry_dead_letter,
           methods=["POST"]),
     Route("/dashboard/api/dead-letters/{queue}/purge", purge_dead_letters, methods=["POST"]),

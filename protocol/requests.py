@@ -77,6 +77,8 @@ def is_usable_request_id(value: object) -> bool:
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# version-trace_id-parent_id-flags in lowercase hex, the form of W3C trace context version 00
+Traceparent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")]
 
 
 class Message(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -145,6 +147,10 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     # False: never speculate for this request on a worker running speculative decoding (the
     # tokens are the same either way; it only spends no compute on drafts).
     speculative: bool = True
+    # The W3C trace context of the producer's span (https://www.w3.org/TR/trace-context/): a
+    # worker that traces parents its spans of this request on it, so one trace follows the
+    # request across processes. Any producer may set it; workers that do not trace ignore it.
+    traceparent: Traceparent | None = None
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks

@@ -115,6 +115,9 @@ class Admission:
                 for entry, _, _ in fresh:
                     self.table.pop(entry.entry_id)
                 raise
+        if self.ctx.spans is not None:
+            for entry, decoded, _ in fresh:
+                entry.trace = self.ctx.spans.read(decoded, now_ms)
         cancel_flags = {e.entry_id: flag for e, flag in zip(flagged, flags, strict=True)}
         # The entry that owns each id, when another one does ("" for a tenant's unmarked id).
         taken = {e.entry_id: owner or "" for e, owner in zip(named, owners, strict=True)
@@ -177,6 +180,8 @@ class Admission:
         entry.prompt_tokens = len(processed.prompt_token_ids)
         self.ctx.intake.note_prompt(entry.prompt_tokens)
         entry.admitted_ms = now_ms
+        if entry.trace is not None:
+            entry.trace.admitted_ns = time.time_ns()
         start = protocol.Start(request_id=entry.request_id, attempt=entry.attempt,
                                worker=self.ctx.worker_id, prompt_tokens=entry.prompt_tokens,
                                model=self.ctx.model_name)

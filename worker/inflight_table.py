@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmq.protocol import Encoding
+
+if TYPE_CHECKING:
+    from llmq.worker.request_spans import RequestTrace
 
 
 @dataclass
@@ -48,6 +51,7 @@ class InFlight:
     started: bool = False
     n: int = 1  # completions asked for; the terminal event waits for all of them
     finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
+    trace: RequestTrace | None = None  # its spans' times, when the worker traces
 
 
 class InFlightTable:

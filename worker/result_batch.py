@@ -49,6 +49,9 @@ class ResultBatch:
     finished: list[tuple[protocol.Done | protocol.Error, EngineCoreOutput]] = field(
         default_factory=list)
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
+    # Entries answered outside the engine (admission's errors, cancels), with their terminal
+    # event: their spans (worker/request_spans.py).
+    answered: list[tuple[str, protocol.Done | protocol.Error]] = field(default_factory=list)
     events_written: bool = False  # on a cluster: the events are on their nodes, only acks remain
 
     @property
@@ -64,6 +67,8 @@ class ResultBatch:
                 if isinstance(event, protocol.Error):
                     self.errors.append(event.code)
         if write.ack:
+            if write.events and isinstance(write.events[-1], protocol.Done | protocol.Error):
+                self.answered.append((write.entry_id, write.events[-1]))
             self.ack_ids.append(write.entry_id)
             if write.pop:
                 self.pop_ids.append(write.entry_id)

@@ -122,7 +122,11 @@ class ResultWriter:
                     for output in item:
                         batch.add_output(output, self.table)
             if batch.num_writes or batch.ack_ids:
+                write_started_ns = time.time_ns()
                 self._write(batch)
+                if self.ctx.spans is not None and (batch.finished or batch.answered):
+                    self.ctx.spans.finished(batch.finished, self.table, write_started_ns)
+                    self.ctx.spans.answered(batch.answered, self.table, write_started_ns)
             self._after_write(batch)
         logger.debug("result writer stopped")
 

@@ -58,6 +58,7 @@ from llmq.worker.engine_client import EngineClient
 from llmq.worker.engine_feeder import EngineFeeder
 from llmq.worker.lease_keeper import LeaseKeeper
 from llmq.worker.reclaimer import Reclaimer
+from llmq.worker.request_spans import RequestSpans
 from llmq.worker.result_writer import ResultWriter
 from llmq.worker.stats_log import EngineStatsLog
 from llmq.worker.stream_reader import StreamReader
@@ -91,6 +92,7 @@ class Worker:
             config.metrics_port, model_name, config.queue)
         self.ctx = ctx = WorkerContext(config, model_name, engine.config.max_num_seqs,
                                        self.metrics, engine.config.max_num_batched_tokens)
+        ctx.spans = RequestSpans.for_process(config.queue, config.worker_id, model_name)
         self.keys, self.table, self.inbox, self.state = ctx.keys, ctx.table, ctx.inbox, ctx.state
         self.queue_key = ctx.queue_key
         self.writer = ResultWriter(ctx)

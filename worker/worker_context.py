@@ -27,6 +27,7 @@ from llmq.worker.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from llmq.worker.metrics import WorkerMetrics
+    from llmq.worker.request_spans import RequestSpans
 
 __all__ = ["WorkerContext"]
 
@@ -48,6 +49,7 @@ class WorkerContext:
         default_factory=lambda: ConnectionState(pending=("stream reader",)))
     connect: Callable[[], redis.Redis] = field(init=False)
     intake: IntakeWindow = field(init=False)
+    spans: RequestSpans | None = None  # None: this process does not trace (broker/tracing.py)
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.config.prefix)

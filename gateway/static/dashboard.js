@@ -257,6 +257,51 @@
     drawCharts();
   }
 
+  // -- jobs: batches and dataset jobs ----------------------------------------------------------
+
+  const JOBS_EVERY_MS = 4000; // rq's jobs are read in a thread: every other poll is plenty
+  let jobsReadAt = 0;
+
+  function duration(seconds) {
+    if (seconds === null || seconds === undefined) return "–";
+    const s = Math.round(seconds);
+    if (s < 60) return `${s} s`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
+    return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+  }
+
+  function jobRow(job) {
+    const finished = job.completed + job.failed;
+    const progress = el("progress", { max: job.total || 1, value: job.total ? finished : 0 });
+    const label = `${finished} / ${job.total ?? "?"}`;
+    let status = job.status;
+    if (job.kind === "dataset" && job.status === "running" && job.updated_s_ago > 60) {
+      status = `running? (no news for ${duration(job.updated_s_ago)})`;
+    }
+    const name = job.tenant ? `${job.id} (${job.tenant})` : job.id;
+    return el("tr", { dataset: { job: job.id, kind: job.kind } },
+      cell(job.kind === "batch" ? "batch" : "dataset", "kind"), cell(name, "job"),
+      el("td", { className: "status" }, el("span", { className: `badge ${job.status}` }, status)),
+      el("td", { className: "progress" }, progress, " ", label),
+      cell(job.completed, "num completed"), cell(job.failed, "num failed"),
+      cell(job.total ?? "?", "num total"),
+      cell(job.created_at ? fmt.when(job.created_at * 1000) : "–", "created"),
+      cell(duration(job.elapsed_s), "num elapsed"));
+  }
+
+  async function refreshJobs(viewer) {
+    if (Date.now() - jobsReadAt < JOBS_EVERY_MS) return;
+    jobsReadAt = Date.now();
+    const jobs = await api("/dashboard/api/jobs");
+    const rows = jobs.batches.concat(jobs.datasets).map(jobRow);
+    $("#jobs tbody").replaceChildren(...(rows.length ? rows : [emptyRow("#jobs", "no jobs")]));
+    $("#jobs-scope").textContent = jobs.scope === "pool" ? "(every tenant's, and dataset jobs)"
+      : `(tenant ${viewer.tenant}'s batches only)`;
+    $("#jobs-note").textContent = jobs.note || (jobs.scope === "pool" ? ""
+      : "Only the batches you created are listed; other tenants' batches and the operators' "
+        + "dataset jobs (llmq run) are not shown to you.");
+  }
+
   // -- polling ----------------------------------------------------------------------------------
 
   async function refresh() {
@@ -271,10 +316,12 @@
       $("#scope").textContent = viewer.admin ? ""
         : `Signed in as tenant ${viewer.tenant}: queues, workers, rates and charts cover the whole `
           + "pool (every tenant's requests); dead letters, the request inspector and purges cover "
-          + "only your own requests, so a queue's dead-letter count can exceed the letters you see.";
+          + "only your own requests, so a queue's dead-letter count can exceed the letters you see; "
+          + "jobs are your own batches.";
       renderQueues(pool.queues);
       renderWorkers(pool.workers, pool.stale_after_s);
       await refreshDeadLetters(pool.queues, viewer);
+      await refreshJobs(viewer);
       await refreshSeries();
       $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     } catch (error) {

@@ -74,6 +74,8 @@ ALLOWED = {
         ("PING",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
         ("EXISTS", "llmq:q:default"),                         # ... and its v1 check
+        ("HSET", "llmq:datasets:progress", "job", "{}"),      # `llmq run`'s progress
+        ("EXPIRE", "llmq:datasets:progress", "60"),
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
         ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),  # the submit function
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
@@ -167,6 +169,7 @@ ALLOWED = {
         ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
         ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
         ("XRANGE", "llmq:dash:series", "1000-0", "+"),
+        ("HGETALL", "llmq:datasets:progress"),                        # the dashboard's jobs
         ("GET", LOST),                                                # entries trimmed unread
     ],
     "keda": [
