@@ -8,9 +8,9 @@ its line, is converted into the same Struct (`parse_body`).
 
 Sampling fields carry the llmq request's names and pass onto it as they are
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `include_stop_str_in_output` too; chat:
-`chat_template_kwargs`, `add_generation_prompt`); `user` and `metadata` ride in the request's
-`metadata`. `n` (completions sampled over one prefill) passes through as it is; the
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `include_stop_str_in_output`, llmq's
+`speculative` too; chat: `chat_template_kwargs`, `add_generation_prompt`); `user` and `metadata`
+ride in the request's `metadata`. `n` (completions over one prefill) passes as it is; the
 output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llmq's
 `guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py).
 `logit_bias` (token ids as strings, OpenAI's shape) becomes the wire's map of ids; vLLM's
@@ -55,7 +55,7 @@ Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
              "ignore_eos", "stop_token_ids", "priority", "include_stop_str_in_output",
-             "allowed_token_ids", "bad_words", "prompt_logprobs")
+             "allowed_token_ids", "bad_words", "prompt_logprobs", "speculative")
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -127,6 +127,7 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    speculative: bool | None = None  # llmq's: false never drafts (docs/protocol.md)
     # the response's shape, and what rides along
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -144,9 +145,8 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     # refused unless empty or null: OpenAI's deprecated functions
     functions: list[Any] | None = None
 
-    # Fields a batch line refuses, as it refuses a field no Struct declares: those that shape
-    # an HTTP response (the batch output format has no place for them; `stream` is taken there
-    # when false), and `tool_choice`.
+    # Fields a batch line refuses like undeclared ones: those that shape an HTTP response (the
+    # batch output has no place for them; `stream` is taken when false), and `tool_choice`.
     not_in_batch: ClassVar[tuple[str, ...]] = ("stream_options", "tool_choice")
 
     def llmq_request(self) -> dict[str, Any]:

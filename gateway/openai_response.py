@@ -98,7 +98,7 @@ def prompt_logprobs_object(entries: list[TokenLogprob | None]) -> list[Any]:
         if entry is None:
             shaped.append(None)
             continue
-        names = entry.top_tokens or [None] * len(entry.top_token_ids)
+        names: list[str | None] = [*entry.top_tokens] or [None] * len(entry.top_token_ids)
         position = {str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": name}
                     for rank, (t, v, name) in enumerate(zip(
                         entry.top_token_ids, entry.top_logprobs, names, strict=False), 1)}

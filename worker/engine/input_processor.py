@@ -13,7 +13,10 @@ and its scheduler trust what passes: they check nothing again.
                      compile (compiled here, off the busy loop; the runner finds it in the cache)
 - prompt_too_long    prompt + one output token exceed the context (`max_model_len`) or the KV
                      cache (a request running alone must always fit, so preemption makes progress)
-- invalid_token_id   a prompt or stop token id outside the vocabulary
+- invalid_token_id   a prompt, stop, `logit_bias` or `allowed_token_ids` id outside the vocabulary
+
+`bad_words` become token ids here (worker/engine/bad_words.py). A `tokenize` or
+`detokenize` task needs no room in the context: only its ids are checked.
 
 Special-token text in a prompt or in message content is encoded as text: only the chat
 template's own markers become control tokens, so content cannot forge a system turn
@@ -36,7 +39,7 @@ import msgspec
 
 from llmq.protocol import Request
 from llmq.protocol.errors import ErrorCode, RequestRejected
-from llmq.worker.engine.logits_adjustments import bad_word_token_ids
+from llmq.worker.engine.bad_words import bad_word_token_ids
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 from llmq.worker.engine.tool_prompt import chat_for_template
