@@ -6,6 +6,7 @@ what is checked is what each option guarantees.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,3 +219,25 @@ def test_continue_final_message_continues_the_last_turn(pool: GatewayProcess,
         client.chat.completions.create(model=model, messages=TWO_TURNS, max_tokens=3,
                                        extra_body={"continue_final_message": True})
     assert "continue_final_message" in info.value.body["message"]
+
+
+# -- speculative ----------------------------------------------------------------------------------
+
+
+def test_the_speculative_opt_out_reaches_the_worker(valkey_server, pool: GatewayProcess) -> None:
+    # Given a completion that opts out of speculative decoding
+    response = post(pool, "/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                              "speculative": False})
+    assert response.status_code == 200, response.text
+    # Then the request the gateway queued carries the opt-out
+    r = redis.Redis.from_url(valkey_server.url)
+    try:
+        queued = [json.loads(fields[b"json"]) for _, fields in
+                  r.xrevrange("llmq:q:{default}", count=50)]
+    finally:
+        r.close()
+    mine = [q for q in queued if q.get("id") == f"alice:{response.headers['x-request-id']}"]
+    assert mine and mine[0]["speculative"] is False
+    # And a value of the wrong type is a 400 naming it
+    bad = post(pool, "/v1/completions", {"prompt": "Hi", "speculative": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"

@@ -13,7 +13,9 @@ NOTE: a pass of its own over a contiguous scratch cache (`LlamaForCausalLM.forwa
 not the scheduler's prefill: a prefix-cache hit or a chunked prefill never holds every position's
 hidden state at once (vLLM bypasses its prefix cache for these requests instead). It costs one
 prefill more and holds the busy loop while it runs, so at most one embedding runs per step.
-The paged KV cache and the scheduler never see these requests.
+The paged KV cache and the scheduler never see these requests; the scratch cache is the K/V of
+one prompt, outside `--kv-cache-memory-bytes` and freed at once (an 8k-token prompt of
+SmolLM2-135M in float32: ~380 MB for the pass).
 """
 
 from __future__ import annotations
