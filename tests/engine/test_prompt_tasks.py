@@ -175,3 +175,13 @@ def test_continue_final_message_ends_the_prompt_inside_the_last_message(engine):
     text = engine.tokenizer.decode(continued, skip_special_tokens=False)
     assert text.endswith("The colour is")
     assert closed[:len(continued)] == continued and len(closed) > len(continued)
+
+
+def test_an_aborted_embedding_ends_cancelled_without_a_vector(engine):
+    processed = InputProcessor.for_engine(engine).process(
+        Request(prompt_token_ids=PROMPT_IDS, task="embed"))
+    engine.add_request("to-abort", processed.prompt_token_ids, processed.sampling_params)
+    engine.abort(["to-abort"])
+    (out,) = [o for o in engine.step() if o.request_id == "to-abort"]
+    assert out.finish_reason == "cancelled" and out.embedding is None
+    assert not engine.has_unfinished_requests()

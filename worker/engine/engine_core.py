@@ -115,8 +115,9 @@ class EngineCore:
                     arrival_time: float | None = None) -> None:
         """Queue a request that passed `InputProcessor`; nothing is checked again here."""
         arrival_time = self.clock() if arrival_time is None else arrival_time
-        if self.prompt_tasks.add(request_id, prompt_token_ids, sampling_params, arrival_time):
-            return  # answered from the prompt alone, by the next step
+        if sampling_params.task != "generate":  # answered from the prompt alone, next step
+            self.prompt_tasks.add(request_id, prompt_token_ids, sampling_params, arrival_time)
+            return
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens)
@@ -125,6 +126,9 @@ class EngineCore:
                           arrival_time=arrival_time,
                           priority=priority, detokenizer=detokenizer)
         self.scheduler.add_request(request)
+        if sampling_params.prompt_logprobs is not None:  # delivered with its choice 0's end
+            self.prompt_tasks.score_prompt(request_id, prompt_token_ids,
+                                           sampling_params.prompt_logprobs)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stop requests wherever they are; each yields a `cancelled` output on the next step."""

@@ -72,17 +72,14 @@ class PromptTasks:
         return bool(self._pending)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> bool:
-        """Take a request answered from its prompt (True), or note the prompt logprobs of a
-        generation request, which the scheduler runs (False)."""
-        if params.task != "generate":
-            self._pending.append(_Task(request_id, list(prompt_token_ids), params.task,
-                                       arrival_time))
-            return True
-        if params.prompt_logprobs is not None:
-            self._prompt_logprobs[request_id] = self.prompt_logprobs(prompt_token_ids,
-                                                                     params.prompt_logprobs)
-        return False
+            arrival_time: float) -> None:
+        """Take a request with a task; the next `step` answers it."""
+        self._pending.append(_Task(request_id, list(prompt_token_ids), params.task,
+                                   arrival_time))
+
+    def score_prompt(self, request_id: str, prompt_token_ids: list[int], num: int) -> None:
+        """Compute a generation request's prompt logprobs now, for its finished output."""
+        self._prompt_logprobs[request_id] = self.prompt_logprobs(prompt_token_ids, num)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         ids = set(request_ids)
