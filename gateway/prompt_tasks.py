@@ -1,7 +1,7 @@
 """Routes answered from a prompt alone: embeddings, tokenize, detokenize.
 
-    POST /v1/embeddings   OpenAI's: `input` a string, strings, token ids, or lists of ids;
-                          `encoding_format` float or base64
+    POST /v1/embeddings   OpenAI's: `input` a string, strings, token ids, or lists of ids
+                          (or vLLM's chat `messages`); `encoding_format` float or base64
     POST /tokenize        vLLM's: `prompt` or chat `messages` -> `count`, `max_model_len`,
                           `tokens` (and `token_strs` with `return_token_strs`)
     POST /detokenize      vLLM's: `tokens` -> `prompt`
@@ -61,7 +61,10 @@ MAX_INPUTS = 2048  # OpenAI's bound on one embeddings body's inputs
 
 
 class EmbeddingsBody(Struct, kw_only=True, forbid_unknown_fields=True):
-    input: Prompt  # a string, token ids, or a list of either
+    input: Prompt | None = None  # a string, token ids, or a list of either
+    messages: list[ChatMessage] | None = None  # vLLM's: one conversation, chat-templated
+    add_generation_prompt: bool | None = None  # with messages; false by default, as vLLM's
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None  # refused: llmq's vectors have the model's width
@@ -99,11 +102,12 @@ async def create_embeddings(request: Request) -> Response:
     if body.dimensions is not None:
         raise bad_request("`dimensions` is not supported: the vectors have the model's width",
                           "dimensions")
+    if (body.input is None) == (body.messages is None):
+        raise bad_request("give exactly one of `input` and `messages`", "input")
     try:
-        prompts = llmq_prompts(body.input)
-    except BodyError:
-        raise bad_request("`input` must be a string, a list of token ids, or a non-empty list "
-                          "of either", "input") from None
+        prompts = _embedding_prompts(body)
+    except BodyError as exc:
+        raise bad_request(str(exc), exc.param) from None
     if len(prompts) > MAX_INPUTS:
         raise bad_request(f"`input` has {len(prompts)} items, at most {MAX_INPUTS} allowed",
                           "input")
@@ -120,6 +124,19 @@ async def create_embeddings(request: Request) -> Response:
                           "model": answers[0].model or body.model or "", "data": data,
                           "usage": {"prompt_tokens": prompt_tokens,
                                     "total_tokens": prompt_tokens}})
+
+
+def _embedding_prompts(body: EmbeddingsBody) -> list[dict[str, Any]]:
+    """The llmq prompt fields of each input (one conversation is one input)."""
+    if body.messages is not None:
+        return [{"messages": [llmq_message(i, m) for i, m in enumerate(body.messages)],
+                 "add_generation_prompt": bool(body.add_generation_prompt),
+                 "chat_template_kwargs": body.chat_template_kwargs}]
+    try:
+        return llmq_prompts(body.input or "")
+    except BodyError:
+        raise BodyError("`input` must be a string, a list of token ids, or a non-empty list of "
+                        "either", "input") from None
 
 
 async def tokenize(request: Request) -> Response:

@@ -241,3 +241,18 @@ def test_the_speculative_opt_out_reaches_the_worker(valkey_server, pool: Gateway
     # And a value of the wrong type is a 400 naming it
     bad = post(pool, "/v1/completions", {"prompt": "Hi", "speculative": "no"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+
+
+def test_a_conversation_embeds_like_its_rendered_prompt(pool: GatewayProcess) -> None:
+    # Given a conversation, and the ids its chat template renders (no assistant turn opened)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    ids = post(pool, "/tokenize", {"messages": messages,
+                                   "add_generation_prompt": False}).json()["tokens"]
+    # When it is embedded as messages (vLLM's chat embeddings) and as those ids
+    by_messages = post(pool, "/v1/embeddings", {"messages": messages})
+    by_ids = post(pool, "/v1/embeddings", {"input": ids})
+    # Then the vectors are the same
+    assert by_messages.status_code == 200, by_messages.text
+    assert by_messages.json()["usage"]["prompt_tokens"] == len(ids)
+    assert by_messages.json()["data"][0]["embedding"] == pytest.approx(
+        by_ids.json()["data"][0]["embedding"], abs=1e-6)
