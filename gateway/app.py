@@ -7,6 +7,7 @@
     GET  /v1/models/{id}          one of them
     GET  /version, /openapi.json  llmq's version; an outline of these routes (no key needed)
     POST /v1/responses            OpenAI's Responses API (gateway/responses.py)
+    POST /v1/embeddings, /tokenize, /detokenize   answered from a prompt (gateway/prompt_tasks.py)
     GET  /dashboard               the pool's web dashboard and its API (gateway/dashboard.py)
     the completion routes         gateway/completions.py
     the Files and Batch APIs      gateway/files.py, gateway/batches.py
@@ -37,7 +38,7 @@ from llmq import __version__
 from llmq.broker import tracing
 from llmq.broker.aio import AsyncClient
 from llmq.broker.connection import connect
-from llmq.gateway import batches, completions, dashboard, files, responses
+from llmq.gateway import batches, completions, dashboard, files, prompt_tasks, responses
 from llmq.gateway.body_limit import BodyLimit
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
@@ -125,6 +126,9 @@ ROUTES = [
     Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
     Route("/v1/chat/completions", completions.create_chat, methods=["POST"]),
     Route("/v1/completions", completions.create_completion, methods=["POST"]),
+    Route("/v1/embeddings", prompt_tasks.create_embeddings, methods=["POST"]),
+    Route("/tokenize", prompt_tasks.tokenize, methods=["POST"]),
+    Route("/detokenize", prompt_tasks.detokenize, methods=["POST"]),
     Route("/v1/chat/completions/{request_id}/stream", completions.resume_chat, methods=["GET"]),
     Route("/v1/completions/{request_id}/stream", completions.resume_completion,
           methods=["GET"]),

@@ -8,19 +8,21 @@ its line, is converted into the same Struct (`parse_body`).
 
 Sampling fields carry the llmq request's names and pass onto it as they are
 (`max_completion_tokens` is `max_tokens`; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `include_stop_str_in_output` too; chat:
-`chat_template_kwargs`, `add_generation_prompt`); `user` and `metadata` ride in the request's
-`metadata`. `n` (completions sampled over one prefill) passes through as it is; the
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `include_stop_str_in_output`, llmq's
+`speculative` too; chat: `chat_template_kwargs`, `add_generation_prompt`); `user` and `metadata`
+ride in the request's `metadata`. `n` (completions over one prefill) passes as it is; the
 output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, llmq's
-`guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py). A
-field llmq cannot honour (`logit_bias`, `best_of`...) is refused, and so is a field no Struct
+`guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py).
+`logit_bias` (token ids as strings, OpenAI's shape) becomes the wire's map of ids; vLLM's
+`allowed_token_ids`, `bad_words`, `prompt_logprobs` (not with `stream`, as vLLM refuses it),
+chat's `continue_final_message` and completions' `add_special_tokens` pass as they are. A
+field llmq cannot honour (`best_of`, `functions`...) is refused, and so is a field no Struct
 declares: never silently ignored. The whole request is then checked by the worker's own decoder,
 so what passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one
 place, the wire contract (llmq.protocol.requests): the Structs check types.
 
-To take a new OpenAI or vLLM field (`logit_bias`, `prompt_logprobs`...): declare it,
-typed and defaulting to None, on the Struct of each endpoint that has it (until then a body naming
-it is a 400), and map it onto the llmq request in that Struct's `llmq_request`.
+To take a new OpenAI or vLLM field: declare it, typed and defaulting to None, on the Struct of
+each endpoint that has it, and map it onto the llmq request in that Struct's `llmq_request`.
 
 References: https://platform.openai.com/docs/api-reference/chat/create and /completions/create;
 vLLM's entrypoints/openai/protocol.py (`ChatCompletionRequest`, `CompletionRequest`).
@@ -41,8 +43,9 @@ from llmq.gateway.tool_calls import ToolCallError, grammar_for
 from llmq.protocol import MAX_LOGPROBS
 from llmq.protocol.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETIONS", "BodyError", "ChatCompletionBody", "CompletionBody",
-           "Endpoint", "OpenAIBody", "OpenAIRequest", "decode_body", "parse_body"]
+__all__ = ["CHAT", "COMPLETIONS", "BodyError", "ChatCompletionBody", "ChatMessage",
+           "CompletionBody", "Endpoint", "OpenAIBody", "OpenAIRequest", "decode_body",
+           "llmq_message", "llmq_prompts", "parse_body"]
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
@@ -51,7 +54,8 @@ Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 # OpenAI body fields that are llmq request fields of the same name.
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-             "ignore_eos", "stop_token_ids", "priority", "include_stop_str_in_output")
+             "ignore_eos", "stop_token_ids", "priority", "include_stop_str_in_output",
+             "allowed_token_ids", "bad_words", "prompt_logprobs", "speculative")
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -91,9 +95,8 @@ class StreamOptions(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
-    """The body fields both endpoints take."""
+    """The body fields both endpoints take (types only: the worker's decoder checks bounds)."""
 
-    # NOTE: the types only; the bounds are checked by the worker's decoder, in one place.
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -120,6 +123,11 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     priority: int | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    speculative: bool | None = None  # llmq's: false never drafts (docs/protocol.md)
     # the response's shape, and what rides along
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -134,22 +142,24 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # refused unless empty or null: OpenAI's deprecated functions, and logit biases
+    # refused unless empty or null: OpenAI's deprecated functions
     functions: list[Any] | None = None
-    logit_bias: dict[str, Any] | None = None
 
-    # Fields a batch line refuses, as it refuses a field no Struct declares: those that shape
-    # an HTTP response (the batch output format has no place for them; `stream` is taken there
-    # when false), and `tool_choice`.
+    # Fields a batch line refuses like undeclared ones: those that shape an HTTP response (the
+    # batch output has no place for them; `stream` is taken when false), and `tool_choice`.
     not_in_batch: ClassVar[tuple[str, ...]] = ("stream_options", "tool_choice")
 
     def llmq_request(self) -> dict[str, Any]:
         """The llmq request's fields (without `id`, `stream` and `metadata`); BodyError for a
         field llmq cannot honour."""
-        for name in ("functions", "logit_bias"):
-            if getattr(self, name):
-                raise BodyError(f"`{name}` is not supported", name)
+        if self.functions:
+            raise BodyError("`functions` is not supported", "functions")
         request = {name: value for name in _SAMPLING if (value := getattr(self, name)) is not None}
+        if self.logit_bias:
+            request["logit_bias"] = _logit_bias(self.logit_bias)
+        if self.prompt_logprobs is not None and self.stream:
+            raise BodyError("`prompt_logprobs` are not available when `stream` is true",
+                            "prompt_logprobs")
         if self.n is not None and self.n != 1:
             request["n"] = self.n
         try:
@@ -186,6 +196,13 @@ class OpenAIBody(Struct, kw_only=True, forbid_unknown_fields=True):
         return llmq_field
 
 
+def _logit_bias(biases: dict[str, float]) -> dict[str, float]:
+    """OpenAI's `logit_bias`, its keys checked to be token ids (JSON keys, as on the wire)."""
+    if bad := [token_id for token_id in biases if not token_id.isdigit()]:
+        raise BodyError(f"`logit_bias` keys are token ids, got {bad[0]!r:.40}", "logit_bias")
+    return {str(int(token_id)): bias for token_id, bias in biases.items()}
+
+
 class ContentPart(Struct, kw_only=True):
     """One part of a message's content; only `text` parts carry meaning here."""
 
@@ -211,6 +228,7 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
     max_completion_tokens: int | None = None  # OpenAI's new name for max_tokens
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
     add_generation_prompt: bool | None = None  # vLLM's: false, no assistant turn is opened
+    continue_final_message: bool | None = None  # vLLM's: the last message is continued
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
@@ -222,11 +240,13 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         request = super().llmq_request()
         if self.max_completion_tokens is not None:
             request["max_tokens"] = self.max_completion_tokens
-        request["messages"] = [_llmq_message(i, m) for i, m in enumerate(self.messages)]
+        request["messages"] = [llmq_message(i, m) for i, m in enumerate(self.messages)]
         if self.chat_template_kwargs:
             request["chat_template_kwargs"] = self.chat_template_kwargs
         if self.add_generation_prompt is False:
             request["add_generation_prompt"] = False
+        if self.continue_final_message:
+            request["continue_final_message"] = True
         if (logprobs := self.logprobs_count()) is not None:
             request["logprobs"] = logprobs
         return request
@@ -255,7 +275,7 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         return llmq_field
 
 
-def _llmq_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def llmq_message(index: int, message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         if not all(part.type == "text" and part.text is not None for part in content):
@@ -278,6 +298,7 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
     prompt: Prompt
     logprobs: LogprobCount | None = None
     echo: bool | None = None  # the prompt begins each choice's text (string prompts)
+    add_special_tokens: bool | None = None  # vLLM's: false adds no BOS to a string prompt
     # accepted at the value that changes nothing
     best_of: int | None = None
     suffix: str | None = None
@@ -295,6 +316,8 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
                             "prompt's text, not its tokens' log-probabilities)", "echo")
         request = super().llmq_request()
         request.update(llmq_prompts(self.prompt)[0])
+        if self.add_special_tokens is False and "prompt" in request:
+            request["add_special_tokens"] = False
         if self.logprobs is not None:
             request["logprobs"] = self.logprobs
         return request

@@ -31,7 +31,8 @@ from llmq.protocol import Delta, Done, Error, Start, TokenLogprob, Usage
 from llmq.protocol.token_text import token_bytes
 
 __all__ = ["DONE_FRAME", "CompletionStream", "LogprobsBuilder", "completion_id",
-           "completion_object", "error_body", "error_status", "merge_completions", "sse",
+           "completion_object", "error_body", "error_status", "merge_completions",
+           "prompt_logprobs_object", "sse",
            "tool_call_objects",
            "usage_object"]
 
@@ -78,10 +79,34 @@ def completion_object(endpoint: str, object_id: str, model: str, created: int, d
         else:
             choice["text"] = echo + text
         choice.update(finish_reason=finish_reason, logprobs=(logprobs or {}).get(index))
+        if not chat and done.prompt_logprobs is not None:  # vLLM's place for them
+            choice["prompt_logprobs"] = prompt_logprobs_object(done.prompt_logprobs)
         choices.append(choice)
-    return {"id": object_id, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": choices,
-            "usage": usage_object(done.usage)}
+    whole = {"id": object_id, "object": "chat.completion" if chat else "text_completion",
+             "created": created, "model": model, "choices": choices,
+             "usage": usage_object(done.usage)}
+    if chat and done.prompt_logprobs is not None:
+        whole["prompt_logprobs"] = prompt_logprobs_object(done.prompt_logprobs)
+    return whole
+
+
+def prompt_logprobs_object(entries: list[TokenLogprob | None]) -> list[Any]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {"logprob",
+    "rank", "decoded_token"}} for the token itself and the most likely ones there."""
+    shaped: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            shaped.append(None)
+            continue
+        names: list[str | None] = [*entry.top_tokens] or [None] * len(entry.top_token_ids)
+        position = {str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": name}
+                    for rank, (t, v, name) in enumerate(zip(
+                        entry.top_token_ids, entry.top_logprobs, names, strict=False), 1)}
+        position.setdefault(str(entry.token_id), {"logprob": _finite(entry.logprob),
+                                                  "rank": entry.rank,
+                                                  "decoded_token": entry.token})
+        shaped.append(position)
+    return shaped
 
 
 def tool_call_objects(object_id: str, choice: int, calls: list[tuple[str, str]],

@@ -44,6 +44,15 @@ class TokenLogprob(Struct):
     # the tokens' text (protocol/token_text.py), when the worker has a tokenizer
     token: str | None = None
     top_tokens: list[str] = []
+    rank: int | None = None  # prompt logprobs: the token's rank among all (1 = most likely)
+
+
+class Tokens(Struct):
+    """A tokenize request's answer (`task: tokenize`), in vLLM's /tokenize terms."""
+
+    token_ids: list[int]
+    token_strs: list[str]  # each id's vocabulary string (`Ġsea`), as `convert_ids_to_tokens`
+    max_model_len: int  # the worker's context: prompt and output tokens together
 
 
 FinishReason = Literal["stop", "length", "cancelled"]  # how a completion of `done` ended
@@ -96,6 +105,11 @@ class Done(_EventBase, tag="done"):
     # n > 1: every completion, by index; `text`, `finish_reason`, `stop_reason` are choice 0's
     # and `usage` counts the prompt once and the completions' tokens together.
     choices: list[Choice] | None = None
+    # `prompt_logprobs`: one per prompt token, None for the first (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # answers of a request with a `task` other than generate (`text` is detokenize's)
+    embedding: list[float] | None = None  # task embed: the prompt's vector, unit length
+    tokens: Tokens | None = None  # task tokenize
 
 
 class Error(_EventBase, tag="error"):
@@ -125,6 +139,9 @@ class FinishedOutput(Protocol):
     stop_reason: int | str | None
     error_code: str | None
     error_message: str | None
+    prompt_logprobs: list[TokenLogprob | None] | None
+    embedding: list[float] | None
+    tokens: Tokens | None
 
 
 Output = TypeVar("Output", bound=FinishedOutput)
@@ -165,7 +182,9 @@ def terminal_event(request_id: str, attempt: int,
     return Done(request_id=request_id, attempt=attempt,
                 finish_reason=_finish_reason(first),
                 text=first.text or "", usage=_usage(outputs), timings=_timings(outputs),
-                stop_reason=first.stop_reason, metadata=metadata, choices=choices)
+                stop_reason=first.stop_reason, metadata=metadata, choices=choices,
+                prompt_logprobs=first.prompt_logprobs, embedding=first.embedding,
+                tokens=first.tokens)
 
 
 def _finish_reason(output: FinishedOutput) -> FinishReason:

@@ -61,6 +61,11 @@ MAX_MODEL_NAME_LEN = 256
 MAX_PRIORITY = 1_000_000
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
 MAX_TOKEN_ID = 2**31 - 1  # a sanity bound only: the worker checks ids against its vocabulary
+MAX_LOGIT_BIAS = 1_024  # entries of `logit_bias` (OpenAI allows 300)
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias|, OpenAI's bound
+MAX_ALLOWED_TOKEN_IDS = 65_536
+MAX_BAD_WORDS = 128
+TASKS = ("generate", "embed", "tokenize", "detokenize")
 
 # NOTE: `\Z`, not `$`: Python's `$` also matches before a trailing newline.
 RequestId = Annotated[str, Meta(pattern=f"^{NAME_PATTERN}\\Z")]
@@ -79,6 +84,11 @@ StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 # version-trace_id-parent_id-flags in lowercase hex, the form of W3C trace context version 00
 Traceparent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\Z")]
+LogitBias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]
+BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+# What the worker does with the prompt: generate from it (the default), or answer from the prompt
+# alone (worker/engine/prompt_tasks.py): its embedding, its token ids, or (token ids given) text.
+Task = Literal["generate", "embed", "tokenize", "detokenize"]
 
 
 class Message(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -151,6 +161,20 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     # worker that traces parents its spans of this request on it, so one trace follows the
     # request across processes. Any producer may set it; workers that do not trace ignore it.
     traceparent: Traceparent | None = None
+    # vLLM's extras over the logits (worker/engine/logits_adjustments.py): a bias added to the
+    # logits of these token ids; only these ids may be sampled; words that may not be generated.
+    logit_bias: Annotated[dict[TokenId, LogitBias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[
+        list[TokenId], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS)] | None = None
+    # vLLM's: the log-probability of each prompt token (and the top n there), on `done`
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # chat: the prompt ends inside the last message, which the model continues (vLLM's; needs
+    # add_generation_prompt false)
+    continue_final_message: bool = False
+    # prompt: false adds no BOS (vLLM's `add_special_tokens`)
+    add_special_tokens: bool = True
+    task: Task = "generate"
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks
@@ -173,11 +197,34 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
                                       or not self.add_generation_prompt):
             raise ValueError("`tools`, `chat_template_kwargs` and `add_generation_prompt` need "
                              "`messages`")
+        if self.continue_final_message and (self.messages is None or self.add_generation_prompt):
+            raise ValueError("`continue_final_message` needs `messages` and "
+                             "`add_generation_prompt` false (the last message is continued, no "
+                             "new turn is opened)")
+        if not self.add_special_tokens and self.prompt is None:
+            raise ValueError("`add_special_tokens` false applies to `prompt` only")
+        if self.task != "generate":
+            self._check_task()
         if self.metadata is not None:
             size = _metadata_size(self.metadata)
             if size > MAX_METADATA_BYTES:
                 raise ValueError(f"`metadata` is {size} bytes encoded, at most "
                                  f"{MAX_METADATA_BYTES} allowed")
+
+    def _check_task(self) -> None:
+        """A request answered from its prompt alone takes no generation options."""
+        if self.task == "detokenize" and self.prompt_token_ids is None:
+            raise ValueError("`task` detokenize needs `prompt_token_ids`")
+        if self.task == "tokenize" and self.prompt_token_ids is not None:
+            raise ValueError("`task` tokenize needs `prompt` or `messages`")
+        generating = [name for name in ("response_format", "guided", "logprobs",
+                                        "prompt_logprobs", "logit_bias", "allowed_token_ids",
+                                        "bad_words") if getattr(self, name) is not None]
+        if self.n != 1:
+            generating.append("n")
+        if generating:
+            raise ValueError(f"`task` {self.task} generates nothing: drop "
+                             + ", ".join(f"`{name}`" for name in generating))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -205,6 +252,12 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
             "n": self.n,
             "speculative": self.speculative,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": tuple(sorted((self.logit_bias or {}).items())),
+            "allowed_token_ids": None if self.allowed_token_ids is None
+            else tuple(self.allowed_token_ids),
+            "bad_words": tuple(self.bad_words or ()),
+            "prompt_logprobs": self.prompt_logprobs,
+            "task": self.task,
         }
 
     def structured_output(self) -> tuple[str, str] | None:

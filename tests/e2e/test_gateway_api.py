@@ -262,9 +262,10 @@ def test_an_invalid_body_is_a_400_naming_the_field(client: openai.OpenAI, model:
 
 def test_a_field_llmq_does_not_know_or_cannot_honour_is_a_400_naming_it(
         client: openai.OpenAI, model: str) -> None:
-    # Given a misspelt vLLM field, a logit bias, and a message without a role
+    # Given a misspelt vLLM field, deprecated functions, and a message without a role
     bodies = [({"messages": MESSAGES, "extra_body": {"top_kk": 4}}, "top_kk", "not supported"),
-              ({"messages": MESSAGES, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+              ({"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions",
+               "not supported"),
               ({"messages": [{"content": "Hi"}]}, "messages[0].role", "`role`")]
     for kwargs, param, words in bodies:
         # Then each is refused before it is queued, naming the field

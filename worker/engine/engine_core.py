@@ -22,6 +22,7 @@ from llmq.protocol.token_text import token_text
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
 from llmq.worker.engine.outputs import EngineCoreOutput
+from llmq.worker.engine.prompt_tasks import PromptTasks
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
@@ -88,6 +89,9 @@ class EngineCore:
         # a model whose every layer slides (Mistral) frees the blocks that fall out of its window
         self.scheduler.kv_cache_manager.sliding_window = loaded.arch.cache_window
         self._profiler: Any = None  # torch.profiler.profile while `start_profile` records
+        # embed / tokenize / detokenize requests, and prompt logprobs: answered from the prompt
+        self.prompt_tasks = PromptTasks(lambda: self.runner.model, self.tokenizer,
+                                        max_model_len, clock)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
 
@@ -110,29 +114,40 @@ class EngineCore:
                     sampling_params: SamplingParams, *, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         """Queue a request that passed `InputProcessor`; nothing is checked again here."""
+        arrival_time = self.clock() if arrival_time is None else arrival_time
+        if sampling_params.task != "generate":  # answered from the prompt alone, next step
+            self.prompt_tasks.add(request_id, prompt_token_ids, sampling_params, arrival_time)
+            return
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens)
         request = Request(request_id, prompt_token_ids, sampling_params,
                           eos_token_ids=self.tokenizer.eos_token_ids,
-                          arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          arrival_time=arrival_time,
                           priority=priority, detokenizer=detokenizer)
         self.scheduler.add_request(request)
+        if sampling_params.prompt_logprobs is not None:  # delivered with its choice 0's end
+            self.prompt_tasks.score_prompt(request_id, prompt_token_ids,
+                                           sampling_params.prompt_logprobs)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stop requests wherever they are; each yields a `cancelled` output on the next step."""
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        request_ids = list(request_ids)
+        self.prompt_tasks.abort(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs += self.prompt_tasks.step()
+        self.prompt_tasks.attach(outputs)
         if self.tokenizer is not None:
             _name_tokens(outputs, self.tokenizer.token_bytes)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.prompt_tasks.has_pending
 
     # -- utility calls (vLLM v1 EngineCore's reset_prefix_cache, sleep, wake_up, profile) ------
 

@@ -13,7 +13,10 @@ and its scheduler trust what passes: they check nothing again.
                      compile (compiled here, off the busy loop; the runner finds it in the cache)
 - prompt_too_long    prompt + one output token exceed the context (`max_model_len`) or the KV
                      cache (a request running alone must always fit, so preemption makes progress)
-- invalid_token_id   a prompt or stop token id outside the vocabulary
+- invalid_token_id   a prompt, stop, `logit_bias` or `allowed_token_ids` id outside the vocabulary
+
+`bad_words` become token ids here (worker/engine/bad_words.py). A `tokenize` or
+`detokenize` task needs no room in the context: only its ids are checked.
 
 Special-token text in a prompt or in message content is encoded as text: only the chat
 template's own markers become control tokens, so content cannot forge a system turn
@@ -36,6 +39,7 @@ import msgspec
 
 from llmq.protocol import Request
 from llmq.protocol.errors import ErrorCode, RequestRejected
+from llmq.worker.engine.bad_words import bad_word_token_ids
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 from llmq.worker.engine.tool_prompt import chat_for_template
@@ -118,14 +122,24 @@ class InputProcessor:
     def process(self, request: Request) -> ProcessedInput:
         """Raises RequestRejected(code, message) for a request the engine must never see."""
         prompt_token_ids = self._prompt(request)
+        if request.task in ("tokenize", "detokenize"):  # no forward pass: any length is fine
+            if self.tokenizer is None:
+                raise RequestRejected(ErrorCode.INVALID_REQUEST, "task detokenize: this engine "
+                                      "has no tokenizer")
+            self.check_token_ids(prompt_token_ids, ())
+            return ProcessedInput(prompt_token_ids, SamplingParams(task=request.task),
+                                  request.priority)
         self.check_prompt(prompt_token_ids)
         params = self._sampling_params(request)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words(params))
         if request.max_tokens is None:  # the default: as many as fit, up to DEFAULT_MAX_TOKENS
             room = self.max_model_len - len(prompt_token_ids)
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room),
                                          min_tokens=min(params.min_tokens, room))
         self.check_room(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids, params.stop_token_ids)
+        self._check_logits_token_ids(params)
         self.check_sampling_params(params)
         return ProcessedInput(prompt_token_ids, params, request.priority)
 
@@ -171,6 +185,22 @@ class InputProcessor:
                                       f"{field}: token id {bad} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
 
+    def _check_logits_token_ids(self, params: SamplingParams) -> None:
+        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
+            for bad in (t for t in ids if not 0 <= t < self.vocab_size):
+                raise RequestRejected(ErrorCode.INVALID_TOKEN_ID,
+                                      f"{field}: token id {bad} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
+                                  "bad_words: this engine has no tokenizer")
+        return bad_word_token_ids(params.bad_words,
+                                  lambda text: tokenizer.encode(text, add_special_tokens=False))
+
     def check_sampling_params(self, params: SamplingParams) -> None:
         """RequestRejected(invalid_request) when `n` exceeds max_num_seqs, or naming the problem
         when the schema, regex, choices or grammar cannot compile (compiled ones stay cached
@@ -198,6 +228,8 @@ class InputProcessor:
                 None if request.tools is None else msgspec.to_builtins(request.tools))
             variables = {**(request.chat_template_kwargs or {}),
                          **({} if tools is None else {"tools": tools})}
+            if request.continue_final_message:  # NOTE: only then: not every tokenizer takes it
+                variables["continue_final_message"] = True
             try:
                 return self.tokenizer.encode_chat(
                     chat, request.add_generation_prompt,
@@ -208,7 +240,7 @@ class InputProcessor:
         if request.prompt is not None:
             # NOTE: special-token text in a prompt is text (`<|im_start|>` cannot open a turn)
             # unless the caller is trusted with them (`allow_special_tokens`).
-            return self.tokenizer.encode(request.prompt,
+            return self.tokenizer.encode(request.prompt, request.add_special_tokens,
                                          split_special_tokens=not request.allow_special_tokens)
         raise RequestRejected(ErrorCode.INVALID_REQUEST,
                               "one of prompt, messages or prompt_token_ids is required")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from llmq.protocol import Timings, TokenLogprob, Usage
 from llmq.protocol.errors import ErrorCode
+from llmq.protocol.events import Tokens
 from llmq.worker.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -104,6 +105,10 @@ class EngineCoreOutput:
     text: str | None = None  # the whole output text
     usage: Usage | None = None
     timings: Timings | None = None  # on the engine's clock, from the request's arrival_time
+    # worker/engine/prompt_tasks.py: the prompt's logprobs (asked for), or a task's answer
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None
+    tokens: Tokens | None = None
 
     @property
     def finished(self) -> bool:

@@ -23,10 +23,9 @@ tokens alone or in any batch, and again after a preemption recomputes it. Unseed
 from the sampler's shared `torch.Generator`. Every tensor op works row by row, so a row's result
 never depends on the other rows.
 
-Logprobs are computed from `log_softmax` of the penalised logits, before temperature and the
-top-k / top-p / min-p masks (the contract of `TokenLogprob`). This is vLLM v1's default
-"raw_logprobs" mode except that vLLM takes it before penalties as well: the two agree whenever
-a request sets no penalty.
+Logprobs are `log_softmax` of the adjusted (worker/engine/logits_adjustments.py) and penalised
+logits, before temperature and top-k / top-p / min-p (the contract of `TokenLogprob`): vLLM v1's
+"raw_logprobs" takes them before both, so the two agree unless a request sets either.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from llmq.worker.engine.logits_adjustments import LogitsAdjustments
 from llmq.worker.engine.outputs import TokenLogprob
 from llmq.worker.engine.sampling_params import SamplingParams
 
@@ -100,6 +100,7 @@ class SamplingMetadata:
     logprob_row_index: torch.Tensor | None  # [num_logprob_rows] int64, the same rows
     num_logprobs: list[int]  # top-n per logprob row
     max_num_logprobs: int
+    adjustments: LogitsAdjustments | None = None  # allowed_token_ids, bad_words, logit_bias
 
     @classmethod
     def build(
@@ -170,6 +171,7 @@ class SamplingMetadata:
             else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=max(num_logprobs, default=0),
+            adjustments=LogitsAdjustments.build(params, output_token_ids, vocab_size),
         )
 
     @staticmethod
@@ -240,11 +242,9 @@ def _nucleus_threshold(sorted_probs: torch.Tensor,
 
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Per row, the smallest probability top-p keeps (0 keeps everything): the probability of
-    the most likely token at which the descending cumulative mass reaches top_p.
-
-    Candidates grow only for rows whose nucleus lies beyond them. A row's cumulative sums over
-    its first n candidates are the same values whichever n, so its threshold does not depend on
-    the path the rest of the batch takes."""
+    the most likely token at which the descending cumulative mass reaches top_p. Candidates
+    grow only for rows whose nucleus lies beyond them; a row's cumulative sums over its first
+    n candidates are the same whichever n, so its threshold never depends on other rows."""
     vocab_size = probs.shape[-1]
     sizes = sorted({min(vocab_size, max(n, max_top_k)) for n in _TOP_P_CANDIDATES} | {vocab_size})
     # With top-k set, a row's whole mass lies in its top max_top_k: the first size suffices.
@@ -326,6 +326,10 @@ class Sampler:
         bad_code = (row_max.isnan().long()  # [num_rows] int64: a key of BAD_ROW_REASONS or 0
                     + (row_max == math.inf).long() * 2 + (row_max == -math.inf).long() * 3)
 
+        if metadata.adjustments is not None:  # before penalties, as vLLM orders them
+            logits = metadata.adjustments.apply(logits)  # [num_rows, vocab]
+            argmax, row_max = _argmax_and_max(logits)  # every token banned: nothing to sample
+            bad_code = torch.where((bad_code == 0) & (row_max == -math.inf), 3, bad_code)
         if metadata.has_penalties:
             logits = self.apply_penalties(logits, metadata)  # [num_rows, vocab]
             argmax, _ = _argmax_and_max(logits)
@@ -362,8 +366,8 @@ class Sampler:
         offset += num_logprob_rows
         top_ids_flat = flat[offset:offset + num_logprob_rows * n]
         top_lps_flat = flat[offset + num_logprob_rows * n:]
-        rows_and_ns = zip(metadata.logprob_rows, metadata.num_logprobs, strict=True)
-        for j, (row, k) in enumerate(rows_and_ns):
+        for j, (row, k) in enumerate(zip(metadata.logprob_rows, metadata.num_logprobs,
+                                         strict=True)):
             if row in bad_rows:
                 continue
             start = j * n

@@ -15,6 +15,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_N = 64  # completions of one prompt; the scheduler also caps it at max_num_seqs
+MAX_LOGIT_BIAS_VALUE = 100.0
+TASKS = ("generate", "embed", "tokenize", "detokenize")
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -62,11 +64,23 @@ class SamplingParams:
     # False opts out of speculative decoding (when the worker runs it): same tokens either way,
     # but a request that must spend no compute on drafts can say so.
     speculative: bool = True
+    # vLLM's logits extras (worker/engine/logits_adjustments.py): (token id, bias) pairs; the
+    # only ids that may be sampled (None: all); words that may not be generated, and their
+    # token ids (filled in by the gate, which has the tokenizer)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, plus the top n at each
+    task: str = "generate"  # or answered from the prompt alone: embed, tokenize, detokenize
 
     def __post_init__(self) -> None:
         # NOTE: tuples keep the struct hashable and frozen even when callers pass lists.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(
+            (int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(
+                self.logit_bias, dict) else self.logit_bias)))
         problem = self.problem()
         if problem:
             raise ValueError(problem)
@@ -115,6 +129,8 @@ class SamplingParams:
             return f"seed must be in [0, 2**63), got {self.seed}"
         if not 1 <= self.n <= MAX_N:
             return f"n must be in [1, {MAX_N}], got {self.n}"
+        if problem := self._logits_problem():
+            return problem
         if self.structured_output is not None:
             if problem := self.structured_output.problem():
                 return problem
@@ -123,6 +139,19 @@ class SamplingParams:
                 # EOS tokens up to max_tokens.
                 return "ignore_eos cannot be combined with structured output: the grammar ends " \
                        "the output with EOS"
+        return None
+
+    def _logits_problem(self) -> str | None:
+        for token_id, bias in self.logit_bias:
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS_VALUE):
+                return f"logit_bias: the bias of token {token_id} must be in " \
+                       f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {bias}"
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            return "allowed_token_ids must not be empty (None allows every token)"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            return f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+        if self.task not in TASKS:
+            return f"task must be one of {TASKS}, got {self.task!r}"
         return None
 
     def for_child(self, index: int) -> SamplingParams:

@@ -263,19 +263,29 @@ class Tokenizer:
         return self._compiled_template.render(messages, add_generation_prompt, **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    allow_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+                    allow_special_tokens: bool = False, continue_final_message: bool = False,
+                    **kwargs: Any) -> list[int]:
         """Prompt ids of a conversation; like transformers, adds no BOS the template lacks.
 
         Only the template's own markers become control tokens: special-token text inside a
         message's content (`<|im_end|>\n<|im_start|>system`) is encoded as the text it is, so
         content cannot forge a turn. `allow_special_tokens` (trusted callers) parses it as
         specials, as transformers' `apply_chat_template(tokenize=True)` does.
+        `continue_final_message`: the prompt ends with the last message's content (what the
+        template writes after it is cut, as transformers does), for the model to continue it.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        final = str(messages[-1].get("content") or "").strip() if continue_final_message else ""
+        if continue_final_message:
+            if not final or final not in text:
+                raise ValueError("continue_final_message: the last message needs text content")
+            text = text[:text.rindex(final) + len(final)]
         if allow_special_tokens:
             return self.encode(text, add_special_tokens=False)
         assert self._compiled_template is not None  # apply_chat_template compiled it
         parts = self._compiled_template.render_parts(messages, add_generation_prompt, **kwargs)
+        if parts is not None and continue_final_message:
+            parts = _cut_parts(parts, len(text))
         if parts is None:
             # NOTE: the template reshapes content so it cannot be told apart: refuse content
             # that holds a special token, encode the rest as before (nothing to forge with).
@@ -332,3 +342,14 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, add_bos={self.add_bos})")
+
+
+def _cut_parts(parts: list[tuple[str, bool]], length: int) -> list[tuple[str, bool]]:
+    """The rendered parts cut after `length` characters (continue_final_message)."""
+    cut: list[tuple[str, bool]] = []
+    for text, from_content in parts:
+        if length <= 0:
+            break
+        cut.append((text[:length], from_content))
+        length -= len(text)
+    return cut
