@@ -19,7 +19,7 @@ import torch
 
 from tests.fixtures.models import one_torch_thread
 from tests.fixtures.tiny_hf import VOCAB, write_tiny_hf
-from tests.fixtures.tiny_lora import peft_model, write_peft_adapter
+from tests.fixtures.tiny_lora import paged_with_adapters, peft_model, write_peft_adapter
 
 pytestmark = pytest.mark.model
 
@@ -63,37 +63,6 @@ def reference(base: Path, adapter: Path | None, prompt: tuple[int, ...]
     return prefill, out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 
-def paged_with_adapters(model, prompts: list[list[int]], adapters: list
-                        ) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
-    """Greedy-decode the prompts together on the paged path, prompt i under adapters[i] (None:
-    the base): (prefill logits per prompt, tokens per prompt, logits [steps, vocab] per prompt)."""
-    from llmq.worker.engine.lora.lora_batch import LoraBatch
-    from llmq.worker.engine.model.attention import AttentionMetadata
-    from tests.fixtures.models import interleaved_block_tables
-
-    tables, num_blocks = interleaved_block_tables([len(p) + NEW_TOKENS for p in prompts], 16)
-    kv_caches = model.make_kv_caches(num_blocks, 16)
-    seqs = [list(p) for p in prompts]
-    query_lens = [len(p) for p in prompts]
-    prefill: list[torch.Tensor] = []
-    steps: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for _ in range(NEW_TOKENS):
-        input_ids = [t for seq, n in zip(seqs, query_lens, strict=True) for t in seq[-n:]]
-        meta = AttentionMetadata.build(query_lens, [len(s) for s in seqs], tables, 16)
-        lora = LoraBatch.from_rows(list(zip(query_lens, adapters, strict=True)))
-        logits = model.compute_logits(model(torch.tensor(input_ids), meta, kv_caches, lora))
-        if not prefill:
-            bounds = meta.query_start_loc.tolist()
-            prefill = [logits[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-        last = logits[meta.query_start_loc[1:] - 1]  # [num_seqs, vocab]
-        for seq, step, row in zip(seqs, steps, last, strict=True):
-            step.append(row)
-            seq.append(int(row.argmax()))
-        query_lens = [1] * len(seqs)
-    return (prefill, [s[len(p):] for s, p in zip(seqs, prompts, strict=True)],
-            [torch.stack(s) for s in steps])
-
-
 def test_one_adapter_and_a_mixed_batch_equal_transformers_peft(lora_setup, prompts) -> None:
     from llmq.worker.engine.lora.lora_manager import LoraManager
     from llmq.worker.engine.model.loader import load_model
@@ -107,7 +76,8 @@ def test_one_adapter_and_a_mixed_batch_equal_transformers_peft(lora_setup, promp
     # adapters share one batch (decodes of all three in every step)
     for names in (["full", "full", "full"], ["full", None, "qv"]):
         adapters = [{"full": full, "qv": qv, None: None}[n] for n in names]
-        prefill, tokens, steps = paged_with_adapters(loaded.model, prompts, adapters)
+        prefill, tokens, steps = paged_with_adapters(loaded.model, prompts, adapters,
+                                                      NEW_TOKENS)
         for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
             ref_prefill, ref_tokens, ref_steps = reference(
                 base, None if name is None else loras / name, tuple(prompt))
