@@ -14,9 +14,10 @@ and its scheduler trust what passes: they check nothing again.
 - prompt_too_long    prompt + one output token exceed the context (`max_model_len`) or the KV
                      cache (a request running alone must always fit, so preemption makes progress)
 - invalid_token_id   a prompt or stop token id outside the vocabulary
-- invalid_request    also: a `lora` adapter that is unknown, corrupt, for another base model or
-                     above max_lora_rank (loaded here on first use, so the engine never reads a
-                     file), or any `lora` on an engine without an adapter directory
+- invalid_request    also: a `lora` adapter (or a `model` naming one) that is unknown, corrupt,
+                     for another base model or above max_lora_rank (loaded here on first use,
+                     so the engine never reads a file), or any `lora` on an engine without an
+                     adapter directory
 
 Special-token text in a prompt or in message content is encoded as text: only the chat
 template's own markers become control tokens, so content cannot forge a system turn
@@ -138,9 +139,18 @@ class InputProcessor:
         self.check_room(len(prompt_token_ids), params.max_tokens)
         self.check_token_ids(prompt_token_ids, params.stop_token_ids)
         self.check_sampling_params(params)
-        if request.lora is not None:
-            params = dataclasses.replace(params, lora=self.lora(request.lora))
+        if (lora := self.lora_name(request)) is not None:
+            params = dataclasses.replace(params, lora=self.lora(lora))
         return ProcessedInput(prompt_token_ids, params, request.priority)
+
+    def lora_name(self, request: Request) -> str | None:
+        """The adapter the request runs under: `lora`, or else a `model` that names an adapter
+        of the directory (how vLLM's OpenAI server, and llmq's gateway, name adapters)."""
+        if request.lora is not None:
+            return request.lora
+        if request.model and self.loras is not None and self.loras.exists(request.model):
+            return request.model
+        return None
 
     def lora(self, name: str) -> LoraAdapter:
         """The adapter `name`, loaded on first use; RequestRejected(invalid_request) naming it

@@ -74,6 +74,16 @@ class LoraManager:
         with self._lock:
             return sorted(set(self._lru) | set(self._live.keys()))
 
+    def exists(self, name: str) -> bool:
+        """Whether `name` is an adapter of the directory (loaded or not)."""
+        if not is_valid_name(name) or name.startswith("."):
+            return False
+        with self._lock:
+            if name in self._lru or name in self._live:
+                return True
+        return (is_peft_adapter(self.lora_dir / name)
+                or (self.lora_dir / f"{name}{GGUF_SUFFIX}").is_file())
+
     def available(self) -> list[str]:
         """Adapter names the directory holds (loadable or not: a load checks the files)."""
         if not self.lora_dir.is_dir():
