@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -16,6 +17,7 @@ from llmq import protocol
 from llmq.broker import Client
 from llmq.broker.control import call_workers
 from llmq.cli.status import status
+from tests.e2e.gateway_harness import GatewayProcess
 from tests.fixtures.tiny_hf import write_tiny_hf
 from tests.fixtures.tiny_lora import write_peft_adapter
 from tests.integration.worker_harness import (
@@ -83,7 +85,7 @@ def _tokens(r, request_id: str) -> list[int]:
 
 
 def test_a_worker_serves_adapters_refuses_bad_ones_and_lists_them(
-        redis_server, redis_client, lora_model) -> None:
+        redis_server, redis_client, lora_model, tmp_path: Path) -> None:
     from llmq.worker.engine.config import EngineConfig
     from llmq.worker.engine.engine_core import EngineCore
     from llmq.worker.engine.sampling_params import SamplingParams
@@ -95,9 +97,9 @@ def test_a_worker_serves_adapters_refuses_bad_ones_and_lists_them(
     assert reference.loras is not None
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     base_alone = reference.generate([PROMPT], params)[0].new_token_ids
-    lora_alone = reference.generate([PROMPT], SamplingParams(
-        max_tokens=6, temperature=0.0, ignore_eos=True, lora=reference.loras.get("good"))
-    )[0].new_token_ids
+    lora_output = reference.generate([PROMPT], SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, lora=reference.loras.get("good")))[0]
+    lora_alone = lora_output.new_token_ids
     request = {"prompt_token_ids": PROMPT, "max_tokens": 6, "temperature": 0,
                "ignore_eos": True}
     with LoraWorker(redis_server.url, loaded, loras):
@@ -105,6 +107,8 @@ def test_a_worker_serves_adapters_refuses_bad_ones_and_lists_them(
         # another base model arrive together
         ids = {name: xadd_json(redis_client, {**request, **({"lora": name} if name else {})})
                for name in (None, "good", "missing", "other-base")}
+        # (and one naming the adapter as its `model`, as vLLM's OpenAI server does)
+        by_model = xadd_json(redis_client, {**request, "model": "good"})
         done = {name: wait_terminal(redis_client, entry_id) for name, entry_id in ids.items()}
         # Then the bad ones fail on their own streams, as invalid_request naming the adapter
         for bad, problem in (("missing", "unknown LoRA adapter"),
@@ -118,6 +122,8 @@ def test_a_worker_serves_adapters_refuses_bad_ones_and_lists_them(
             assert isinstance(done[name], protocol.Done), done[name]
         assert _tokens(redis_client, ids[None]) == base_alone
         assert _tokens(redis_client, ids["good"]) == lora_alone != base_alone
+        assert isinstance(wait_terminal(redis_client, by_model), protocol.Done)
+        assert _tokens(redis_client, by_model) == lora_alone
 
         # And the heartbeat lists the loaded adapter and the directory's adapters
         key = KEYS.worker("lora-worker")
@@ -148,3 +154,18 @@ def test_a_worker_serves_adapters_refuses_bad_ones_and_lists_them(
         again = xadd_json(redis_client, {**request, "lora": "good"})
         assert isinstance(wait_terminal(redis_client, again), protocol.Done)
         assert _tokens(redis_client, again) == lora_alone
+
+        # When the gateway fronts the worker
+        gateway = GatewayProcess(redis_server.url, tmp_path, keys={}, extra=["--no-auth"]).start()
+        try:
+            models = httpx.get(gateway.base_url + "/v1/models", timeout=10).json()["data"]
+            completion = httpx.post(gateway.base_url + "/v1/completions", timeout=60, json={
+                "model": "good", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}).json()
+        finally:
+            gateway.stop()
+        # Then /v1/models lists the adapters after the base model, each naming it as parent
+        assert [(m["id"], m.get("parent")) for m in models] == [
+            ("tiny", None), ("also-good", "tiny"), ("good", "tiny"), ("other-base", "tiny")]
+        # And `model: "good"` is answered by the adapter
+        assert completion["choices"][0]["text"] == lora_output.text, completion
