@@ -30,6 +30,10 @@ from llmq.worker.engine.model.arch import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
+# NOTE: the heartbeat lists the directory every renewal; on a network volume holding many
+# adapters that is thousands of stat calls, so a listing is reused for a few seconds.
+AVAILABLE_TTL_S = 5.0
+
 
 class LoraManager:
     def __init__(self, lora_dir: str | Path, arch: ModelArchConfig, max_loras: int = 4,
@@ -45,6 +49,7 @@ class LoraManager:
         self._lru: OrderedDict[str, LoraAdapter] = OrderedDict()  # most recent last
         self._live: weakref.WeakValueDictionary[str, LoraAdapter] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
+        self._available: tuple[float, list[str]] = (-AVAILABLE_TTL_S - 1, [])
 
     def get(self, name: str) -> LoraAdapter:
         """The adapter `name`, loaded from the directory if no one holds it; LoraError (naming
@@ -85,7 +90,15 @@ class LoraManager:
                 or (self.lora_dir / f"{name}{GGUF_SUFFIX}").is_file())
 
     def available(self) -> list[str]:
-        """Adapter names the directory holds (loadable or not: a load checks the files)."""
+        """Adapter names the directory holds (loadable or not: a load checks the files), as
+        listed at most AVAILABLE_TTL_S ago."""
+        listed_at, names = self._available
+        if time.monotonic() - listed_at > AVAILABLE_TTL_S:
+            names = self._list_directory()
+            self._available = (time.monotonic(), names)
+        return names
+
+    def _list_directory(self) -> list[str]:
         if not self.lora_dir.is_dir():
             return []
         names = {p.name for p in self.lora_dir.iterdir() if p.is_dir() and is_peft_adapter(p)}
