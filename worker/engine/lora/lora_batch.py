@@ -43,12 +43,13 @@ class LoraBatch:
     def add_(self, key: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += x[rows] A B for every segment whose adapter targets projection `key`.
         x [num_rows, in], y [num_rows, out] (the base projection's fresh output, any dtype)."""
+        x = x.float()  # [num_rows, in] (no copy on the float32 paths)
         for start, end, adapter in self.segments:
             pair = adapter.weights.get(key)
             if pair is None:
                 continue
             a, b = pair  # [in, R], [R, out] (scaled)
-            xa = torch.mm(x[start:end].float(), a)  # [rows, R]
+            xa = torch.mm(x[start:end], a)  # [rows, R]
             if y.dtype == torch.float32:
                 y[start:end].addmm_(xa, b)
             else:
