@@ -1,7 +1,7 @@
 """`llmq admin ...`: utility calls to the workers of a queue over `<prefix>:ctl:{<queue>}`.
 
     llmq admin reset-prefix-cache | sleep [--level 2] | wake | profile start|stop | stats
-               [--worker ID] [--timeout S] [--json]
+               | load-lora NAME | unload-lora NAME [--worker ID] [--timeout S] [--json]
     llmq admin load-functions      # the submit function library, on every server (primary)
 
 Each command sends one call (broker/control.py) and prints every worker's answer, one line per
@@ -104,6 +104,24 @@ def profile(action: str, trace_dir: str | None, worker: str | None, timeout: flo
 def stats(worker: str | None, timeout: float, as_json: bool, **kwargs: Any) -> None:
     """Each worker's engine counters (running, waiting, KV use, prefix hits, sleeping)."""
     _call("stats", {}, worker, timeout, as_json, kwargs)
+
+
+@admin.command("load-lora")
+@click.argument("name")
+@_call_options
+def load_lora(name: str, worker: str | None, timeout: float, as_json: bool, **kwargs: Any
+              ) -> None:
+    """Load a LoRA adapter from each worker's --lora-dir now (the first request pays nothing)."""
+    _call("load_lora", {"name": name}, worker, timeout, as_json, kwargs)
+
+
+@admin.command("unload-lora")
+@click.argument("name")
+@_call_options
+def unload_lora(name: str, worker: str | None, timeout: float, as_json: bool, **kwargs: Any
+                ) -> None:
+    """Drop a LoRA adapter from each worker's LRU (running requests finish with it)."""
+    _call("unload_lora", {"name": name}, worker, timeout, as_json, kwargs)
 
 
 @admin.command("load-functions")

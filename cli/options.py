@@ -90,12 +90,23 @@ engine_options = _apply([
     click.option("--prompt-lookup-min", envvar="LLMQ_PROMPT_LOOKUP_MIN",
                  type=click.IntRange(1, 16), default=2, show_default=True,
                  help="ngram: the shortest n-gram a draft is looked up by."),
+    click.option("--lora-dir", envvar="LLMQ_LORA_DIR", default=None,
+                 type=click.Path(file_okay=False),
+                 help="LoRA adapters, one per subfolder (PEFT: adapter_config.json + "
+                      "adapter_model.safetensors) or <name>.gguf (llama.cpp); a request names "
+                      "one in `lora`. Default: none served."),
+    click.option("--max-loras", envvar="LLMQ_MAX_LORAS", type=click.IntRange(min=1), default=4,
+                 show_default=True,
+                 help="LoRA adapters kept loaded (the least recently used is evicted)."),
+    click.option("--max-lora-rank", envvar="LLMQ_MAX_LORA_RANK", type=click.IntRange(min=1),
+                 default=64, show_default=True,
+                 help="The largest LoRA rank accepted (a larger adapter is refused)."),
 ])
 
 ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy",
                  "speculative_method", "num_speculative_tokens", "prompt_lookup_max",
-                 "prompt_lookup_min")
+                 "prompt_lookup_min", "lora_dir", "max_loras", "max_lora_rank")
 
 
 def engine_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -67,11 +67,19 @@ def status(as_json: bool, **kwargs: Any) -> None:
         return
     click.echo(table(
         ["WORKER", "QUEUE", "MODEL", "STATE", "RUNNING", "WAITING", "KV USE", "TOKENS/S",
-         "SPEC ACCEPT", "HEARTBEAT"],
+         "SPEC ACCEPT", "LORAS", "HEARTBEAT"],
         [[w.worker_id, w.queue, w.model,
           f"sleeping (level {w.sleeping})" if w.sleeping else "serving", w.running, w.waiting,
           f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}",
           f"{w.spec_acceptance_rate:.0%} {w.speculative_method}" if w.speculative_method
-          else "off", ago(w.heartbeat_ms, now)]
+          else "off", _loras(w.loras_loaded, w.loras_available), ago(w.heartbeat_ms, now)]
          for w in workers]))
 
+
+
+def _loras(loaded: str, available: str) -> str:
+    """`a,b (2 of 5)`: the adapters in memory, of those the worker's --lora-dir holds."""
+    if not available and not loaded:
+        return "-"
+    names = [n for n in loaded.split(",") if n]
+    return f"{','.join(names) or 'none'} ({len(names)} of {len(available.split(','))})"

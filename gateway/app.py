@@ -42,7 +42,7 @@ from llmq.gateway import batches, completions, dashboard, files, prompt_tasks, r
 from llmq.gateway.body_limit import BodyLimit
 from llmq.gateway.errors import APIError
 from llmq.gateway.pool_series import PoolSeries
-from llmq.gateway.pool_view import PoolView, names_model
+from llmq.gateway.pool_view import PoolView, ServedModel, names_model
 from llmq.gateway.request_tracing import TracedRequests
 from llmq.gateway.settings import GatewaySettings
 from llmq.gateway.state import GatewayState, json_response
@@ -76,8 +76,7 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = GatewayState.of(request)
     state.tenant(request)
-    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "llmq",
-             "queues": list(m.queues)} for m in await state.pool.models()]
+    data = [_model_object(m) for m in await state.pool.models()]
     return json_response({"object": "list", "data": data})
 
 
@@ -88,10 +87,18 @@ async def model(request: Request) -> Response:
     wanted = request.path_params["model_id"]
     for m in await state.pool.models():
         if wanted and names_model(wanted, m.name):
-            return json_response({"id": m.name, "object": "model", "created": m.created,
-                                  "owned_by": "llmq", "queues": list(m.queues)})
+            return json_response(_model_object(m))
     raise APIError(404, f"the model `{wanted}` does not exist or no worker serves it",
                    "invalid_request_error", param="model", code="model_not_found")
+
+
+def _model_object(m: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object; a LoRA adapter also names its base model (`parent`, as vLLM)."""
+    data: dict[str, Any] = {"id": m.name, "object": "model", "created": m.created,
+                            "owned_by": "llmq", "queues": list(m.queues)}
+    if m.parent is not None:
+        data["parent"] = m.parent
+    return data
 
 
 async def version(request: Request) -> Response:

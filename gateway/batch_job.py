@@ -68,7 +68,7 @@ from llmq.gateway.openai_batch import (
     output_record,
     parse_line,
 )
-from llmq.gateway.pool_view import names_model
+from llmq.gateway.pool_view import adapters_of, names_model
 from llmq.protocol import Done
 
 __all__ = ["BATCH_QUEUE", "LEASE_MS", "BatchRun", "checkpointed_results", "load_checkpoint",
@@ -232,8 +232,10 @@ class BatchRun:
     def _served_models(self) -> list[str]:
         """The models the live workers of the batch's queue serve; [] when none is live, and
         then nothing is checked: the requests wait for workers as any producer's do."""
-        return sorted({w.model for w in self.client.workers()
-                       if w.queue == self.client.settings.queue and w.model})
+        workers = [w for w in self.client.workers()
+                   if w.queue == self.client.settings.queue and w.model]
+        # a LoRA adapter a worker lists is served as a model of its own (pool_view.py)
+        return sorted({w.model for w in workers} | {a for w in workers for a in adapters_of(w)})
 
     def _fail(self, errors: list[dict[str, Any]], total: int) -> dict[str, Any]:
         """End the batch `failed` before anything ran, with OpenAI's `errors` list."""

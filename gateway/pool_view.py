@@ -1,7 +1,10 @@
 """PoolView: what the gateway knows of the pool, read from Redis and kept for a second.
 
 Workers' heartbeats say which models are served and on which queues; a request is routed to a
-queue whose live workers serve the model it names (the configured queue first). Before it is
+queue whose live workers serve the model it names (the configured queue first). A LoRA adapter
+in a worker's adapter directory (heartbeat `loras_available`) is served as a model of its own,
+as vLLM serves adapters: `model: "<adapter>"` routes to that worker's queue, and the worker runs
+the request under the adapter (worker/engine/input_processor.py). Before it is
 queued the gateway answers:
 
     503  no live worker at all (nothing would ever answer)
@@ -34,6 +37,11 @@ _RECHECK_AFTER = 0.2  # a negative answer from a view older than this is read ag
 _RETRY_AFTER_S = 2
 
 
+def adapters_of(worker: WorkerHeartbeat) -> list[str]:
+    """The LoRA adapters the worker's heartbeat lists as available."""
+    return [name for name in worker.loras_available.split(",") if name]
+
+
 def names_model(wanted: str | None, served: str) -> bool:
     """Whether a request's `model` names the model a worker serves, the one rule for every
     endpoint (chat, completions, responses, batch lines, GET /v1/models/{id}).
@@ -50,6 +58,7 @@ class ServedModel:
     name: str
     queues: tuple[str, ...]
     created: int  # unix s: when the oldest worker serving it started
+    parent: str | None = None  # a LoRA adapter: the base model it runs on
 
 
 class PoolView:
@@ -82,14 +91,18 @@ class PoolView:
         return self._workers
 
     async def models(self) -> list[ServedModel]:
-        served: dict[str, tuple[set[str], int]] = {}
+        """The base models, then the LoRA adapters (with their base model as `parent`)."""
+        served: dict[tuple[str, str | None], tuple[set[str], int]] = {}
         for worker in await self.workers():
-            if worker.model:
-                queues, created = served.get(worker.model, (set(), worker.started_ms))
+            if not worker.model:
+                continue
+            for key in [(worker.model, None)] + [(a, worker.model) for a in adapters_of(worker)]:
+                queues, created = served.get(key, (set(), worker.started_ms))
                 queues.add(worker.queue)
-                served[worker.model] = (queues, min(created, worker.started_ms))
-        return [ServedModel(name, tuple(sorted(queues)), created // 1000)
-                for name, (queues, created) in sorted(served.items())]
+                served[key] = (queues, min(created, worker.started_ms))
+        return [ServedModel(name, tuple(sorted(queues)), created // 1000, parent)
+                for (name, parent), (queues, created)
+                in sorted(served.items(), key=lambda item: (item[0][1] is not None, item[0]))]
 
     async def route(self, model: str | None) -> str:
         """The queue for a request naming `model` (None: any); APIError 503/404/429 if none."""
@@ -114,7 +127,8 @@ class PoolView:
         return queue
 
     def _pick(self, workers: list[WorkerHeartbeat], model: str | None) -> str | None:
-        queues = {w.queue for w in workers if names_model(model, w.model)}
+        queues = {w.queue for w in workers
+                  if names_model(model, w.model) or model in adapters_of(w)}
         if not queues:
             return None
         return self.default_queue if self.default_queue in queues else sorted(queues)[0]

@@ -17,6 +17,11 @@ Methods and their `args`:
                                        torch profiler; stop writes a Chrome trace and answers
                                        its path
     stats                              the engine's counters
+    load_lora    {"name": adapter}     load a LoRA adapter from the worker's --lora-dir now (into
+                                       its LRU), so the first request for it pays nothing;
+                                       an error answer names what is wrong with it
+    unload_lora  {"name": adapter}     drop it from the LRU (running requests keep it until they
+                                       finish); answers whether it was loaded
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ __all__ = ["METHODS", "ControlCall", "ControlReply", "decode_call", "decode_repl
 
 T = TypeVar("T")
 
-METHODS: tuple[str, ...] = ("reset_prefix_cache", "sleep", "wake_up", "profile", "stats")
+METHODS: tuple[str, ...] = ("reset_prefix_cache", "sleep", "wake_up", "profile", "stats",
+                             "load_lora", "unload_lora")
 
 
 class ControlCall(Struct, kw_only=True):

@@ -99,6 +99,9 @@ def decode_dead_letter(fields: Mapping[Any, Any]) -> tuple[DeadLetter, dict[str,
 # --- Worker heartbeats on llmq:w:<worker_id> ----------------------------------------------------
 
 
+MAX_LISTED_LORAS = 256  # a heartbeat lists at most this many available adapters
+
+
 class WorkerHeartbeat(Struct, kw_only=True):
     """A worker's state, written as a flat hash so `redis-cli HGETALL` stays readable."""
 
@@ -125,6 +128,10 @@ class WorkerHeartbeat(Struct, kw_only=True):
     # since the worker started, 0..1.
     speculative_method: str = ""
     spec_acceptance_rate: float = 0.0
+    # LoRA adapters, comma-separated names: those in memory, and those its --lora-dir holds
+    # (at most MAX_LISTED_LORAS of them); both "" without one.
+    loras_loaded: str = ""
+    loras_available: str = ""
     # More cumulative figures, named after vLLM's metrics (the gateway's /metrics shows them as
     # llmq_* series; the *_hist fields are LatencyHistogram.encode(with_sum=True)):
     prompt_tokens_total: int = 0  # prompt tokens of finished requests

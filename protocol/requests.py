@@ -175,6 +175,9 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     # prompt: false adds no BOS (vLLM's `add_special_tokens`)
     add_special_tokens: bool = True
     task: Task = "generate"
+    # The LoRA adapter to run under, by its name in the worker's adapter directory (None: the
+    # base model). An unknown or unusable adapter is an invalid_request naming it.
+    lora: Annotated[str, Meta(pattern=f"^{NAME_PATTERN}\\Z")] | None = None
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks

@@ -10,13 +10,16 @@ grammar cache it compiles structured-output specs into). The utility calls of th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineStats
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.lora.lora_manager import LoraManager
 
 __all__ = ["EngineClient"]
 
@@ -26,6 +29,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # encode / encode_chat / decode (worker/engine/model/tokenizer.py)
     clock: Callable[[], float]  # the engine's monotonic clock; arrival times are on it
     structured_output: StructuredOutputManager  # compiled grammars, shared with the runner
+    loras: LoraManager | None  # the LoRA adapters (None: no --lora-dir); the gate loads them
 
     @property
     def max_model_len(self) -> int: ...

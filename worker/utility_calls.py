@@ -1,9 +1,10 @@
 """UtilityCalls: runs the control stream's calls on the busy loop, which owns the engine.
 
-After vLLM v1's `EngineCore` utility methods (reset_prefix_cache, sleep, wake_up, profile) and
-its `call_utility` dispatch: a call arrives through the inbox (worker/control_listener.py), runs
-between two engine steps, and its `ControlReply` goes back to the listener to be written. Any
-failure becomes an error answer; a utility call never takes the worker down.
+After vLLM v1's `EngineCore` utility methods (reset_prefix_cache, sleep, wake_up, profile, and
+its `load_lora_adapter` / `unload_lora_adapter`) and its `call_utility` dispatch: a call arrives
+through the inbox (worker/control_listener.py), runs between two engine steps, and its
+`ControlReply` goes back to the listener to be written. Any failure becomes an error answer; a
+utility call never takes the worker down.
 
 Sleep, as a queue worker does it: stop reading (entries stay with the consumer group, so its lag
 still shows the work and KEDA still scales on it), stop reclaiming peers' entries, hand the
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from llmq.protocol import METHODS, ControlCall, ControlReply
 
 if TYPE_CHECKING:
+    from llmq.worker.engine.lora.lora_manager import LoraManager
     from llmq.worker.engine_client import EngineClient
     from llmq.worker.inflight_table import InFlightTable
     from llmq.worker.lease_keeper import LeaseKeeper
@@ -133,6 +135,22 @@ class UtilityCalls:
                                         f"{int(time.time() * 1000)}.json")
             return {"profiling": False, "trace": engine.stop_profile(path)}
         raise ValueError(f"action must be start or stop, got {action!r}")
+
+    def _load_lora(self, name: str) -> dict[str, Any]:
+        loras = self._loras()
+        started = time.perf_counter()
+        adapter = loras.get(name)  # a LoraError names the adapter and the problem
+        return {"name": name, "rank": adapter.rank, "loaded": loras.loaded(),
+                "seconds": round(time.perf_counter() - started, 3)}
+
+    def _unload_lora(self, name: str) -> dict[str, Any]:
+        loras = self._loras()
+        return {"name": name, "unloaded": loras.unload(name), "loaded": loras.loaded()}
+
+    def _loras(self) -> LoraManager:
+        if self.engine.loras is None:
+            raise ValueError("this worker serves no LoRA adapters (it has no --lora-dir)")
+        return self.engine.loras
 
     def _stats(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.engine.stats())

@@ -48,6 +48,7 @@ from llmq.broker.commands import group_created, legacy_stream_message, queue_gro
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
 from llmq.protocol.errors import StreamExhausted
+from llmq.protocol.records import MAX_LISTED_LORAS
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener
@@ -418,6 +419,9 @@ class Worker:
             preemptions_total=s.num_preemptions if s else 0,
             speculative_method=self.engine.config.speculative_method or "",
             spec_acceptance_rate=round(s.spec_acceptance_rate, 4) if s else 0.0)
+        if (loras := self.engine.loras) is not None:
+            heartbeat.loras_loaded = ",".join(loras.loaded())
+            heartbeat.loras_available = ",".join(loras.available()[:MAX_LISTED_LORAS])
         return protocol.encode_heartbeat(self.ctx.counters.fill(heartbeat))
 
 

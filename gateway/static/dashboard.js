@@ -66,6 +66,14 @@
     return ["serving", "serving"];
   }
 
+  // the LoRA adapters in memory, of those the worker's --lora-dir holds (heartbeat fields)
+  function loras(w) {
+    const loaded = (w.loras_loaded || "").split(",").filter(Boolean);
+    const available = (w.loras_available || "").split(",").filter(Boolean);
+    if (!loaded.length && !available.length) return "–";
+    return `${loaded.join(", ") || "none"} (${loaded.length} of ${available.length})`;
+  }
+
   function renderWorkers(workers, staleAfter) {
     const rows = workers.map((w) => {
       const [kind, label] = workerState(w, staleAfter);
@@ -74,7 +82,8 @@
         el("td", { className: "state" }, el("span", { className: `badge ${kind}` }, label)),
         cell(w.running, "num running"), cell(w.waiting, "num waiting"),
         cell(fmt.pct(w.kv_usage), "num kv"), cell(fmt.pct(w.prefix_cache_hit_rate), "num prefix"),
-        cell(fmt.num(w.tokens_per_s), "num tps"), cell(fmt.age(w.heartbeat_age_s), "num age"));
+        cell(fmt.num(w.tokens_per_s), "num tps"), cell(loras(w), "loras"),
+        cell(fmt.age(w.heartbeat_age_s), "num age"));
     });
     $("#workers tbody").replaceChildren(
       ...(rows.length ? rows : [emptyRow("#workers", "no live workers")]));

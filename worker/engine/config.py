@@ -39,6 +39,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most draft tokens verified per step
     prompt_lookup_max: int = 3  # the longest n-gram a draft is looked up by
     prompt_lookup_min: int = 2  # the shortest
+    # LoRA adapters (worker/engine/lora/): a directory of them (None: none served), how many
+    # stay loaded (least recently used evicted first), and the largest rank accepted.
+    lora_dir: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -50,7 +55,7 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}")
         for name in ("threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes"):
+                     "kv_cache_memory_bytes", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -29,6 +29,7 @@ from llmq.worker.engine.scheduler import Scheduler
 from llmq.worker.engine.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
+    from llmq.worker.engine.lora.lora_manager import LoraManager
     from llmq.worker.engine.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # Imported here so `llmq.worker.engine.engine_core` stays cheap to import for type users.
+        from llmq.worker.engine.lora.lora_manager import LoraManager
         from llmq.worker.engine.model.default_model import ensure_default_model
         from llmq.worker.engine.model.loader import load_model
         from llmq.worker.engine.model_runner import ModelRunner
@@ -86,6 +88,11 @@ class EngineCore:
                                   eos_token_ids=self.tokenizer.eos_token_ids,
                                   structured_output=self.structured_output)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
+        # LoRA adapters, loaded by the gate on first use (None: no adapter directory)
+        self.loras: LoraManager | None = None
+        if config.lora_dir:
+            self.loras = LoraManager(config.lora_dir, loaded.arch, config.max_loras,
+                                     config.max_lora_rank)
         # a model whose every layer slides (Mistral) frees the blocks that fall out of its window
         self.scheduler.kv_cache_manager.sliding_window = loaded.arch.cache_window
         self._profiler: Any = None  # torch.profiler.profile while `start_profile` records

@@ -14,6 +14,10 @@ and its scheduler trust what passes: they check nothing again.
 - prompt_too_long    prompt + one output token exceed the context (`max_model_len`) or the KV
                      cache (a request running alone must always fit, so preemption makes progress)
 - invalid_token_id   a prompt, stop, `logit_bias` or `allowed_token_ids` id outside the vocabulary
+- invalid_request    also: a `lora` adapter (or a `model` naming one) that is unknown, corrupt,
+                     for another base model or above max_lora_rank (loaded here on first use,
+                     so the engine never reads a file), or any `lora` on an engine without an
+                     adapter directory
 
 `bad_words` become token ids here (worker/engine/bad_words.py). A `tokenize` or
 `detokenize` task needs no room in the context: only its ids are checked.
@@ -40,12 +44,15 @@ import msgspec
 from llmq.protocol import Request
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine.bad_words import bad_word_token_ids
+from llmq.worker.engine.lora.lora_error import LoraError
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.structured_output import GrammarError, StructuredOutputManager
 from llmq.worker.engine.tool_prompt import chat_for_template
 
 if TYPE_CHECKING:
     from llmq.worker.engine.config import EngineConfig
+    from llmq.worker.engine.lora.adapter import LoraAdapter
+    from llmq.worker.engine.lora.lora_manager import LoraManager
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +91,9 @@ class GatedEngine(Protocol):
     @property
     def kv_cache_tokens(self) -> int: ...
 
+    @property
+    def loras(self) -> LoraManager | None: ...
+
 
 @dataclass
 class ProcessedInput:
@@ -100,8 +110,10 @@ class InputProcessor:
 
     def __init__(self, tokenizer: PromptTokenizer | None, *, vocab_size: int, max_model_len: int,
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+                 structured_output: StructuredOutputManager | None = None,
+                 loras: LoraManager | None = None) -> None:
         self.tokenizer = tokenizer
+        self.loras = loras
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
@@ -117,7 +129,7 @@ class InputProcessor:
                    max_model_len=engine.config.max_model_len or engine.max_model_len,
                    kv_cache_tokens=engine.kv_cache_tokens,
                    max_num_seqs=engine.config.max_num_seqs,
-                   structured_output=engine.structured_output)
+                   structured_output=engine.structured_output, loras=engine.loras)
 
     def process(self, request: Request) -> ProcessedInput:
         """Raises RequestRejected(code, message) for a request the engine must never see."""
@@ -141,7 +153,30 @@ class InputProcessor:
         self.check_token_ids(prompt_token_ids, params.stop_token_ids)
         self._check_logits_token_ids(params)
         self.check_sampling_params(params)
+        if (lora := self.lora_name(request)) is not None:
+            params = dataclasses.replace(params, lora=self.lora(lora))
         return ProcessedInput(prompt_token_ids, params, request.priority)
+
+    def lora_name(self, request: Request) -> str | None:
+        """The adapter the request runs under: `lora`, or else a `model` that names an adapter
+        of the directory (how vLLM's OpenAI server, and llmq's gateway, name adapters)."""
+        if request.lora is not None:
+            return request.lora
+        if request.model and self.loras is not None and self.loras.exists(request.model):
+            return request.model
+        return None
+
+    def lora(self, name: str) -> LoraAdapter:
+        """The adapter `name`, loaded on first use; RequestRejected(invalid_request) naming it
+        and the problem when this engine cannot serve it."""
+        if self.loras is None:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST,
+                                  f"lora {name!r}: this worker serves no LoRA adapters (it has "
+                                  "no --lora-dir)")
+        try:
+            return self.loras.get(name)
+        except LoraError as e:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e)) from None
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """RequestRejected when the prompt is empty or leaves no room for one output token."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmq.worker.engine.lora.lora_batch import LoraBatch
 from llmq.worker.engine.model.attention import AttentionMetadata
 from llmq.worker.engine.model.llama import LlamaForCausalLM
 from llmq.worker.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
@@ -97,9 +98,13 @@ class ModelRunner:
         # NOTE: single-token sequences (decodes) go first: the attention runs them as one batch.
         drafts_of = so.scheduled_spec_decode_tokens
         # NOTE: decodes go first, the attention runs them as one batch; a decode verifying a
-        # draft is one too (`spec_decode.rejection_sampler.as_decode_rows`).
-        scheduled = sorted(so.num_scheduled_tokens.items(), key=lambda item: item[1] - len(
-            drafts_of.get(item[0], ())) != 1)
+        # draft is one too (`spec_decode.rejection_sampler.as_decode_rows`). Within each
+        # group, requests of one LoRA adapter sit together: their rows form one segment.
+        def order(item: tuple[str, int]) -> tuple[bool, str]:
+            lora = self.requests[item[0]].sampling_params.lora
+            return item[1] - len(drafts_of.get(item[0], ())) != 1, "" if lora is None else lora.name
+
+        scheduled = sorted(so.num_scheduled_tokens.items(), key=order)
         states = [self.requests[request_id] for request_id, _ in scheduled]
         drafts = [drafts_of.get(s.request_id, []) for s in states]
         input_ids: list[int] = []
@@ -124,8 +129,10 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - len(draft) - 1, len(input_ids)))
 
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
+        lora = LoraBatch.from_rows([(n, state.sampling_params.lora)
+                                    for (_, n), state in zip(scheduled, states, strict=True)])
         hidden = self.model(  # [num_tokens, hidden_size]
-            torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches)
+            torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches, lora)
 
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprob]] = [[] for _ in states]

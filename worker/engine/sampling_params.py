@@ -10,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.lora.adapter import LoraAdapter
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
@@ -73,6 +77,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, plus the top n at each
     task: str = "generate"  # or answered from the prompt alone: embed, tokenize, detokenize
+    # The LoRA adapter the request runs under (None: the base model), resolved by the gate
+    # (input_processor.py); holding it keeps it alive while the request runs, whatever the LRU.
+    lora: LoraAdapter | None = None
 
     def __post_init__(self) -> None:
         # NOTE: tuples keep the struct hashable and frozen even when callers pass lists.

@@ -23,6 +23,7 @@ Forms, chosen per call by the number of rows (tokens) in x:
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
 from .int8_matrix import Int8Matrix
 from .repack_cache import RepackCache
+
+if TYPE_CHECKING:
+    from llmq.worker.engine.lora.lora_batch import LoraSlot
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,10 @@ class Linear(nn.Module):
         self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
         self.quant_only = False  # set by finalize: the quantized form serves every batch size
         self.dense_from: QuantizedEmbedding | None = None  # a tied head's faster dense source
+        # LoRA (worker/engine/lora/): where the step's adapters are, and this projection's
+        # name among their weights (`3.qkv`); None for projections no adapter targets.
+        self.lora_slot: LoraSlot | None = None
+        self.lora_key = ""
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows: `finalize` builds the forms from them and
@@ -197,10 +205,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized and int8
         forms, bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers
-        cast where they need another)."""
+        cast where they need another). With LoRA rows in the step, each adds its adapter's
+        low-rank product to the base output (whichever form computed it)."""
+        y = self._base_forward(x)
+        if self.lora_slot is not None and self.lora_slot.batch is not None:
+            self.lora_slot.batch.add_(self.lora_key, x, y)
+        return y
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.quant, QuantMatrix) and self.quant_only and x.shape[0] > QUANT_MAX_ROWS:
             # NOTE: the kernel takes up to QUANT_MAX_ROWS rows a call
-            return torch.cat([self(rows) for rows in x.split(QUANT_MAX_ROWS)])
+            return torch.cat([self._base_forward(rows) for rows in x.split(QUANT_MAX_ROWS)])
         if self.quant is not None and (x.shape[0] <= QUANT_MAX_ROWS or self.quant_only):
             if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
                 assert self._kernels is not None

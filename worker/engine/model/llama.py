@@ -32,11 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
+
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
 from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
-from .decoder_layer import LlamaDecoderLayer, Target, rms_norm
+from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
 from .gguf_loader import QuantizedTensor
 from .linear import QUANT_MAX_ROWS, Linear, _param
 from .moe import SparseMoe
@@ -128,17 +130,31 @@ class LlamaForCausalLM(nn.Module):
         self._one_call_able = (self._one_call_able and self._fused_able
                                and arch.embedding_multiplier is None  # granite
                                and arch.residual_multiplier is None)
+        # LoRA: every dense decoder projection adds the step's adapters' products
+        # (worker/engine/lora/lora_batch.py); the LM head and MoE experts take none.
+        self.lora_slot = LoraSlot()
+        for i, layer in enumerate(self._layers):
+            named = [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj)]
+            if isinstance(layer.mlp, LlamaMLP):
+                named += [("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)]
+            for projection, linear in named:
+                linear.lora_slot, linear.lora_key = self.lora_slot, f"{i}.{projection}"
 
     # ---- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids [num_tokens] (all sequences of the step, flattened in metadata order) ->
-        final-normed hidden states [num_tokens, hidden_size]. Writes the step's K/V."""
-        if self.kernels is not None and self._fused_able:
-            return self._run_fused(input_ids, attn_metadata, kv_caches)
-        return self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
+        final-normed hidden states [num_tokens, hidden_size]. Writes the step's K/V. `lora`:
+        the rows that run under an adapter (None or no segments: the base model's alone)."""
+        self.lora_slot.batch = lora if lora is not None and lora.segments else None
+        try:
+            if self.kernels is not None and self._fused_able:
+                return self._run_fused(input_ids, attn_metadata, kv_caches)
+            return self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
+        finally:
+            self.lora_slot.batch = None
 
     @torch.inference_mode()
     def forward_contiguous(self, input_ids: torch.Tensor, start_pos: int,
@@ -193,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
         with_kv = bool(meta.prefills)  # only prefills read this step's K/V outside the cache
         layers = self._layers
         h = self.embed(input_ids)  # [n, hidden] residual stream (float32 here)
-        if self._one_call and meta.num_decodes == meta.num_seqs and n <= QUANT_MAX_ROWS:
+        # NOTE: the one-call kernel has no LoRA hook: a step with adapter rows runs op by op.
+        if (self._one_call and meta.num_decodes == meta.num_seqs and n <= QUANT_MAX_ROWS
+                and self.lora_slot.batch is None):
             # NOTE: a few decodes: the whole step in one kernel call. The ~9 calls a layer
             # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step.
             out = kernels.decode_layers(
