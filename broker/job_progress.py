@@ -2,7 +2,7 @@
 
     <prefix>:job:{<job_id>}   string  the job's latest `JobRecord` (JSON), TTL from its last update
     <prefix>:jobs             zset    job ids by the unix time of their last update, the newest
-                                      `MAX_LISTED` kept, TTL as the records'
+                                      `MAX_LISTED` kept, TTL as its longest-lived record's
 
 A job (a dataset job of `llmq run`, in the CLI or on an rq batch worker) saves its whole record
 every second or so and at every change of state; whoever watches (`llmq run status`, `llmq run
@@ -106,7 +106,9 @@ class JobProgress:
             pipe.set(self.key(record.id), data, ex=ttl)
             pipe.zadd(self.index_key, {record.id: record.updated})
             pipe.zremrangebyrank(self.index_key, 0, -MAX_LISTED - 1)
-            pipe.expire(self.index_key, ttl)
+            # NOTE: the index lives as long as its longest-lived record: set, or lengthened.
+            pipe.expire(self.index_key, ttl, nx=True)
+            pipe.expire(self.index_key, ttl, gt=True)
 
         return Exchange(queue, lambda replies: None)
 
