@@ -1,6 +1,7 @@
 """JobProgress: how far each long-running job is, in Redis, for the CLI and the dashboard.
 
     <prefix>:job:{<job_id>}   string  the job's latest `JobRecord` (JSON), TTL from its last update
+    <prefix>:job:{<job_id>}:stop  string  set by `llmq run cancel`: the running job stops, TTL
     <prefix>:jobs             zset    job ids by the unix time of their last update, the newest
                                       `MAX_LISTED` kept, TTL as its longest-lived record's
 
@@ -32,7 +33,7 @@ __all__ = ["FINAL_STATES", "MAX_LISTED", "JobProgress", "JobRecord", "StageCount
 MAX_LISTED = 1000  # job ids the index keeps (the newest by last update)
 DEFAULT_TTL = 7 * 24 * 3600  # s a record is kept after its last update
 STALE_AFTER = 60.0  # s without an update after which a `running` record's run is presumed dead
-FINAL_STATES = ("completed", "failed", "interrupted")
+FINAL_STATES = ("completed", "failed", "interrupted", "cancelled")
 
 
 class StageCounts(msgspec.Struct, kw_only=True):
@@ -50,7 +51,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     id: str  # the job id (`run-<name>` for a dataset job)
     name: str
     kind: str = "dataset"
-    # queued (on rq, not started) | running | completed | failed | interrupted (Ctrl-C)
+    # queued (on rq, not started) | running | retrying (rq retries it) | completed | failed
+    # | interrupted (Ctrl-C) | cancelled (`llmq run cancel`)
     state: str = "queued"
     stage: str = ""  # what the job is doing now: a stage's name, `dedup`, `writing output`...
     runner: str = ""  # `cli` (an `llmq run` in the foreground) or `rq` (a batch worker)
@@ -93,6 +95,9 @@ class JobProgress:
     def key(self, job_id: str) -> str:
         return f"{self.keys.prefix}:job:{{{validate_name('job_id', job_id)}}}"
 
+    def stop_key(self, job_id: str) -> str:
+        return f"{self.key(job_id)}:stop"
+
     @property
     def index_key(self) -> str:
         return f"{self.keys.prefix}:jobs"
@@ -111,6 +116,20 @@ class JobProgress:
             pipe.expire(self.index_key, ttl, gt=True)
 
         return Exchange(queue, lambda replies: None)
+
+    def request_stop(self, job_id: str, ttl: int = DEFAULT_TTL) -> Exchange[None]:
+        """Ask the job's run to stop (it looks every few seconds); its rows written stay."""
+        return Exchange(lambda pipe: pipe.set(self.stop_key(job_id), b"1", ex=ttl),
+                        lambda replies: None)
+
+    def stop_requested(self, job_id: str) -> Exchange[bool]:
+        return Exchange(lambda pipe: pipe.exists(self.stop_key(job_id)),
+                        lambda replies: bool(replies[0]))
+
+    def clear_stop(self, job_id: str) -> Exchange[None]:
+        """A new run of the job (queued again, or started in a CLI) is not stopped by an
+        earlier cancel."""
+        return Exchange(lambda pipe: pipe.delete(self.stop_key(job_id)), lambda replies: None)
 
     def get(self, job_id: str) -> Exchange[JobRecord | None]:
         """The job's latest record; None when there is none (never saved, or expired)."""

@@ -9,6 +9,7 @@
     llmq run job.yaml --rq          # queued as an rq job: `llmq batch-worker` runs it
     llmq run status run-NAME        # progress of a job, here or on rq
     llmq run list                   # the jobs the broker's job store remembers
+    llmq run cancel run-NAME        # stop it: rows written stay, rerunning resumes
 
 Rerunning the same command resumes: rows already in the output (or the errors file) are skipped,
 requests already queued are followed, not queued again. Under rq a retry of the job (its batch
@@ -27,7 +28,7 @@ import click
 
 from llmq.cli.helpers import note, open_client, warn_if_unserved
 from llmq.cli.options import connection_kwargs, connection_options
-from llmq.cli.run_queue import enqueue, job_status, list_jobs
+from llmq.cli.run_queue import cancel_job, enqueue, job_status, list_jobs
 
 if TYPE_CHECKING:
     from llmq.jobs.spec import JobSpec
@@ -88,16 +89,18 @@ class _RunGroup(click.Group):
 class _StartCommand(click.Command):
     def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         parent = ctx.parent.command_path if ctx.parent is not None else "llmq run"
-        formatter.write_usage(parent, "[JOB_FILE] [OPTIONS]  |  status ID  |  list")
+        formatter.write_usage(parent, "[JOB_FILE] [OPTIONS]  |  status ID  |  list  |  "
+                                      "cancel ID")
 
 
 @click.group(cls=_RunGroup)
 def run() -> None:
-    """Run a dataset job: JOB_FILE (YAML) or --dataset with --map; `status ID`, `list`."""
+    """Run a dataset job: JOB_FILE (YAML) or --dataset with --map; `status`, `list`, `cancel`."""
 
 
 run.add_command(job_status)
 run.add_command(list_jobs)
+run.add_command(cancel_job)
 
 
 @run.command("start", cls=_StartCommand, hidden=True)
@@ -138,7 +141,7 @@ def start(job_file: str | None, dataset: str | None, map_items: tuple[str, ...],
     Rows come out in input order with their columns and each stage's result columns; rows that
     cannot run go to the errors file with their row number. Rerun the same command to resume.
     With --rq the job runs on a batch worker; follow it with `llmq run status ID`, list the
-    jobs with `llmq run list`.
+    jobs with `llmq run list`, stop one (here or on rq) with `llmq run cancel ID`.
     """
     from llmq.jobs.spec import job_from_mapping
     from llmq.jobs.templates import SpecError
@@ -162,16 +165,23 @@ def start(job_file: str | None, dataset: str | None, map_items: tuple[str, ...],
 
 
 def _run_here(client: Any, spec: JobSpec, progress: bool | None) -> None:
-    from llmq.jobs.pipeline import DatasetJob
+    from llmq.jobs.pipeline import DatasetJob, JobStopped
     from llmq.jobs.published import ProgressPublisher
     from llmq.jobs.templates import SpecError
 
     warn_if_unserved(client)
     status = _StatusLine(progress)
     publisher = ProgressPublisher(client, spec, runner="cli", also=status)
-    job = DatasetJob(client, spec, on_tick=publisher)
+    publisher.clear_stop()
+    job = DatasetJob(client, spec, on_tick=publisher, should_stop=publisher.should_stop)
     try:
         job.run()
+    except JobStopped:
+        status.done()
+        publisher.final(job.progress, "cancelled", "cancelled; rerun to resume")
+        note(f"cancelled (`llmq run cancel`): {job.progress.num_done} rows written; rerun the "
+             "same command to resume")
+        sys.exit(1)
     except SpecError as exc:
         publisher.final(job.progress, "failed", str(exc))
         raise click.ClickException(str(exc)) from None

@@ -4,6 +4,7 @@
     llmq run status run-NAME        # state, stage, rows done/total, per-stage counts, ETA
     llmq run status run-NAME --json
     llmq run list                   # recent jobs, run here or on rq
+    llmq run cancel run-NAME        # a queued job never runs; a running one stops (either kind)
 
 A dataset job on rq is one rq job on the queue `llmq-batch`, with the batches' retries
 (gateway/batch_store.py); what it runs is `llmq.jobs.queued.run_dataset_job`. Its id is the
@@ -39,7 +40,7 @@ from llmq.protocol.errors import LLMQError
 if TYPE_CHECKING:
     from llmq.jobs.spec import JobSpec
 
-__all__ = ["enqueue", "list_jobs", "job_status"]
+__all__ = ["cancel_job", "enqueue", "job_status", "list_jobs"]
 
 
 def _store(client: Client) -> BatchStore:
@@ -83,6 +84,7 @@ def enqueue(client: Client, spec: JobSpec, data: dict[str, Any], base_dir: str,
             meta={"status": "queued", "kind": "dataset", "total": 0, "completed": 0,
                   "failed": 0, "queue": client.settings.queue, "input_file": spec.source.path,
                   "output": spec.output, "created_at": int(time.time())})
+        send(client, JobProgress(client.keys).clear_stop(job_id))
         send(client, JobProgress(client.keys).save(JobRecord(
             id=job_id, name=name, state="queued", stage="queued", runner="rq",
             source=spec.source.path, output=spec.output, started=time.time())))
@@ -115,13 +117,32 @@ def _state(record: JobRecord, rq_status: str | None) -> str:
     return record.state
 
 
-def _rq_status(client: Client, job_id: str) -> str | None:
+def _rq_job(client: Client, job_id: str) -> Any:
     try:
-        job = _store(client).fetch(job_id)
+        return _store(client).fetch(job_id)
     except LLMQError:
         return None  # run in a CLI, or rq has expired it
+
+
+def _rq_status(client: Client, job_id: str) -> str | None:
+    job = _rq_job(client, job_id)
+    if job is None:
+        return None
     status = job.get_status(refresh=False)
     return str(getattr(status, "value", status))
+
+
+def _find(client: Client, job_id: str) -> tuple[str, JobRecord]:
+    """(the job id, its record): JOB_ID as given, or a job's name; LLMQError when unknown."""
+    store = JobProgress(client.keys)
+    record = send(client, store.get(job_id))
+    if record is None and not job_id.startswith("run-"):
+        job_id = f"run-{job_id}"
+        record = send(client, store.get(job_id))
+    if record is None:
+        raise LLMQError(f"unknown dataset job {job_id}: no such job in the job store "
+                        "(`llmq run list` shows the known ones)")
+    return job_id, record
 
 
 def _rows(record: JobRecord) -> str:
@@ -136,15 +157,8 @@ def _rows(record: JobRecord) -> str:
 def job_status(job_id: str, as_json: bool, **kwargs: Any) -> None:
     """Show a dataset job's state and progress (JOB_ID: run-<name>, or the name)."""
     client = open_client(**connection_kwargs(kwargs))
-    store = JobProgress(client.keys)
     with translate_errors(client.url):
-        record = send(client, store.get(job_id))
-        if record is None and not job_id.startswith("run-"):
-            job_id = f"run-{job_id}"
-            record = send(client, store.get(job_id))
-        if record is None:
-            raise LLMQError(f"unknown dataset job {job_id}: no such job in the job store "
-                            "(`llmq run list` shows the known ones)")
+        job_id, record = _find(client, job_id)
         rq_status = _rq_status(client, job_id)
     state = _state(record, rq_status)
     if as_json:
@@ -194,3 +208,33 @@ def list_jobs(limit: int, as_json: bool, **kwargs: Any) -> None:
     click.echo(table(["JOB", "STATE", "STAGE", "ROWS", "ERRORS", "RUNNER", "UPDATED"], [
         [r.id, _state(r, None), r.stage, _rows(r), r.rows_failed, r.runner, _when(r.updated)]
         for r in records]))
+
+
+@click.command("cancel")
+@click.argument("job_id")
+@connection_options
+def cancel_job(job_id: str, **kwargs: Any) -> None:
+    """Stop a dataset job (JOB_ID: run-<name>, or the name), on rq or in a CLI.
+
+    A queued job never runs. A running one stops within seconds: the rows written stay, the
+    requests it queued still finish, and running it again resumes."""
+    client = open_client(**connection_kwargs(kwargs))
+    store = JobProgress(client.keys)
+    with translate_errors(client.url):
+        job_id, record = _find(client, job_id)
+        job = _rq_job(client, job_id)
+        if job is not None and job.get_status() in ("queued", "deferred", "scheduled"):
+            job.cancel()  # never started, or waits for a retry: rq drops it
+            job.meta.update(status="cancelled", cancelled_at=int(time.time()))
+            job.save_meta()
+            record.state, record.stage = "cancelled", "cancelled"
+            send(client, store.save(record))
+            click.echo(f"cancelled {job_id} (it was not running)")
+            return
+        state = _state(record, None if job is None else _rq_status(client, job_id))
+        if state in (*FINAL_STATES, "stale"):
+            note(f"{job_id} is {state}: nothing to cancel")
+            return
+        send(client, store.request_stop(job_id))
+    click.echo(f"stopping {job_id}: it stops within seconds; the rows written stay, and "
+               "running it again resumes")

@@ -51,10 +51,15 @@ from llmq.protocol.errors import ErrorCode, InvalidRequest
 if TYPE_CHECKING:
     from llmq.jobs.dedup import NearDuplicates
 
-__all__ = ["DatasetJob", "request_id_for", "result_columns"]
+__all__ = ["DatasetJob", "JobStopped", "request_id_for", "result_columns"]
 
 DUPLICATE_COLUMN = "duplicate_of"
 ROW_ERROR = "row_error"  # the error code of a row the job itself could not run
+
+
+class JobStopped(Exception):  # noqa: N818 - a stop asked for, not an error
+    """Raised out of `run()` when `stop_requested` turned true: the rows written stay, the
+    requests queued keep running, and a rerun resumes (and follows them)."""
 
 
 def result_columns(stage: StageSpec) -> list[str]:
@@ -91,11 +96,13 @@ class _Record:
 
 class DatasetJob:
     def __init__(self, client: Client, spec: JobSpec, *,
-                 on_tick: Callable[[DatasetProgress], None] | None = None) -> None:
+                 on_tick: Callable[[DatasetProgress], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         self.client = client
         self.spec = spec
         self.name = spec.name or default_job_name(spec.output)
         self.on_tick = on_tick
+        self.should_stop = should_stop
         self.writer = RowWriter(spec.output, spec.errors_path)
         self.progress = DatasetProgress(None, [stage.name for stage in spec.stages])
         self.finished_before = False  # an earlier run finished it: nothing was done
@@ -273,6 +280,10 @@ class DatasetJob:
     def tick(self, submitted: int) -> None:
         if self.on_tick is not None:
             self.on_tick(self.progress)
+        # NOTE: not the run's own stop (stop_requested), which cancels what is queued: a
+        # cancelled request's answer would be what a rerun follows for its row.
+        if self.should_stop is not None and self.should_stop():
+            raise JobStopped
 
     def stop_requested(self) -> bool:
         return False

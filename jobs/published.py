@@ -24,6 +24,7 @@ from llmq.jobs.spec import JobSpec
 __all__ = ["ProgressPublisher", "job_id_for", "job_name_for"]
 
 _INTERVAL = 1.0  # s between saves while the job runs
+_STOP_INTERVAL = 2.0  # s between looks for a stop (`llmq run cancel`)
 
 
 def job_name_for(spec: JobSpec) -> str:
@@ -48,6 +49,7 @@ class ProgressPublisher:
         self.output = spec.output
         self.also = also  # another watcher called on every tick (the CLI's status line)
         self._saved_at = 0.0
+        self._stop_checked_at = 0.0
 
     def __call__(self, progress: DatasetProgress) -> None:
         if self.also is not None:
@@ -62,6 +64,17 @@ class ProgressPublisher:
     def final(self, progress: DatasetProgress, state: str, message: str = "") -> None:
         self.save(progress.record(self.job_id, self.name, state=state, runner=self.runner,
                                   source=self.source, output=self.output, message=message))
+
+    def should_stop(self) -> bool:
+        """Whether `llmq run cancel` asked the job to stop (looked up every 2 s at most)."""
+        now = time.monotonic()
+        if now - self._stop_checked_at < _STOP_INTERVAL:
+            return False
+        self._stop_checked_at = now
+        return send(self.client, self.store.stop_requested(self.job_id))
+
+    def clear_stop(self) -> None:
+        send(self.client, self.store.clear_stop(self.job_id))
 
     def save(self, record: JobRecord) -> None:
         send(self.client, self.store.save(record))

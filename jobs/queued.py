@@ -34,7 +34,7 @@ import redis
 from llmq.broker.batch_records import BatchRecords
 from llmq.broker.client import Client
 from llmq.broker.exchange import send
-from llmq.jobs.pipeline import DatasetJob
+from llmq.jobs.pipeline import DatasetJob, JobStopped
 from llmq.jobs.progress import DatasetProgress
 from llmq.jobs.published import ProgressPublisher
 from llmq.jobs.spec import job_from_mapping
@@ -133,11 +133,18 @@ def _run(client: Client, rq_job: Any, data: dict[str, Any], base_dir: str) -> di
         rq_job.save_meta()
         return {"status": "failed", "error": str(exc)}
     publisher = ProgressPublisher(client, spec, runner="rq", also=meta)
-    dataset_job = DatasetJob(client, spec, on_tick=publisher)
+    dataset_job = DatasetJob(client, spec, on_tick=publisher,
+                             should_stop=publisher.should_stop)
     if rq_job.meta.get("in_progress_at") is None:
         rq_job.meta["in_progress_at"] = int(time.time())
     try:
         dataset_job.run()
+    except JobStopped:
+        message = (f"cancelled with {dataset_job.progress.num_done} rows written; queue it "
+                   "again to resume")
+        publisher.final(dataset_job.progress, "cancelled", message)
+        meta(dataset_job.progress, "cancelled", cancelled_at=int(time.time()))
+        return {"status": "cancelled"}
     except SpecError as exc:  # the source cannot be read here, a stage clashes with a column
         publisher.final(dataset_job.progress, "failed", str(exc))
         meta(dataset_job.progress, "failed", error=str(exc), failed_at=int(time.time()))

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
+from llmq.broker.client import Client
 from llmq.broker.keys import Keys
 from tests.e2e.cli_harness import llmq, llmq_process, ok, one_error_line, subprocess_env
 from tests.integration.worker_harness import wait_for
@@ -145,8 +146,51 @@ def test_a_killed_batch_workers_job_resumes_on_another(url: str, r: redis.Redis,
     assert not _jsonl(tmp_path / "out.errors.jsonl")
     # And the retry resumed from the rows written, not from row 0
     assert "rows done by an earlier run" in _status(url, "run-rq-killed")["message"]
-    # And no request was queued twice
+    # And no request was queued twice (among the entries the stream still holds: acked ones are
+    # trimmed), each row's text the answer the pool stored for its request id
     queued = Counter(json.loads(fields[b"json"])["id"]
                      for _, fields in r.xrange(KEYS.queue("default"))
                      if json.loads(fields[b"json"]).get("id", "").startswith("rq-killed."))
-    assert len(queued) == 60 and max(queued.values()) == 1
+    assert max(queued.values(), default=1) == 1
+    with Client(url) as client:
+        assert all(client.result(row["result_id"], timeout=30).text == row["result"]
+                   for row in rows)
+
+
+def test_cancel_stops_a_job_and_queuing_it_again_resumes(url: str, tmp_path: Path) -> None:
+    source = _dataset(tmp_path / "in.jsonl", 60)
+    out = tmp_path / "out.jsonl"
+    args = ["run", "--dataset", str(source), "-o", str(out), "--map", "prompt=Say {{ n }}",
+            "--map", "max_tokens=8", "--map", "ignore_eos=true", "--max-in-flight", "8",
+            "--name", "rq-cancel", "--rq"]
+    # Given a job queued on rq, no batch worker running yet
+    ok(llmq(*args, url=url))
+    # When it is cancelled before it starts, then a batch worker looks for work
+    assert "was not running" in ok(llmq("run", "cancel", "run-rq-cancel", url=url)).stdout
+    ok(llmq("batch-worker", "--burst", url=url))
+    # Then it never ran
+    assert _status(url, "run-rq-cancel")["state"] == "cancelled" and not out.exists()
+
+    # Given it queued again, running on a batch worker
+    ok(llmq(*args, url=url))
+    worker = llmq_process("batch-worker", env=subprocess_env(url), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(_jsonl(out)) >= 5, 90, "5 rows written")
+        # When it is cancelled while it runs
+        assert "stopping run-rq-cancel" in ok(llmq("run", "cancel", "rq-cancel",
+                                                   url=url)).stdout
+        # Then it stops, cancelled, with part of the rows written
+        wait_for(lambda: _status(url, "run-rq-cancel")["state"] == "cancelled", 60,
+                 "the job stopped")
+        assert 5 <= len(_jsonl(out)) < 60
+        # When it is queued once more
+        ok(llmq(*args, url=url))
+        # Then it completes, every row once and in order, resumed from the rows written
+        wait_for(lambda: _status(url, "run-rq-cancel")["state"] == "completed", 120,
+                 "the job completed")
+    finally:
+        worker.terminate()  # our own child, by PID
+        worker.wait(20)
+    assert [row["llmq_row"] for row in _jsonl(out)] == list(range(60))
+    assert "rows done by an earlier run" in _status(url, "run-rq-cancel")["message"]
