@@ -194,3 +194,17 @@ def test_cancel_stops_a_job_and_queuing_it_again_resumes(url: str, tmp_path: Pat
         worker.wait(20)
     assert [row["llmq_row"] for row in _jsonl(out)] == list(range(60))
     assert "rows done by an earlier run" in _status(url, "run-rq-cancel")["message"]
+
+
+def test_a_job_whose_dataset_is_gone_fails_at_once_saying_why(url: str, tmp_path: Path) -> None:
+    # Given a job queued on rq, its dataset removed before a batch worker runs it
+    source = _dataset(tmp_path / "gone.jsonl", 3)
+    ok(llmq("run", "--dataset", str(source), "-o", str(tmp_path / "out.jsonl"),
+            "--map", "prompt={{ n }}", "--name", "rq-gone", "--rq", url=url))
+    source.unlink()
+    # When a batch worker runs it
+    ok(llmq("batch-worker", "--burst", url=url))
+    # Then it failed, not retried, and says what was missing
+    status = _status(url, "run-rq-gone")
+    assert status["state"] == "failed" and "gone.jsonl" in status["message"], status
+    assert "failed" in ok(llmq("run", "status", "run-rq-gone", url=url)).stdout
