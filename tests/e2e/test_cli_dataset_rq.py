@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from llmq.broker.client import Client
+from llmq.broker.embedded import free_port
 from llmq.broker.keys import Keys
 from tests.e2e.cli_harness import llmq, llmq_process, ok, one_error_line, subprocess_env
 from tests.integration.worker_harness import wait_for
@@ -208,3 +209,15 @@ def test_a_job_whose_dataset_is_gone_fails_at_once_saying_why(url: str, tmp_path
     status = _status(url, "run-rq-gone")
     assert status["state"] == "failed" and "gone.jsonl" in status["message"], status
     assert "failed" in ok(llmq("run", "status", "run-rq-gone", url=url)).stdout
+
+
+@pytest.mark.parametrize("command", [["run", "status", "x"], ["run", "list"],
+                                     ["run", "cancel", "x"], ["run", "{data}", "--rq"]],
+                         ids=" ".join)
+def test_with_no_server_each_command_says_so_in_one_line(command: list[str],
+                                                         tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text('{"source": "in.jsonl", "output": "out.jsonl", "stages": [{"prompt": "x"}]}')
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    line = one_error_line(llmq(*[a.format(data=job) for a in command], url=url))
+    assert f"no Redis server at {url}" in line
