@@ -28,7 +28,13 @@ import click
 
 from llmq.cli.helpers import note, open_client, warn_if_unserved
 from llmq.cli.options import connection_kwargs, connection_options
-from llmq.cli.run_queue import cancel_job, enqueue, job_status, list_jobs
+from llmq.cli.run_queue import (
+    cancel_job,
+    enqueue,
+    job_status,
+    list_jobs,
+    refuse_if_running_elsewhere,
+)
 
 if TYPE_CHECKING:
     from llmq.jobs.spec import JobSpec
@@ -166,9 +172,10 @@ def start(job_file: str | None, dataset: str | None, map_items: tuple[str, ...],
 
 def _run_here(client: Any, spec: JobSpec, progress: bool | None) -> None:
     from llmq.jobs.pipeline import DatasetJob, JobStopped
-    from llmq.jobs.published import ProgressPublisher
+    from llmq.jobs.published import ProgressPublisher, job_id_for
     from llmq.jobs.templates import SpecError
 
+    refuse_if_running_elsewhere(client, job_id_for(spec), on_rq=False)
     warn_if_unserved(client)
     status = _StatusLine(progress)
     publisher = ProgressPublisher(client, spec, runner="cli", also=status)

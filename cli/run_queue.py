@@ -35,16 +35,36 @@ from llmq.gateway.batch_store import (
     batch_status,
     rq_connection,
 )
-from llmq.protocol.errors import LLMQError
+from llmq.protocol.errors import BrokerUnavailable, LLMQError
 
 if TYPE_CHECKING:
     from llmq.jobs.spec import JobSpec
 
-__all__ = ["cancel_job", "enqueue", "job_status", "list_jobs"]
+__all__ = ["cancel_job", "enqueue", "job_status", "list_jobs", "refuse_if_running_elsewhere"]
 
 
 def _store(client: Client) -> BatchStore:
     return BatchStore(rq_connection(client.redis), client)
+
+
+def refuse_if_running_elsewhere(client: Client, job_id: str, *, on_rq: bool) -> None:
+    """Two runs of one job would write one output twice: refuse to start one (here or on rq)
+    while the job is queued or running on rq, or running in a CLI that still says so."""
+    with translate_errors(client.url):
+        try:
+            job = _rq_job(client, job_id)
+        except BrokerUnavailable:  # on a cluster with no rq Redis configured: no rq jobs
+            job = None
+        status = None if job is None else batch_status(job)
+        if status is not None and status not in FINAL_STATUSES:
+            raise click.ClickException(
+                f"{job_id} is already {status.replace('_', ' ')} on rq: follow it with `llmq "
+                f"run status {job_id}`, or stop it with `llmq run cancel {job_id}`")
+        record = send(client, JobProgress(client.keys).get(job_id)) if on_rq else None
+    if record is not None and record.runner == "cli" and _state(record, None) == "running":
+        raise click.ClickException(
+            f"{job_id} is running in a CLI (updated {_when(record.updated)}): stop it first "
+            f"(`llmq run cancel {job_id}`)")
 
 
 def enqueue(client: Client, spec: JobSpec, data: dict[str, Any], base_dir: str,
@@ -61,19 +81,12 @@ def enqueue(client: Client, spec: JobSpec, data: dict[str, Any], base_dir: str,
         raise click.ClickException(f"the job file holds a value rq cannot carry as JSON "
                                    f"({exc}): quote it as a string") from None
     job_id, name = job_id_for(spec), job_name_for(spec)
+    refuse_if_running_elsewhere(client, job_id, on_rq=True)
     with translate_errors(client.url):
         client.ensure_group()  # so `llmq status` shows the queue before any worker started
         store = _store(client)
-        try:
-            earlier = store.fetch(job_id)
-        except LLMQError:
-            earlier = None
+        earlier = _rq_job(client, job_id)
         if earlier is not None:
-            status = batch_status(earlier)
-            if status not in FINAL_STATUSES:
-                raise click.ClickException(
-                    f"{job_id} is already {status.replace('_', ' ')} on rq: follow it with "
-                    f"`llmq run status {job_id}`")
             earlier.delete()  # ended: the new job is its rerun (it resumes)
         store.queue.enqueue_call(
             run_dataset_job, job_id=job_id, timeout=timeout, result_ttl=timeout,

@@ -59,8 +59,9 @@ def test_a_dataset_job_queued_on_rq_runs_on_a_batch_worker(url: str, tmp_path: P
     assert submitted.stdout.strip() == "run-rq-basic"
     assert "no batch worker is running" in submitted.stderr
     assert _status(url, "run-rq-basic")["state"] == "queued"
-    # And queuing it again while it waits is refused in one line
+    # And queuing it again, or running it in the CLI, while it waits is refused in one line
     assert "already queued" in one_error_line(llmq(*args, url=url))
+    assert "already queued on rq" in one_error_line(llmq(*args[:-1], url=url))
 
     # When a batch worker runs it
     ok(llmq("batch-worker", "--burst", url=url))
