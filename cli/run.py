@@ -152,7 +152,10 @@ def start(job_file: str | None, dataset: str | None, map_items: tuple[str, ...],
     from llmq.jobs.spec import job_from_mapping
     from llmq.jobs.templates import SpecError
 
-    if (job_file is None) == (dataset is None):
+    if job_file is None and dataset is None:
+        raise click.UsageError("give a JOB_FILE, or --dataset with --map (or `llmq run status "
+                               "ID`, `llmq run list`, `llmq run cancel ID`)")
+    if job_file is not None and dataset is not None:
         raise click.UsageError("give a JOB_FILE or --dataset (with --map), not both")
     if job_file is not None and map_items:
         raise click.UsageError("--map goes with --dataset; a job file has its own stages")
