@@ -31,10 +31,12 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,29 +150,62 @@ def killed_twice(folder: Path, rows: int, env: dict[str, str]) -> tuple[list[int
     return seen, wall
 
 
-def throughput(folder: Path, env: dict[str, str], rows: int) -> tuple[float, float]:
-    """tokens/s of a one-stage dataset job and of the same requests through `submit -f`, over
-    the first `rows` rows."""
-    dataset_job = pipeline_job(folder, "onestage", "onestage.jsonl", 1, tag="[A] ",
-                               max_rows=rows)
-    wall_dataset, _, _ = run_cli(["run", str(dataset_job)], env)
-    tokens_dataset = sum(json.loads(line)["summary_usage"]["completion_tokens"]
-                         for line in (folder / "onestage.jsonl").read_text().splitlines())
-    # The same requests, rendered as the dataset job renders them, prompts tagged [B]
+def dataset_rate(folder: Path, env: dict[str, str], rows: int, tag: str) -> float:
+    """tokens/s of a one-stage dataset job over the first `rows` rows, prompts tagged `tag`."""
+    name = "onestage" + tag.strip("[] ")
+    job = pipeline_job(folder, name, f"{name}.jsonl", 1, tag=tag, max_rows=rows)
+    wall, _, _ = run_cli(["run", str(job)], env)
+    tokens = sum(json.loads(line)["summary_usage"]["completion_tokens"]
+                 for line in (folder / f"{name}.jsonl").read_text().splitlines())
+    return tokens / wall
+
+
+def file_rate(folder: Path, env: dict[str, str], rows: int, tag: str) -> float:
+    """tokens/s of the same requests prepared as JSONL, through `llmq submit -f`."""
     import pyarrow.parquet as pq
 
-    with open(folder / "requests.jsonl", "w") as f:
+    name = "file" + tag.strip("[] ")
+    with open(folder / f"{name}.requests.jsonl", "w") as f:
         for row in pq.read_table(folder / "in.parquet").to_pylist()[:rows]:
-            f.write(json.dumps({"id": f"fileB-{row['id']}", "stream": False,
+            f.write(json.dumps({"id": f"{name}-{row['id']}", "stream": False,
                                 "max_tokens": SUMMARY_TOKENS,
                                 "temperature": 0, "ignore_eos": True,
-                                "prompt": f"[B] Summarise in one sentence: {row['text']}"})
+                                "prompt": f"{tag}Summarise in one sentence: {row['text']}"})
                     + "\n")
-    wall_file, _, _ = run_cli(["submit", "-f", str(folder / "requests.jsonl"), "-o",
-                               str(folder / "file.jsonl"), "--no-progress"], env)
-    tokens_file = sum(json.loads(line)["usage"]["completion_tokens"]
-                      for line in (folder / "file.jsonl").read_text().splitlines())
-    return tokens_dataset / wall_dataset, tokens_file / wall_file
+    wall, _, _ = run_cli(["submit", "-f", str(folder / f"{name}.requests.jsonl"), "-o",
+                          str(folder / f"{name}.jsonl"), "--no-progress"], env)
+    tokens = sum(json.loads(line)["usage"]["completion_tokens"]
+                 for line in (folder / f"{name}.jsonl").read_text().splitlines())
+    return tokens / wall
+
+
+def throughput(folder: Path, env: dict[str, str], rows: int, rounds: int
+               ) -> list[tuple[float, float]]:
+    """(dataset job, submit -f) tokens/s per round, the order swapped every other round (a
+    shared machine's load drifts); prompts tagged per run so none finds another's cached."""
+    rates = []
+    for n in range(rounds):
+        if n % 2 == 0:
+            dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
+            file = file_rate(folder, env, rows, f"[B{n}] ")
+        else:
+            file = file_rate(folder, env, rows, f"[B{n}] ")
+            dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
+        rates.append((dataset, file))
+    return rates
+
+
+def run_throughput(folder: Path, env: dict[str, str], args: argparse.Namespace,
+                   say: Callable[[str], None]) -> None:
+    rows = args.throughput_rows or args.rows
+    rates = throughput(folder, env, rows, args.rounds)
+    for n, (dataset, file) in enumerate(rates):
+        say(f"one stage ({rows} rows), round {n + 1}{' (submit -f first)' if n % 2 else ''}: "
+            f"dataset job {dataset:.0f} tok/s, submit -f {file:.0f} tok/s, ratio "
+            f"{dataset / file:.3f}")
+    if len(rates) > 1:
+        ratio = statistics.median(dataset / file for dataset, file in rates)
+        say(f"one stage: median ratio {ratio:.3f} over {len(rates)} rounds")
 
 
 def words_range(text: str) -> tuple[int, int]:
@@ -213,6 +248,10 @@ def main() -> None:
                         help="words per synthetic article")
     parser.add_argument("--throughput-rows", type=int, default=None,
                         help="rows of the one-stage throughput comparison (default: --rows)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the throughput comparison (order swapped each round)")
+    parser.add_argument("--only-throughput", action="store_true",
+                        help="skip the pipeline and kill runs")
     parser.add_argument("--save", default=None, help="append the figures to this file")
     args = parser.parse_args()
     SUMMARY_TOKENS = args.summary_tokens
@@ -237,6 +276,9 @@ def main() -> None:
         say(f"rows: {args.rows} ({args.words[0]}-{args.words[1]} words), workers: "
             f"{args.workers}, model: {model or 'default'} ({args.dtype}), summary "
             f"{SUMMARY_TOKENS} tokens, folder: {folder}")
+        if args.only_throughput:
+            run_throughput(folder, env, args, say)
+            return
         job = pipeline_job(folder, "whole", "whole.parquet", 2)
         wall, rss, stderr = run_cli(["run", str(job)], env)
         whole = read_rows(folder / "whole.parquet")
@@ -263,10 +305,7 @@ def main() -> None:
             f"uninterrupted run's: {num_same}/{len(whole)} rows, {same_ids}/{len(whole)} in "
             f"row and ids; texts equal to their requests' stored results: "
             f"{stored_results(killed)}")
-        dataset_rate, file_rate = throughput(folder, env, args.throughput_rows or args.rows)
-        say(f"one stage ({args.throughput_rows or args.rows} rows): dataset job "
-            f"{dataset_rate:.0f} tok/s, submit -f {file_rate:.0f} tok/s, ratio "
-            f"{dataset_rate / file_rate:.3f}")
+        run_throughput(folder, env, args, say)
     finally:
         subprocess.run([*LLMQ, "down"], env=env, check=False, stdout=subprocess.DEVNULL)
 
