@@ -83,8 +83,8 @@ class _StatusLine:
 
 
 class _RunGroup(click.Group):
-    """`llmq run [JOB_FILE] [OPTIONS]` runs a job (the hidden `start`); `llmq run status ...`
-    and `llmq run list` are its subcommands. A job file named like one: `./status`."""
+    """`llmq run [JOB_FILE] [OPTIONS]` runs a job (the hidden `start`); `status`, `list` and
+    `cancel` are its subcommands. A job file named like one is given as `./status`."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if not args or args[0] not in self.commands or args[0] == "start":
