@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/dataset_job.py                       # 20,000 rows, default model
     .venv/bin/python bench/dataset_job.py --rows 300 --tiny     # a quick look (test model)
+    flock /tmp/llmq-heavy.lock .venv/bin/python bench/dataset_job.py --summary-tokens 4 \
+        --words 12-24 --save bench/results/dataset_job-DATE.txt  # the bar, short rows/outputs
 
 Starts `llmq up --workers 2` under a private run folder, writes a Parquet file of `--rows`
 synthetic articles, then in one run:
@@ -18,7 +20,8 @@ synthetic articles, then in one run:
 3. throughput: a one-stage dataset job against the same requests prepared as JSONL through
    `llmq submit -f` (prompts tagged per run so neither finds the other's prompts cached).
 
-Prints one line per figure. The machine is shared: read the ratio, not the absolute rate.
+Prints one line per figure (and, with `--save`, appends them to a file with the command, the
+date and the commit). The machine is shared: read the ratio, not the absolute rate.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +49,28 @@ WORDS = ("the council said a new plan for the river park would open next spring 
          "museum showed paintings of ships harbours markets storms and quiet villages").split()
 
 
-def write_dataset(path: Path, rows: int) -> None:
+def write_dataset(path: Path, rows: int, words: tuple[int, int]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = random.Random(26)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))) for _ in range(rows)]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))
+             for _ in range(rows)]
     pq.write_table(pa.table({"id": list(range(rows)), "text": texts}), path, row_group_size=4096)
 
 
-def pipeline_job(folder: Path, name: str, output: str, stages: int, tag: str = "") -> Path:
+SUMMARY_TOKENS = 16  # --summary-tokens
+
+
+def pipeline_job(folder: Path, name: str, output: str, stages: int, tag: str = "",
+                 max_rows: int | None = None) -> Path:
     summary = {"name": "summary", "prompt": tag + "Summarise in one sentence: {{ text }}",
-               "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+               "max_tokens": SUMMARY_TOKENS, "temperature": 0, "ignore_eos": True}
     label = {"name": "label", "max_tokens": 24, "temperature": 0, "schema": SCHEMA,
              "messages": [{"role": "user", "content": "Classify this summary: {{ summary }}"}]}
-    job = {"name": name, "source": "in.parquet", "output": output,
+    source: Any = ("in.parquet" if max_rows is None
+                   else {"path": "in.parquet", "max_rows": max_rows})
+    job: dict[str, Any] = {"name": name, "source": source, "output": output,
            "stages": [summary, label][:stages]}
     if stages == 2:
         # NOTE: a window of twice the pool's seats keeps both workers full, and leaves work for
@@ -138,36 +150,112 @@ def killed_twice(folder: Path, rows: int, env: dict[str, str]) -> tuple[list[int
     return seen, wall
 
 
-def throughput(folder: Path, env: dict[str, str]) -> tuple[float, float]:
-    """tokens/s of a one-stage dataset job and of the same requests through `submit -f`."""
-    dataset_job = pipeline_job(folder, "onestage", "onestage.jsonl", 1, tag="[A] ")
-    wall_dataset, _, _ = run_cli(["run", str(dataset_job)], env)
-    tokens_dataset = sum(json.loads(line)["summary_usage"]["completion_tokens"]
-                         for line in (folder / "onestage.jsonl").read_text().splitlines())
-    # The same requests, rendered as the dataset job renders them, prompts tagged [B]
+def dataset_rate(folder: Path, env: dict[str, str], rows: int, tag: str) -> float:
+    """tokens/s of a one-stage dataset job over the first `rows` rows, prompts tagged `tag`."""
+    name = "onestage" + tag.strip("[] ")
+    job = pipeline_job(folder, name, f"{name}.jsonl", 1, tag=tag, max_rows=rows)
+    wall, _, _ = run_cli(["run", str(job)], env)
+    tokens = sum(json.loads(line)["summary_usage"]["completion_tokens"]
+                 for line in (folder / f"{name}.jsonl").read_text().splitlines())
+    return tokens / wall
+
+
+def file_rate(folder: Path, env: dict[str, str], rows: int, tag: str) -> float:
+    """tokens/s of the same requests prepared as JSONL, through `llmq submit -f`."""
     import pyarrow.parquet as pq
 
-    with open(folder / "requests.jsonl", "w") as f:
-        for row in pq.read_table(folder / "in.parquet").to_pylist():
-            f.write(json.dumps({"id": f"fileB-{row['id']}", "stream": False, "max_tokens": 16,
+    name = "file" + tag.strip("[] ")
+    with open(folder / f"{name}.requests.jsonl", "w") as f:
+        for row in pq.read_table(folder / "in.parquet").to_pylist()[:rows]:
+            f.write(json.dumps({"id": f"{name}-{row['id']}", "stream": False,
+                                "max_tokens": SUMMARY_TOKENS,
                                 "temperature": 0, "ignore_eos": True,
-                                "prompt": f"[B] Summarise in one sentence: {row['text']}"})
+                                "prompt": f"{tag}Summarise in one sentence: {row['text']}"})
                     + "\n")
-    wall_file, _, _ = run_cli(["submit", "-f", str(folder / "requests.jsonl"), "-o",
-                               str(folder / "file.jsonl"), "--no-progress"], env)
-    tokens_file = sum(json.loads(line)["usage"]["completion_tokens"]
-                      for line in (folder / "file.jsonl").read_text().splitlines())
-    return tokens_dataset / wall_dataset, tokens_file / wall_file
+    wall, _, _ = run_cli(["submit", "-f", str(folder / f"{name}.requests.jsonl"), "-o",
+                          str(folder / f"{name}.jsonl"), "--no-progress"], env)
+    tokens = sum(json.loads(line)["usage"]["completion_tokens"]
+                 for line in (folder / f"{name}.jsonl").read_text().splitlines())
+    return tokens / wall
+
+
+def throughput(folder: Path, env: dict[str, str], rows: int, rounds: int
+               ) -> list[tuple[float, float]]:
+    """(dataset job, submit -f) tokens/s per round, the order swapped every other round (a
+    shared machine's load drifts); prompts tagged per run so none finds another's cached."""
+    rates = []
+    for n in range(rounds):
+        if n % 2 == 0:
+            dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
+            file = file_rate(folder, env, rows, f"[B{n}] ")
+        else:
+            file = file_rate(folder, env, rows, f"[B{n}] ")
+            dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
+        rates.append((dataset, file))
+    return rates
+
+
+def run_throughput(folder: Path, env: dict[str, str], args: argparse.Namespace,
+                   say: Callable[[str], None]) -> None:
+    rows = args.throughput_rows or args.rows
+    rates = throughput(folder, env, rows, args.rounds)
+    for n, (dataset, file) in enumerate(rates):
+        say(f"one stage ({rows} rows), round {n + 1}{' (submit -f first)' if n % 2 else ''}: "
+            f"dataset job {dataset:.0f} tok/s, submit -f {file:.0f} tok/s, ratio "
+            f"{dataset / file:.3f}")
+    if len(rates) > 1:
+        ratio = statistics.median(dataset / file for dataset, file in rates)
+        say(f"one stage: median ratio {ratio:.3f} over {len(rates)} rounds")
+
+
+def words_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+class Report:
+    """Figures printed, and appended to `--save`'s file with how they were made."""
+
+    def __init__(self, save: str | None) -> None:
+        self.save = save
+        if save:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                    capture_output=True, cwd=Path(__file__).parent).stdout
+            with open(save, "a") as f:
+                f.write(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\n"
+                        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit "
+                        f"{commit.strip()}, {os.cpu_count()} vCPUs shared with other jobs, "
+                        f"load average {os.getloadavg()[0]:.2f}\n")
+
+    def __call__(self, text: str) -> None:
+        print(text, flush=True)
+        if self.save:
+            with open(self.save, "a") as f:
+                f.write(text + "\n")
 
 
 def main() -> None:
+    global SUMMARY_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="the tiny random test model")
     parser.add_argument("--model", default="", help="a .gguf or HF folder (default model)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--summary-tokens", type=int, default=SUMMARY_TOKENS,
+                        help="max_tokens of the summary stage (its output length)")
+    parser.add_argument("--words", type=words_range, default=(30, 60), metavar="MIN-MAX",
+                        help="words per synthetic article")
+    parser.add_argument("--throughput-rows", type=int, default=None,
+                        help="rows of the one-stage throughput comparison (default: --rows)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the throughput comparison (order swapped each round)")
+    parser.add_argument("--only-throughput", action="store_true",
+                        help="skip the pipeline and kill runs")
+    parser.add_argument("--save", default=None, help="append the figures to this file")
     args = parser.parse_args()
+    SUMMARY_TOKENS = args.summary_tokens
+    say = Report(args.save)
 
     folder = Path(tempfile.mkdtemp(prefix="llmq-dataset-bench-"))
     os.environ["LLMQ_RUN_DIR"] = str(folder / "run")  # this process's Client finds the pool
@@ -184,32 +272,40 @@ def main() -> None:
     subprocess.run(up + (["--model", model] if model else []), env=env, check=True,
                    stdout=subprocess.DEVNULL)
     try:
-        write_dataset(folder / "in.parquet", args.rows)
-        print(f"rows: {args.rows}, workers: {args.workers}, model: {model or 'default'} "
-              f"({args.dtype}), folder: {folder}")
+        write_dataset(folder / "in.parquet", args.rows, args.words)
+        say(f"rows: {args.rows} ({args.words[0]}-{args.words[1]} words), workers: "
+            f"{args.workers}, model: {model or 'default'} ({args.dtype}), summary "
+            f"{SUMMARY_TOKENS} tokens, folder: {folder}")
+        if args.only_throughput:
+            run_throughput(folder, env, args, say)
+            return
         job = pipeline_job(folder, "whole", "whole.parquet", 2)
         wall, rss, stderr = run_cli(["run", str(job)], env)
         whole = read_rows(folder / "whole.parquet")
         errors = count_lines(folder / "whole.errors.jsonl")
         valid = sum(1 for row in whole if isinstance(row.get("label_parsed"), dict)
                     and row["label_parsed"].get("label") in LABELS)
-        print(f"pipeline uninterrupted: {wall:.1f} s, {len(whole)} rows out + {errors} errors, "
-              f"{len(set(r['llmq_row'] for r in whole))} distinct rows, "
-              f"{valid} schema-valid labels, CLI peak RSS {rss} MB")
-        print("  " + stderr.strip().splitlines()[-3 if len(stderr.strip().splitlines()) > 2
-                                                  else 0])
+        say(f"pipeline uninterrupted: {wall:.1f} s, {len(whole)} rows out + {errors} errors, "
+            f"{len(set(r['llmq_row'] for r in whole))} distinct rows, "
+            f"{valid} schema-valid labels, CLI peak RSS {rss} MB")
+        say("  " + stderr.strip().splitlines()[-3 if len(stderr.strip().splitlines()) > 2
+                                                else 0])
         seen, wall_rerun = killed_twice(folder, args.rows, env)
         killed = read_rows(folder / "killed.parquet")
         num_same = sum(comparable(a, "killed.") == comparable(b, "whole.")
                        for a, b in zip(killed, whole, strict=False))
         rows_once = [r["llmq_row"] for r in killed] == list(range(args.rows))
-        print(f"killed at {seen[0]} and {seen[1]} rows written, rerun {wall_rerun:.1f} s: "
-              f"{len(killed)} rows, each once in order: {rows_once}, identical to the "
-              f"uninterrupted run's (rows and ids): {num_same}/{len(whole)}, "
-              f"texts equal to their requests' stored results: {stored_results(killed)}")
-        dataset_rate, file_rate = throughput(folder, env)
-        print(f"one stage: dataset job {dataset_rate:.0f} tok/s, submit -f {file_rate:.0f} "
-              f"tok/s, ratio {dataset_rate / file_rate:.3f}")
+        same_ids = sum(comparable({k: v for k, v in a.items() if k == "llmq_row"
+                                   or k.endswith("_id")}, "killed.")
+                       == comparable({k: v for k, v in b.items() if k == "llmq_row"
+                                      or k.endswith("_id")}, "whole.")
+                       for a, b in zip(killed, whole, strict=False))
+        say(f"killed at {seen[0]} and {seen[1]} rows written, rerun {wall_rerun:.1f} s: "
+            f"{len(killed)} rows, each once in order: {rows_once}, identical to the "
+            f"uninterrupted run's: {num_same}/{len(whole)} rows, {same_ids}/{len(whole)} in "
+            f"row and ids; texts equal to their requests' stored results: "
+            f"{stored_results(killed)}")
+        run_throughput(folder, env, args, say)
     finally:
         subprocess.run([*LLMQ, "down"], env=env, check=False, stdout=subprocess.DEVNULL)
 

@@ -51,8 +51,9 @@ both, no mode flag.
                                       the interval's start in ms), capped to the last hour
     llmq:session:<id>       string    a dashboard sign-in: the SHA-256 of the key it was made with;
                                       TTL (its lifetime), deleted at logout
-    llmq:datasets:progress  hash      dataset jobs (`llmq run`): job name -> its progress record
-                                      (JSON), updated per chunk; TTL a week after the last update
+    llmq:job:{<job_id>}     string    a dataset job's (`llmq run`) progress record (JSON), with
+                                      `:stop` its cancel flag; `llmq:jobs` the ids by last update
+                                      (zset): broker/job_progress.py
 
   batch slot, tag = the batch id (the batch job rewrites its output and errors together):
     llmq:batch:{<batch_id>}:input    list    an `llmq batch` input file (OpenAI batch JSONL), in
@@ -273,9 +274,6 @@ class Keys:
         """The dashboard's rolling samples of the pool (every gateway replica reads the same)."""
         return f"{self.prefix}:dash:series"
 
-    def dataset_progress(self) -> str:
-        """The progress of `llmq run`'s dataset jobs, for the dashboard."""
-        return f"{self.prefix}:datasets:progress"
 
 
 def _tag(kind: str, value: object) -> str:

@@ -7,7 +7,7 @@ batches it created through the Batch API, and no dataset jobs (they run under th
 Redis user, outside any tenant): the answer's `scope` says which, and the page says so.
 
 Batches are rq jobs (gateway/batch_store.py), read with rq's synchronous client in a thread;
-dataset jobs are the records `llmq run` saves (broker/dataset_progress.py).
+dataset jobs are the records `llmq run` saves, on rq or in a CLI (broker/job_progress.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import anyio
 import redis
 
 from llmq.broker.batch_records import BatchRecords
-from llmq.broker.dataset_progress import DatasetProgress
 from llmq.broker.exchange import send_async
+from llmq.broker.job_progress import JobProgress, JobRecord
 from llmq.gateway.batch_store import BatchStore
 from llmq.gateway.batches import batch_object
 from llmq.gateway.dashboard_session import Viewer
@@ -48,9 +48,10 @@ class JobsView:
                       key=lambda row: row["created_at"], reverse=True)[:MAX_JOBS]
         datasets: list[dict[str, Any]] = []
         if viewer.admin:
-            records = await send_async(self.state.client, DatasetProgress(
-                self.state.keys).recent(int(now * 1000), MAX_JOBS))
-            datasets = [_dataset_row(r, now) for r in records]
+            store = JobProgress(self.state.keys)
+            ids = await send_async(self.state.client, store.recent_ids(MAX_JOBS))
+            records = await send_async(self.state.client, store.many(ids))
+            datasets = [_dataset_row(r, now) for r in records if r.kind == "dataset"]
         return {"scope": "pool" if viewer.admin else "tenant", "batches": rows,
                 "datasets": datasets, "note": note}
 
@@ -86,11 +87,13 @@ def _batch_row(batch: dict[str, Any], viewer: Viewer, now: float) -> dict[str, A
             "elapsed_s": round(max(0.0, (ended or now) - created), 1) if created else None}
 
 
-def _dataset_row(record: Any, now: float) -> dict[str, Any]:
-    ended_s = record.updated_ms / 1000 if record.status != "running" else now
-    return {"kind": "dataset", "id": record.name, "status": record.status,
-            "completed": record.num_done - record.num_failed, "failed": record.num_failed,
-            "total": record.total_rows, "created_at": record.started_ms // 1000,
-            "elapsed_s": round(max(0.0, ended_s - record.started_ms / 1000), 1),
-            "updated_s_ago": round(max(0.0, now - record.updated_ms / 1000), 1),
-            "stages": record.stages, "tokens": record.num_tokens}
+def _dataset_row(record: JobRecord, now: float) -> dict[str, Any]:
+    running = record.state in ("queued", "running", "retrying")
+    ended_s = now if running else record.updated
+    return {"kind": "dataset", "id": record.name, "status": record.state,
+            "completed": record.rows_done - record.rows_failed, "failed": record.rows_failed,
+            "total": record.rows_total, "created_at": int(record.started),
+            "elapsed_s": round(max(0.0, ended_s - record.started), 1) if record.started else None,
+            "updated_s_ago": round(max(0.0, now - record.updated), 1),
+            "stages": [stage.name for stage in record.stages],
+            "tokens_per_s": record.tokens_per_s}

@@ -9,5 +9,5 @@ worker (torch), the gateway or the CLI. Modules, one concept each:
 - dedup.py: NearDuplicates, MinHash LSH over one column
 - sinks.py: RowWriter, output and errors in input order, resumable, converted at the end
 - pipeline.py: DatasetJob, the rows through the stages on an OrderedRun
-- progress.py: JobProgress, per-stage rows, tokens/s and ETA
+- progress.py: DatasetProgress, per-stage rows, tokens/s and ETA (and the job store's record)
 """

@@ -40,7 +40,7 @@ from llmq.broker.client import Client
 from llmq.broker.commands import build_submission
 from llmq.broker.ordered_run import OrderedRun, Settled, Submit
 from llmq.broker.transcript import Transcript
-from llmq.jobs.progress import JobProgress
+from llmq.jobs.progress import DatasetProgress
 from llmq.jobs.sinks import ROW_COLUMN, RowWriter
 from llmq.jobs.sources import BadRow, open_source
 from llmq.jobs.spec import JobSpec, StageSpec
@@ -51,10 +51,15 @@ from llmq.protocol.errors import ErrorCode, InvalidRequest
 if TYPE_CHECKING:
     from llmq.jobs.dedup import NearDuplicates
 
-__all__ = ["DatasetJob", "request_id_for", "result_columns"]
+__all__ = ["DatasetJob", "JobStopped", "request_id_for", "result_columns"]
 
 DUPLICATE_COLUMN = "duplicate_of"
 ROW_ERROR = "row_error"  # the error code of a row the job itself could not run
+
+
+class JobStopped(Exception):  # noqa: N818 - a stop asked for, not an error
+    """Raised out of `run()` when `stop_requested` turned true: the rows written stay, the
+    requests queued keep running, and a rerun resumes (and follows them)."""
 
 
 def result_columns(stage: StageSpec) -> list[str]:
@@ -91,13 +96,15 @@ class _Record:
 
 class DatasetJob:
     def __init__(self, client: Client, spec: JobSpec, *,
-                 on_tick: Callable[[JobProgress], None] | None = None) -> None:
+                 on_tick: Callable[[DatasetProgress], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         self.client = client
         self.spec = spec
         self.name = spec.name or default_job_name(spec.output)
         self.on_tick = on_tick
+        self.should_stop = should_stop
         self.writer = RowWriter(spec.output, spec.errors_path)
-        self.progress = JobProgress(None, [stage.name for stage in spec.stages])
+        self.progress = DatasetProgress(None, [stage.name for stage in spec.stages])
         self.finished_before = False  # an earlier run finished it: nothing was done
         self._states: list[_RowState | None] = []  # the chunk's rows, by line index
         self._checked_columns = False
@@ -109,6 +116,7 @@ class DatasetJob:
         self.progress.total_rows = source.num_rows
         if self.writer.finished_before:
             self.finished_before = True
+            self.progress.phase = "done"
             return
         dedup = None
         if spec.dedup is not None:
@@ -117,6 +125,8 @@ class DatasetJob:
             dedup = NearDuplicates(spec.dedup.threshold, spec.dedup.num_perm)
         frontier = self.writer.resume()
         self.progress.num_resumed = self.writer.num_rows + self.writer.num_errors
+        self.progress.num_resumed_errors = self.writer.num_errors
+        self._set_phase("reading rows")
         try:
             chunk: list[_RowState | _Record] = []
             for number, row in enumerate(source.rows()):
@@ -129,7 +139,9 @@ class DatasetJob:
                     chunk = []
             if chunk:
                 self._run_chunk(chunk)
+            self._set_phase("writing output")
             self.writer.finish()
+            self._set_phase("done")
         finally:
             self.writer.close()
 
@@ -157,7 +169,13 @@ class DatasetJob:
             columns.update(dict.fromkeys(result_columns(stage)))
         return _Record(-1, False, {**columns, ROW_COLUMN: number})
 
+    def _set_phase(self, phase: str) -> None:
+        self.progress.phase = phase
+        if self.on_tick is not None:
+            self.on_tick(self.progress)
+
     def _run_chunk(self, chunk: list[_RowState | _Record]) -> None:
+        self._set_phase("running")
         self._states = []
         lines: list[Submit | Settled[_Record]] = []
         for index, item in enumerate(chunk):
@@ -170,6 +188,7 @@ class DatasetJob:
                 lines.append(Settled(_Record(index, item.error, item.data)))
         OrderedRun(self.client, lines, self, max_in_flight=self.spec.max_in_flight).run()
         self._states = []
+        self._set_phase("reading rows")
 
     def _check_columns(self, columns: dict[str, Any]) -> None:
         """Once, on the first row: no stage may overwrite an input column."""
@@ -203,6 +222,7 @@ class DatasetJob:
                 return _Record(index, True, self._error(state.row, stage.name, None, ROW_ERROR,
                                                         str(exc)))
             state.stage, state.request_id = position, request_id
+            self.progress.stages[stage.name].num_running += 1
             return Submit(request_id, body, queue=stage.queue)
         return _Record(index, False, {**state.columns, ROW_COLUMN: state.row})
 
@@ -220,6 +240,7 @@ class DatasetJob:
         stage = self.spec.stages[state.stage]
         counts = self.progress.stages[stage.name]
         counts.num_done += 1
+        counts.num_running -= 1
         final = transcript.final
         if not isinstance(final, Done):
             counts.num_failed += 1
@@ -259,6 +280,10 @@ class DatasetJob:
     def tick(self, submitted: int) -> None:
         if self.on_tick is not None:
             self.on_tick(self.progress)
+        # NOTE: not the run's own stop (stop_requested), which cancels what is queued: a
+        # cancelled request's answer would be what a rerun follows for its row.
+        if self.should_stop is not None and self.should_stop():
+            raise JobStopped
 
     def stop_requested(self) -> bool:
         return False

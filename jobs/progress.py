@@ -1,8 +1,9 @@
-"""JobProgress: how far a dataset job is, per stage (rows, tokens/s, ETA), and its summary.
+"""DatasetProgress: how far a dataset job is, per stage (rows, tokens/s, ETA), and its summary.
 
-The job counts into it as rows move; whoever watches (the CLI's status line) reads `line()`
-whenever it likes, and `summary()` at the end. Rows an earlier run finished count as done but
-not toward the rates, so a resumed job's ETA is about the work left.
+The job counts into it as rows move; whoever watches reads it whenever it likes: the CLI's
+status line `line()`, the broker's job store (broker/job_progress.py) `record()`, and
+`summary()` at the end. Rows an earlier run finished count as done but not toward the rates, so
+a resumed job's ETA is about the work left.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["JobProgress", "StageProgress"]
+from llmq.broker.job_progress import JobRecord, StageCounts
+
+__all__ = ["DatasetProgress", "StageProgress"]
 
 
 @dataclass
@@ -20,17 +23,21 @@ class StageProgress:
     num_failed: int = 0
     num_skipped: int = 0  # rows its `when:` left out
     num_tokens: int = 0  # generated in this run
+    num_running: int = 0  # requests of this stage queued or running now
 
 
 @dataclass
-class JobProgress:
+class DatasetProgress:
     total_rows: int | None  # None: the source does not know
     stage_names: list[str]
     num_resumed: int = 0  # rows an earlier run wrote
+    num_resumed_errors: int = 0  # of those, to the errors file
     num_written: int = 0  # rows this run wrote to the output or the errors file
     num_errors: int = 0  # of those, to the errors file (this run)
     num_duplicates: int = 0  # rows dedup dropped or flagged (this run and earlier ones)
+    phase: str = "starting"  # starting, reading rows, running, writing output, done
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # unix s, for other hosts to read
     stages: dict[str, StageProgress] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -47,8 +54,40 @@ class JobProgress:
         left = self.total_rows - self.num_resumed - self.num_written - self.num_duplicates
         return max(left, 0) * self.elapsed / self.num_written
 
+    @property
+    def num_done(self) -> int:
+        """Rows in the output or the errors file, earlier runs' included."""
+        return self.num_resumed + self.num_written
+
+    @property
+    def num_failed_rows(self) -> int:
+        """Rows in the errors file, earlier runs' included."""
+        return self.num_resumed_errors + self.num_errors
+
+    def stage(self) -> str:
+        """What the job waits on now: the first stage with requests out, else the phase."""
+        for stage in self.stages.values():
+            if stage.num_running and self.phase == "running":
+                return stage.name
+        return self.phase
+
+    def record(self, job_id: str, name: str, *, state: str, runner: str, source: str,
+               output: str, message: str = "") -> JobRecord:
+        """The job's state for the broker's job store."""
+        tokens = sum(stage.num_tokens for stage in self.stages.values())
+        return JobRecord(
+            id=job_id, name=name, state=state, stage=self.stage(), runner=runner,
+            rows_done=self.num_done, rows_total=self.total_rows,
+            rows_failed=self.num_failed_rows,
+            duplicates=self.num_duplicates, tokens_per_s=round(tokens / self.elapsed, 1),
+            eta_s=None if (eta := self.eta()) is None else round(eta, 1),
+            started=self.started_at, source=source, output=output, message=message,
+            stages=[StageCounts(name=s.name, done=s.num_done, failed=s.num_failed,
+                                skipped=s.num_skipped, running=s.num_running,
+                                tokens=s.num_tokens) for s in self.stages.values()])
+
     def line(self) -> str:
-        done = self.num_resumed + self.num_written
+        done = self.num_done
         total = "?" if self.total_rows is None else str(self.total_rows)
         parts = [f"{done}/{total} rows"]
         for stage in self.stages.values():

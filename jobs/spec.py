@@ -35,7 +35,8 @@ from typing import Any
 from llmq.jobs.templates import ColumnRef, Condition, RequestTemplate, SpecError
 from llmq.protocol.requests import Request
 
-__all__ = ["DedupSpec", "JobSpec", "SourceSpec", "StageSpec", "job_from_mapping", "load_job"]
+__all__ = ["DedupSpec", "JobSpec", "SourceSpec", "StageSpec", "job_from_mapping", "load_job",
+           "read_job_file"]
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,40}")
 # request fields a stage may not set: the job owns ids, reads only final events, sends text
@@ -229,8 +230,9 @@ def job_from_mapping(data: Any, base_dir: str = ".") -> JobSpec:
         chunk_rows=_positive_int(data.get("chunk_rows", DEFAULT_CHUNK_ROWS), "chunk_rows"))
 
 
-def load_job(path: str) -> JobSpec:
-    """Read a YAML job file (needs PyYAML: `pip install 'llmq[datasets]'`)."""
+def read_job_file(path: str) -> tuple[Any, str]:
+    """(the job file's parsed YAML, the folder its paths are relative to); needs PyYAML
+    (`pip install 'llmq[datasets]'`)."""
     try:
         import yaml
     except ImportError:
@@ -240,4 +242,9 @@ def load_job(path: str) -> JobSpec:
             data = yaml.safe_load(f)
         except yaml.YAMLError as exc:
             raise SpecError(f"{path}: not YAML: {exc}") from None
-    return job_from_mapping(data, os.path.dirname(os.path.abspath(path)))
+    return data, os.path.dirname(os.path.abspath(path))
+
+
+def load_job(path: str) -> JobSpec:
+    """Read a YAML job file."""
+    return job_from_mapping(*read_job_file(path))

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from llmq.broker import Client
-from llmq.broker.dataset_progress import DatasetJobRecord, DatasetProgress
 from llmq.broker.exchange import send
+from llmq.broker.job_progress import JobProgress, JobRecord
 from tests.e2e.cli_harness import LLMQ, llmq_process, serve, subprocess_env
 from tests.e2e.gateway_harness import GatewayProcess
 from tests.fixtures.browser import console_errors, headless_chromium, require_chromium
@@ -88,11 +88,10 @@ def jobs(gateway: GatewayProcess, valkey_server, tmp_path_factory: pytest.TempPa
     assert done.returncode == 0, done.stderr
     batches = {"alice": run_batch(gateway, "alice", 3), "bob": run_batch(gateway, "bob", 2)}
     # NOTE: a job still running, as `llmq run` saves it between chunks (2 of 5 rows so far).
-    now_ms = int(time.time() * 1000)
     with Client(valkey_server.url) as client:
-        send(client, DatasetProgress(client.keys).save(DatasetJobRecord(
-            name="still-going", status="running", total_rows=5, num_done=2, num_failed=0,
-            num_tokens=10, started_ms=now_ms - 90_000, updated_ms=now_ms, stages=["s"])))
+        send(client, JobProgress(client.keys).save(JobRecord(
+            id="run-still-going", name="still-going", state="running", runner="cli",
+            rows_total=5, rows_done=2, started=time.time() - 90)))
     return batches
 
 

@@ -74,8 +74,11 @@ ALLOWED = {
         ("PING",),
         ("XGROUP", "CREATE", Q, "workers", "0", "MKSTREAM"),  # Client.ensure_group on submit
         ("EXISTS", "llmq:q:default"),                         # ... and its v1 check
-        ("HSET", "llmq:datasets:progress", "job", "{}"),      # `llmq run`'s progress
-        ("EXPIRE", "llmq:datasets:progress", "60"),
+        ("SET", "llmq:job:{run-x}", "{}", "EX", "60"),       # `llmq run`'s progress
+        ("ZADD", "llmq:jobs", "1", "run-x"), ("EXPIRE", "llmq:jobs", "60", "GT"),
+        ("ZREMRANGEBYRANK", "llmq:jobs", "0", "-1001"),
+        ("EXISTS", "llmq:job:{run-x}:stop"), ("DEL", "llmq:job:{run-x}:stop"),  # its cancel
+        ("GET", "llmq:job:{run-x}"), ("ZREVRANGE", "llmq:jobs", "0", "9"),  # `llmq run status`
         ("XADD", Q, "*", "json", "{}"),                       # submit without a request id
         ("FCALL", "llmq_submit", "2", Q, SUB, "json", "{}"),  # the submit function
         ("FCALL", "llmq_submit", "3", Q, SUB, IDEM, "json", "{}", "86400", "req-1"),
@@ -169,7 +172,7 @@ ALLOWED = {
         ("DEL", R), ("SET", IDEM, "2-0", "EX", "86400"),
         ("XADD", "llmq:dash:series", "MAXLEN", "~", "362", "1000-0", "json", "{}"),
         ("XRANGE", "llmq:dash:series", "1000-0", "+"),
-        ("HGETALL", "llmq:datasets:progress"),                        # the dashboard's jobs
+        ("ZREVRANGE", "llmq:jobs", "0", "49"), ("GET", "llmq:job:{run-x}"),  # dashboard's jobs
         ("GET", LOST),                                                # entries trimmed unread
     ],
     "keda": [
