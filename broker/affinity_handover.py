@@ -10,11 +10,11 @@ result` and the reclaimer see nothing new. Every step is one Lua script in the q
 - HAND_OVER (the reader that decided): per entry still pending under it, XCLAIM to the target
   and XADD its ticket, unless the target has no summary (dead, draining, asleep) or its ticket
   backlog is full: then the reader keeps the entry and runs it itself.
-- TAKE (the target itself, or an idle peer): XDEL a ticket, and only if that deleted it (a
-  ticket is taken once) and the entry is still pending under the ticket's owner and still in the
-  stream, XCLAIM it to the taker (JUSTID) and return its fields. A peer passes a delay: only
-  tickets older than it by the server's clock (ticket ids are its milliseconds), or every
-  ticket when the owner is gone.
+- TAKE (the target itself, or an idle peer, naming tickets it read): XDEL a ticket, and only
+  if that deleted it (a ticket is taken once) and the entry is still pending under the
+  ticket's owner and still in the stream, XCLAIM it to the taker (JUSTID) and return its
+  fields. Ticket ids are the server's milliseconds at the hand-over: a peer takes only tickets
+  older than its delay, or every ticket once the owner is gone.
 - RENEW (the owner, every lease renewal): XCLAIM to itself (JUSTID, idle 0) the entries its
   tickets name that are still its own, dropping tickets of entries that are not, so entries
   waiting for it never lapse into a reclaim (a new attempt).
@@ -35,23 +35,23 @@ from llmq.broker import replies
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.replies import StreamEntry
 
-__all__ = ["AffinityHandover", "TakenEntry"]
+__all__ = ["AffinityHandover", "TakenEntry", "Ticket"]
 
 # KEYS: request stream, target's tickets, target's summary
-# ARGV: group, source consumer, target consumer, max backlog, entry ids...
+# ARGV: group, source consumer, target consumer, max backlog, prefix, entry ids...
 # -> {moved ids, lost ids}: lost = no longer pending under the source (a peer took it).
 _HAND_OVER = """
 local moved, lost = {}, {}
 local open = redis.call('EXISTS', KEYS[3]) == 1
 local backlog = redis.call('XLEN', KEYS[2])
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   local id = ARGV[i]
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
   if not (p[1] and p[1][2] == ARGV[2]) then
     lost[#lost + 1] = id
   elseif open and backlog < tonumber(ARGV[4]) then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, id, 'JUSTID')
-    redis.call('XADD', KEYS[2], '*', 'entry', id, 'from', ARGV[2])
+    redis.call('XADD', KEYS[2], '*', 'entry', id, 'prefix', ARGV[5], 'from', ARGV[2])
     backlog = backlog + 1
     moved[#moved + 1] = id
   end
@@ -60,22 +60,19 @@ return {moved, lost}
 """
 
 # KEYS: request stream, owner's tickets, hand-back counts
-# ARGV: group, owner consumer, taker consumer, min ticket age ms (-1: every ticket), count
+# ARGV: group, owner consumer, taker consumer, ticket ids...
 # -> {{entry id, delivery count, hand-backs, field, value, ...}, ...}
 _TAKE = """
-local cutoff = '+'
-if tonumber(ARGV[4]) >= 0 then
-  local t = redis.call('TIME')
-  cutoff = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-                    - tonumber(ARGV[4]))
-end
 local out = {}
-for _, ticket in ipairs(redis.call('XRANGE', KEYS[2], '-', cutoff, 'COUNT', tonumber(ARGV[5]))) do
+for i = 4, #ARGV do
+  local ticket = redis.call('XRANGE', KEYS[2], ARGV[i], ARGV[i])[1]
   local id
-  for j = 1, #ticket[2], 2 do
-    if ticket[2][j] == 'entry' then id = ticket[2][j + 1] end
+  if ticket then
+    for j = 1, #ticket[2], 2 do
+      if ticket[2][j] == 'entry' then id = ticket[2][j + 1] end
+    end
   end
-  if redis.call('XDEL', KEYS[2], ticket[1]) == 1 and id then
+  if ticket and redis.call('XDEL', KEYS[2], ARGV[i]) == 1 and id then
     local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
     local e = redis.call('XRANGE', KEYS[1], id, id)
     if p[1] and p[1][2] == ARGV[2] and e[1] then
@@ -120,6 +117,13 @@ return 0
 """
 
 
+class Ticket(NamedTuple):
+    ticket_id: str
+    entry_id: str
+    prefix: str  # the landmark (hex) the hand-over was for: tickets of one prefix go together
+    age_ms: int  # by the server's clock
+
+
 class TakenEntry(NamedTuple):
     entry: StreamEntry  # the request entry, now pending under the taker
     attempt: int  # its delivery count (a hand-over or a take adds none)
@@ -138,26 +142,46 @@ class AffinityHandover:
         self._renew = client.register_script(_RENEW)
         self._forget = client.register_script(_FORGET)
 
-    def hand_over(self, client: redis.Redis, source: str, target: str, entry_ids: list[str],
-                  max_backlog: int) -> tuple[list[str], list[str]]:
-        """(moved, lost) of `entry_ids`, pending under `source`, handed to `target`; the rest
-        stay with `source` (the target is gone or its backlog is full)."""
+    def hand_over(self, client: redis.Redis, source: str, target: str, prefix: str,
+                  entry_ids: list[str], max_backlog: int) -> tuple[list[str], list[str]]:
+        """(moved, lost) of `entry_ids`, pending under `source`, handed to `target` for the
+        `prefix` its cache holds; the rest stay with `source` (the target is gone or its
+        backlog is full)."""
         reply = self._hand_over(keys=[self.queue_key,
                                       self.keys.affinity_tickets(self.queue, target),
                                       self.keys.affinity_summary(self.queue, target)],
-                                args=[GROUP, source, target, max_backlog, *entry_ids],
+                                args=[GROUP, source, target, max_backlog, prefix, *entry_ids],
                                 client=client)
         moved, lost = replies.array(reply, "the hand-over script")
         return (replies.texts(moved, "the hand-over script"),
                 replies.texts(lost, "the hand-over script"))
 
-    def take(self, client: redis.Redis, owner: str, taker: str, count: int,
-             min_age_ms: int = -1) -> list[TakenEntry]:
-        """Up to `count` entries ticketed to `owner`, claimed for `taker`: tickets older than
-        `min_age_ms` by the server's clock, or all of them (-1)."""
+    def tickets(self, client: redis.Redis, owner: str, count: int) -> list[Ticket]:
+        """The oldest `count` tickets of `owner` (read only: `take` decides)."""
+        pipe = client.pipeline(transaction=False)
+        pipe.time()
+        pipe.xrange(self.keys.affinity_tickets(self.queue, owner), count=count)
+        now, raw = pipe.execute()
+        now_ms = replies.server_time_ms(now)
+        out = []
+        for ticket_id, fields in replies.entries(raw, "XRANGE"):
+            entry_id = fields.get("entry")
+            if entry_id is None:
+                continue  # not a ticket: `take` drops it
+            age_ms = now_ms - int(ticket_id.partition("-")[0])
+            out.append(Ticket(ticket_id, entry_id.decode(), fields.get("prefix", b"").decode(),
+                              age_ms))
+        return out
+
+    def take(self, client: redis.Redis, owner: str, taker: str,
+             ticket_ids: list[str]) -> list[TakenEntry]:
+        """The entries these tickets of `owner` name, claimed for `taker`; each ticket is
+        taken once (whoever deletes it), and only while its entry is still `owner`'s."""
+        if not ticket_ids:
+            return []
         reply = self._take(keys=[self.queue_key, self.keys.affinity_tickets(self.queue, owner),
                                  self.keys.handbacks(self.queue)],
-                           args=[GROUP, owner, taker, min_age_ms, count], client=client)
+                           args=[GROUP, owner, taker, *ticket_ids], client=client)
         taken = []
         for raw in replies.array(reply, "the take script"):
             row = replies.array(raw, "the take script")

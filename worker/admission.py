@@ -54,6 +54,7 @@ from llmq.worker.worker_context import WorkerContext
 
 if TYPE_CHECKING:
     from llmq.worker.affinity_keeper import AffinityKeeper
+    from llmq.worker.affinity_router import Route
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class _Diverted(NamedTuple):
     processed: ProcessedInput
     now_ms: int
     waited_ms: int
-    peer: str
+    route: Route
 
 
 class Admission:
@@ -204,8 +205,8 @@ class Admission:
         self.ctx.intake.note_prompt(entry.prompt_tokens)
         if diverted is not None and entry.attempt == 1 and not entry.solo \
                 and self.affinity is not None \
-                and (peer := self.affinity.router.target(processed.prompt_token_ids)):
-            diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, peer)
+                and (route := self.affinity.router.target(processed.prompt_token_ids)):
+            diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, route)
             return None
         return self._start(entry, processed, now_ms, waited_ms)
 
@@ -232,11 +233,11 @@ class Admission:
         assert self.affinity is not None
         # NOTE: out of the table first: a renewal racing the hand-over must not find an entry
         # we still hold pending under the peer and fence it.
-        by_peer: dict[str, list[str]] = {}
+        by_route: dict[Route, list[str]] = {}
         for entry_id, d in diverted.items():
             self.table.pop(entry_id)
-            by_peer.setdefault(d.peer, []).append(entry_id)
-        gone = self.affinity.hand_over(client, by_peer, backoff)
+            by_route.setdefault(d.route, []).append(entry_id)
+        gone = self.affinity.hand_over(client, by_route, backoff)
         return [self._start(d.entry, d.processed, d.now_ms, d.waited_ms)
                 for entry_id, d in diverted.items()
                 if entry_id not in gone and self.table.add(d.entry)]

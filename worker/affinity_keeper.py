@@ -31,15 +31,16 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import redis
 
 from llmq.broker import replies
-from llmq.broker.affinity_handover import AffinityHandover, TakenEntry
+from llmq.broker.affinity_handover import AffinityHandover, TakenEntry, Ticket
 from llmq.broker.keys import is_valid_name
 from llmq.worker.admission import Admission
-from llmq.worker.affinity_router import AffinityRouter, PeerCache
+from llmq.worker.affinity_router import AffinityRouter, PeerCache, Route
 from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.io_thread import IOThread
@@ -51,6 +52,7 @@ __all__ = ["AffinityKeeper", "pack_landmarks", "unpack_landmarks"]
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.5  # publish and read the summaries this often
+STEAL_SCAN = 512  # the oldest tickets of a peer looked at for a steal
 WAIT_S = 0.25  # the longest the thread sleeps between looks at its tickets and its room
 
 
@@ -123,16 +125,17 @@ class AffinityKeeper(IOThread):
         """Room the stream reader leaves for entries handed to this worker."""
         return self._backlog if self.accepting() else 0
 
-    def hand_over(self, client: redis.Redis, by_peer: dict[str, list[str]],
+    def hand_over(self, client: redis.Redis, by_route: dict[Route, list[str]],
                   backoff: Backoff) -> set[str]:
         """Hand entries to peers (on admission's thread, with its connection); returns those
         that left this worker (handed over, or taken by a peer meanwhile). The rest stay."""
         gone: set[str] = set()
-        for peer, entry_ids in by_peer.items():
+        for (peer, prefix), entry_ids in by_route.items():
             while True:
                 try:
                     moved, lost = self.handover.hand_over(client, self.worker_id, peer,
-                                                          entry_ids, self.router.max_backlog)
+                                                          f"{prefix:016x}", entry_ids,
+                                                          self.router.max_backlog)
                     backoff.succeeded()
                     break
                 except TRANSIENT_ERRORS as e:
@@ -218,7 +221,9 @@ class AffinityKeeper(IOThread):
         room = self._room()
         if room <= 0:
             return False
-        taken = self.handover.take(self.client, self.worker_id, self.worker_id, room)
+        own = self.handover.tickets(self.client, self.worker_id, room)
+        taken = self.handover.take(self.client, self.worker_id, self.worker_id,
+                                   [t.ticket_id for t in own])
         if taken:
             self.num_taken += len(taken)
             self._backlog = max(0, self._backlog - len(taken))
@@ -233,12 +238,15 @@ class AffinityKeeper(IOThread):
         return True
 
     def _steal(self, room: int) -> list[TakenEntry]:
-        """A gone peer's tickets, else the oldest of the busiest peer's past the delay."""
+        """A gone peer's tickets, else those of the busiest peer that waited past the delay."""
         candidates = [(peer, -1) for peer in self._gone] + [
             (p.worker_id, self.steal_delay_ms)
             for p in sorted(self.router.peers(), key=lambda p: -p.backlog) if p.backlog]
         for peer, min_age_ms in candidates:
-            taken = self.handover.take(self.client, peer, self.worker_id, room, min_age_ms)
+            ripe = [t for t in self.handover.tickets(self.client, peer, STEAL_SCAN)
+                    if t.age_ms >= min_age_ms]
+            taken = self.handover.take(self.client, peer, self.worker_id,
+                                       [t.ticket_id for t in self._choose(ripe, room)])
             if taken:
                 self.num_stolen += len(taken)
                 logger.info("took %d entr%s waiting for %s%s", len(taken),
@@ -247,6 +255,23 @@ class AffinityKeeper(IOThread):
                             f" longer than {self.steal_delay_ms} ms")
                 return taken
         return []
+
+    def _choose(self, ripe: list[Ticket], room: int) -> list[Ticket]:
+        """Tickets of a prefix this worker holds already, else of the prefix most of them are
+        for: taking one prefix's requests whole moves that prefix here, where taking the oldest
+        of each would make this cache compute (and hold) all of the peer's prefixes."""
+        held = [t for t in ripe if self._holds(t.prefix)]
+        if held or not ripe:
+            return held[:room]
+        counts = Counter(t.prefix for t in ripe)
+        top = max(counts, key=lambda prefix: counts[prefix])
+        return [t for t in ripe if t.prefix == top][:room]
+
+    def _holds(self, prefix: str) -> bool:
+        try:
+            return bool(prefix) and self.router.holds(int(prefix, 16))
+        except ValueError:
+            return False  # not a hand-over's hex landmark: taken like any other
 
     def _wait(self) -> None:
         """Until a ticket arrives (room to take it), the room changes, or WAIT_S pass."""

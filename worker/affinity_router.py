@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from llmq.worker.engine.prefix_landmarks import prompt_landmarks
 
-__all__ = ["AffinityRouter", "PeerCache"]
+__all__ = ["AffinityRouter", "PeerCache", "Route"]
 
 # Seconds a prompt admitted here counts as held before its blocks show in the cache (a prefill
 # longer than this is rare; after it the cache itself says).
@@ -31,6 +32,11 @@ CLAIM_TTL_S = 20.0
 # of them per distinct prefix, so only a cache of thousands of distinct long prompts reaches it;
 # then the smallest hashes are published, a stable subset.
 MAX_LANDMARKS = 4096
+
+
+class Route(NamedTuple):
+    worker_id: str  # the peer to hand the request to
+    prefix: int  # the deepest landmark of the prompt that peer holds: names the shared prefix
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class AffinityRouter:
     _claims: dict[int, float] = field(default_factory=dict)  # landmark -> when claimed
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def target(self, token_ids: Sequence[int]) -> str | None:
+    def target(self, token_ids: Sequence[int]) -> Route | None:
         """The peer this prompt should run on, or None to run it here."""
         marks = prompt_landmarks(token_ids, self.block_size)
         if not marks or marks[-1][0] * self.block_size < self.min_tokens:
@@ -64,19 +70,20 @@ class AffinityRouter:
         pool = self._pool
         with self._lock:
             claims = set(self._claims)
-        own = _depth(marks, lambda h: h in pool.own or h in claims)
-        best: PeerCache | None = None
-        best_depth = own
+        own, _ = _deepest(marks, lambda h: h in pool.own or h in claims)
+        best: Route | None = None
+        best_depth, best_backlog = own, 0
         for peer in pool.peers:
             if peer.backlog >= self.max_backlog:
                 continue
-            depth = _depth(marks, peer.landmarks.__contains__)
+            depth, landmark = _deepest(marks, peer.landmarks.__contains__)
             if depth * self.block_size < self.min_tokens:
                 continue
             if depth > best_depth or (depth == best_depth and best is not None
-                                      and peer.backlog < best.backlog):
-                best, best_depth = peer, depth
-        return best.worker_id if best is not None else None
+                                      and peer.backlog < best_backlog):
+                best, best_depth, best_backlog = Route(peer.worker_id, landmark), depth, \
+                    peer.backlog
+        return best
 
     def claim(self, token_ids: Sequence[int]) -> None:
         """A prompt is being admitted here: count its prefix as held until the cache shows it."""
@@ -94,6 +101,13 @@ class AffinityRouter:
             self._claims = {h: t for h, t in self._claims.items()
                             if now - t < CLAIM_TTL_S and h not in self._pool.own}
 
+    def holds(self, landmark: int) -> bool:
+        """Whether this worker's cache (or a prompt it is computing) holds this landmark."""
+        if landmark in self._pool.own:
+            return True
+        with self._lock:
+            return landmark in self._claims
+
     def own_landmarks(self) -> list[int]:
         """What this worker publishes: its cache and its live claims, at most MAX_LANDMARKS."""
         with self._lock:
@@ -105,10 +119,10 @@ class AffinityRouter:
         return self._pool.peers
 
 
-def _depth(marks: list[tuple[int, int]], holds: Callable[[int], bool]) -> int:
-    """Blocks of the prompt's prefix a holder has: its deepest landmark held (the chain hash
-    names the whole prefix, so every shallower block is there too)."""
+def _deepest(marks: list[tuple[int, int]], holds: Callable[[int], bool]) -> tuple[int, int]:
+    """(blocks, landmark) of the prompt's prefix a holder has: its deepest landmark held (the
+    chain hash names the whole prefix, so every shallower block is there too); (0, 0): none."""
     for depth, landmark in reversed(marks):
         if holds(landmark):
-            return depth
-    return 0
+            return depth, landmark
+    return 0, 0
