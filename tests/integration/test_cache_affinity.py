@@ -11,15 +11,17 @@ takes them and every request is answered exactly once.
 
 from __future__ import annotations
 
+import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import redis
+from click.testing import CliRunner
 
 from llmq import protocol
 from llmq.broker import Client
+from llmq.cli.status import status
 from tests.integration.worker_harness import (
     KEYS,
     InProcessWorker,
@@ -56,6 +58,16 @@ def starts(r: redis.Redis, request_id: str) -> list[protocol.Start]:
 
 def terminals(r: redis.Redis, request_id: str) -> list[protocol.Event]:
     return [e for e in read_events(r, request_id) if protocol.is_terminal(e)]
+
+
+def hit_rates(url: str) -> tuple[float | None, dict[str, float | None]]:
+    """`llmq status --json`'s pool-wide and per-worker prefix-cache hit rates."""
+    shown = CliRunner().invoke(status, ["--redis-url", url, "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    (queue,) = [q for q in report["queues"] if q["queue"] == "default"]
+    return queue["prefix_hit_rate"], {w["worker_id"]: w["prefix_hit_rate_total"]
+                                      for w in report["workers"]}
 
 
 def holder_busy(url: str, r: redis.Redis, tiny_model, client: Client,
@@ -100,6 +112,12 @@ def test_a_request_read_by_one_worker_runs_where_its_prefix_is_cached(
             assert terminals(redis_client, busy)
             # And the prefix was served from wa's cache
             assert final.usage.cached_prompt_tokens >= len(PREFIX)
+            # And `llmq status` shows the hit rates: wa's (once it has beaten), which is the
+            # pool's, wb having run nothing
+            wait_for(lambda: hit_rates(redis_server.url)[1].get("wa"), 30, "wa's hit rate")
+            pool, per_worker = hit_rates(redis_server.url)
+            assert pool is not None and 0 < pool < 1
+            assert per_worker == {"wa": pool, "wb": None}
         finally:
             wb.stop()
             wa.stop()
