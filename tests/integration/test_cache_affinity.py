@@ -173,11 +173,13 @@ def test_entries_handed_to_a_worker_that_dies_are_run_once_by_its_peer(
         # When wa is killed with them waiting (and the busy one running)
         wa.signal(signal.SIGKILL)
         wa.wait(10)
-        # Then wb runs each once: one start (on wb, attempt 1), one terminal event
+        # Then wb runs each once: one start, on wb, one terminal event. (Attempt 1 when wb
+        # took it from wa's tickets, 2 when its reclaimer took it from the dead wa first, as
+        # any entry a dead worker held: both are a single run.)
         for request_id in ids:
             assert isinstance(wait_terminal(redis_client, request_id, timeout=60), protocol.Done)
-            assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
-                [("wb", 1)], request_id
+            (start,) = starts(redis_client, request_id)
+            assert start.worker == "wb" and start.attempt in (1, 2), (request_id, start)
             assert len(terminals(redis_client, request_id)) == 1
         # And the busy one is taken from the dead worker as its next attempt
         assert wait_terminal(redis_client, busy, timeout=90).attempt == 2
