@@ -47,13 +47,26 @@ from llmq.worker.io_thread import IOThread
 from llmq.worker.stream_reader import StreamReader
 from llmq.worker.worker_context import WorkerContext
 
-__all__ = ["AffinityKeeper", "pack_landmarks", "unpack_landmarks"]
+__all__ = ["AffinityKeeper", "choose_tickets", "pack_landmarks", "unpack_landmarks"]
 
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 0.5  # publish and read the summaries this often
 STEAL_SCAN = 512  # the oldest tickets of a peer looked at for a steal
 WAIT_S = 0.25  # the longest the thread sleeps between looks at its tickets and its room
+
+
+def choose_tickets(ripe: list[Ticket], room: int, holds: Callable[[str], bool]
+                   ) -> list[Ticket]:
+    """What an idle worker steals: tickets of a prefix it holds already, else of the prefix most
+    of them are for. Taking one prefix's requests whole moves that prefix here; taking the oldest
+    of each would make this cache compute (and hold) every prefix of the peer's."""
+    held = [t for t in ripe if holds(t.prefix)]
+    if held or not ripe:
+        return held[:room]
+    counts = Counter(t.prefix for t in ripe)
+    top = max(counts, key=lambda prefix: counts[prefix])
+    return [t for t in ripe if t.prefix == top][:room]
 
 
 def pack_landmarks(landmarks: list[int]) -> bytes:
@@ -246,7 +259,8 @@ class AffinityKeeper(IOThread):
             ripe = [t for t in self.handover.tickets(self.client, peer, STEAL_SCAN)
                     if t.age_ms >= min_age_ms]
             taken = self.handover.take(self.client, peer, self.worker_id,
-                                       [t.ticket_id for t in self._choose(ripe, room)])
+                                       [t.ticket_id for t in choose_tickets(
+                                           ripe, room, self._holds)])
             if taken:
                 self.num_stolen += len(taken)
                 logger.info("took %d entr%s waiting for %s%s", len(taken),
@@ -255,17 +269,6 @@ class AffinityKeeper(IOThread):
                             f" longer than {self.steal_delay_ms} ms")
                 return taken
         return []
-
-    def _choose(self, ripe: list[Ticket], room: int) -> list[Ticket]:
-        """Tickets of a prefix this worker holds already, else of the prefix most of them are
-        for: taking one prefix's requests whole moves that prefix here, where taking the oldest
-        of each would make this cache compute (and hold) all of the peer's prefixes."""
-        held = [t for t in ripe if self._holds(t.prefix)]
-        if held or not ripe:
-            return held[:room]
-        counts = Counter(t.prefix for t in ripe)
-        top = max(counts, key=lambda prefix: counts[prefix])
-        return [t for t in ripe if t.prefix == top][:room]
 
     def _holds(self, prefix: str) -> bool:
         try:

@@ -8,7 +8,8 @@ that beats this worker's own cache by a hop's worth of tokens.
 
 from __future__ import annotations
 
-from llmq.worker.affinity_keeper import pack_landmarks, unpack_landmarks
+from llmq.broker.affinity_handover import Ticket
+from llmq.worker.affinity_keeper import choose_tickets, pack_landmarks, unpack_landmarks
 from llmq.worker.affinity_router import AffinityRouter, PeerCache
 from llmq.worker.engine.kv_cache_manager import KVCacheManager
 from llmq.worker.engine.prefix_landmarks import landmark_depths, prompt_landmarks
@@ -98,3 +99,12 @@ def test_a_peer_with_a_full_backlog_gets_nothing_more():
     router.update([], [PeerCache("b", marks, backlog=3), PeerCache("c", marks, backlog=1)])
     route = router.target(prompt(1))
     assert route is not None and route.worker_id == "c"
+
+
+def test_an_idle_worker_steals_one_prefix_whole():
+    ripe = [Ticket(f"{i}-0", f"e{i}", prefix, 5000) for i, prefix in enumerate("abacbbc")]
+    # Given it holds none of them: the prefix most tickets wait for, oldest first
+    assert [t.entry_id for t in choose_tickets(ripe, 2, lambda p: False)] == ["e1", "e4"]
+    # Given it holds c already: c's, which hit its cache
+    assert [t.entry_id for t in choose_tickets(ripe, 8, lambda p: p == "c")] == ["e3", "e6"]
+    assert choose_tickets([], 4, lambda p: True) == []
