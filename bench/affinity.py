@@ -8,7 +8,8 @@ suffix of its own and 64 output tokens (greedy, ignore_eos), submitted shuffled 
 `submit_many`. Each scenario runs on a fresh `llmq up --detach` pool (its own run folder and
 server), LLMQ_AFFINITY=1 or 0 in the workers' environment:
 
-    single     1 worker                       (the hit rate a pool should approach)
+    single     1 worker with the pool's whole KV cache (2 x --kv-blocks): the hit rate a pool
+               should approach, one cache holding every prefix
     off / on   2 workers, affinity off / on   (bar: on hit rate >= 0.9x single, tok/s >= 1.3x off)
     one-off / one-on  2 workers, every request on ONE prefix (bar: on tok/s >= 0.95x off: both
                workers stay busy although one prefix would send everything to one)
@@ -95,14 +96,13 @@ def workload(num_prefixes: int, per_prefix: int, seed: int) -> list[dict[str, ob
 
 
 def run(name: str, requests: list[dict[str, object]], workers: int, affinity: bool,
-        args: argparse.Namespace) -> Outcome:
+        kv_blocks: int) -> Outcome:
     run_dir = Path(tempfile.mkdtemp(prefix=f"llmq-affinity-{name}-"))
     env = {**os.environ, "LLMQ_RUN_DIR": str(run_dir), "LLMQ_AFFINITY": "1" if affinity else "0"}
     env.pop("LLMQ_REDIS_URL", None)  # the pool's own server
     engine = ["--threads", "1"]
-    if args.kv_blocks:
-        engine += ["--kv-cache-memory-bytes",
-                   str(args.kv_blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN)]
+    if kv_blocks:
+        engine += ["--kv-cache-memory-bytes", str(kv_blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN)]
     llmq = [sys.executable, "-m", "llmq.cli.main"]
     subprocess.run([*llmq, "up", "--workers", str(workers), "--detach", *engine], env=env,
                    check=True, stdout=subprocess.DEVNULL)
@@ -172,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
           f"prompt tokens, 64 out; KV {args.kv_blocks or 'default'} blocks per worker",
           flush=True)
     outcomes: dict[str, Outcome] = {}
-    plan = [("off", mixed, 2, False), ("on", mixed, 2, True)]
+    kv = args.kv_blocks
+    plan = [("off", mixed, 2, False, kv), ("on", mixed, 2, True, kv)]
     if not args.skip_single:
-        plan.insert(0, ("single", mixed, 1, False))
+        plan.insert(0, ("single", mixed, 1, False, 2 * kv))
     if not args.skip_one_prefix:
-        plan += [("one-off", one, 2, False), ("one-on", one, 2, True)]
-    for name, requests, workers, affinity in plan:
-        outcomes[name] = run(name, requests, workers, affinity, args)
+        plan += [("one-off", one, 2, False, kv), ("one-on", one, 2, True, kv)]
+    for name, requests, workers, affinity, kv_blocks in plan:
+        outcomes[name] = run(name, requests, workers, affinity, kv_blocks)
         print(outcomes[name].line(), flush=True)
     on, off = outcomes["on"], outcomes["off"]
     print()
