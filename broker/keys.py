@@ -23,6 +23,13 @@ both, no mode flag.
                                       each: a dead letter, a metric, `llmq status`)
     llmq:id:{<queue>}:<request_id>    string  idempotency marker set by the submit function: the
                                       entry id of the first submission, with TTL
+    llmq:aff:{<queue>}:s:<worker_id>  string  cache affinity: the prefixes a worker's cache holds
+                                      (packed 64-bit landmark hashes, worker/affinity_keeper.py),
+                                      TTL heartbeat_timeout; gone while it drains or sleeps
+    llmq:aff:{<queue>}:t:<worker_id>  stream  cache affinity: tickets (`entry` = a request entry id)
+                                      of entries handed to that worker, pending under it, that it
+                                      has not taken yet; peers take them after a delay
+    llmq:aff:{<queue>}:members        zset    workers with a summary or tickets -> last publish ms
 
   request slot, tag = the request id:
     llmq:r:{<request_id>}   stream    one request's events (start, delta, done, error), capped with
@@ -176,6 +183,18 @@ class Keys:
         if tenant_of(request_id) is not None:
             return f"{self._space(request_id)}:id:{request_id}:{_tag('queue', queue)}"
         return f"{self.prefix}:id:{_tag('queue', queue)}:{request_id}"
+
+    def affinity_summary(self, queue: str, worker_id: str) -> str:
+        """What `worker_id`'s prefix cache holds, for peers routing `queue`'s entries."""
+        return f"{self.prefix}:aff:{_tag('queue', queue)}:s:{validate_name('worker_id', worker_id)}"
+
+    def affinity_tickets(self, queue: str, worker_id: str) -> str:
+        """Tickets of `queue`'s entries handed to `worker_id` for its prefix cache."""
+        return f"{self.prefix}:aff:{_tag('queue', queue)}:t:{validate_name('worker_id', worker_id)}"
+
+    def affinity_members(self, queue: str) -> str:
+        """Workers of `queue` with an affinity summary or tickets, scored by last publish (ms)."""
+        return f"{self.prefix}:aff:{_tag('queue', queue)}:members"
 
     def legacy_queue(self, queue: str) -> str:
         """The version-1 name of `queue`'s request stream, only to detect one left behind."""

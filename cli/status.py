@@ -1,5 +1,9 @@
 """`llmq status`: the queues (length, lag, pending, dead letters) and the live workers.
 
+PREFIX HIT is the share of prompt tokens served from a prefix cache since each worker started
+(its heartbeat's cached over prompt token totals): per worker, and per queue over its live
+workers together, the figure prefix-cache affinity raises (worker/affinity_keeper.py).
+
 CONSUMERS counts the queue's live workers (those with a heartbeat), not every consumer name the
 group still knows: a stopped worker's name stays until a peer's reclaimer removes it (once it
 holds nothing), and counting it would show six consumers for two workers after three restarts.
@@ -19,6 +23,7 @@ from llmq.broker.connection import redact_url
 from llmq.broker.redis_url import primary_address
 from llmq.cli.helpers import ago, echo_json, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options
+from llmq.protocol import WorkerHeartbeat
 
 
 @click.command()
@@ -35,6 +40,7 @@ def status(as_json: bool, **kwargs: Any) -> None:
     live = Counter(w.queue for w in workers)
     now = time.time()
     primary = primary_address(client.redis)
+    pool_hit = {q.queue: hit_rate([w for w in workers if w.queue == q.queue]) for q in queues}
     if as_json:
         echo_json({
             "redis_url": redact_url(client.url),
@@ -42,18 +48,20 @@ def status(as_json: bool, **kwargs: Any) -> None:
             "queues": [{"queue": q.queue, "length": q.length, "lag": q.lag,
                         "pending": q.pending, "dead_letters": q.dead_letters,
                         "consumers": live[q.queue], "group_consumers": q.consumers,
-                        "exhausted": q.exhausted, "lost_unread": q.lost_unread} for q in queues],
+                        "exhausted": q.exhausted, "lost_unread": q.lost_unread,
+                        "prefix_hit_rate": pool_hit[q.queue]} for q in queues],
             "workers": [{**msgspec.structs.asdict(w),
-                         "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3)}
+                         "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3),
+                         "prefix_hit_rate_total": hit_rate([w])}
                         for w in workers],
         })
         return
     if primary is not None:
         click.echo(f"Sentinel primary: {primary}")
     click.echo(table(
-        ["QUEUE", "LENGTH", "LAG", "PENDING", "DEAD LETTERS", "CONSUMERS"],
+        ["QUEUE", "LENGTH", "LAG", "PENDING", "DEAD LETTERS", "CONSUMERS", "PREFIX HIT"],
         [[q.queue, q.length, "?" if q.lag is None else q.lag, q.pending, q.dead_letters,
-          live[q.queue]] for q in queues]))
+          live[q.queue], percent(pool_hit[q.queue])] for q in queues]))
     for q in queues:
         if q.exhausted:
             click.echo(f"\nqueue {q.queue!r} is FULL: {exhausted_message(client.keys, q.queue)}")
@@ -67,14 +75,13 @@ def status(as_json: bool, **kwargs: Any) -> None:
         return
     click.echo(table(
         ["WORKER", "QUEUE", "MODEL", "STATE", "RUNNING", "WAITING", "KV USE", "TOKENS/S",
-         "SPEC ACCEPT", "LORAS", "HEARTBEAT"],
+         "PREFIX HIT", "SPEC ACCEPT", "LORAS", "HEARTBEAT"],
         [[w.worker_id, w.queue, w.model,
           f"sleeping (level {w.sleeping})" if w.sleeping else "serving", w.running, w.waiting,
-          f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}",
+          f"{w.kv_usage:.0%}", f"{w.tokens_per_s:.1f}", percent(hit_rate([w])),
           f"{w.spec_acceptance_rate:.0%} {w.speculative_method}" if w.speculative_method
           else "off", _loras(w.loras_loaded, w.loras_available), ago(w.heartbeat_ms, now)]
          for w in workers]))
-
 
 
 def _loras(loaded: str, available: str) -> str:
@@ -83,3 +90,14 @@ def _loras(loaded: str, available: str) -> str:
         return "-"
     names = [n for n in loaded.split(",") if n]
     return f"{','.join(names) or 'none'} ({len(names)} of {len(available.split(','))})"
+
+
+def hit_rate(workers: list[WorkerHeartbeat]) -> float | None:
+    """Prompt tokens served from the prefix cache over all prompt tokens, since these workers
+    started; None before any finished a request."""
+    prompt = sum(w.prompt_tokens_total for w in workers)
+    return sum(w.cached_prompt_tokens_total for w in workers) / prompt if prompt else None
+
+
+def percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0%}"

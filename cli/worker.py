@@ -69,12 +69,25 @@ def parse_cpus(value: str | None) -> set[int] | None:
               help="Cores to run on, e.g. 0 or 2-3,5 (default: any). `llmq up` pins each "
               "worker to its own.")
 @otlp_traces_endpoint_option
+@click.option("--affinity/--no-affinity", envvar="LLMQ_AFFINITY", default=True,
+              show_default=True,
+              help="Prefix-cache affinity: hand a request whose prefix a peer's cache holds to "
+              "that peer (docs/performance.md).")
+@click.option("--affinity-steal-delay", envvar="LLMQ_AFFINITY_STEAL_DELAY",
+              type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds a request handed to a busy peer waits before an idle worker takes "
+              "it anyway.")
+@click.option("--affinity-min-tokens", envvar="LLMQ_AFFINITY_MIN_TOKENS",
+              type=click.IntRange(min=1), default=256, show_default=True,
+              help="Prefix tokens a peer's cache must hold beyond this worker's for a request "
+              "to go there.")
 @engine_options
 def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None,
            lease_timeout: float, renew_interval: float | None, heartbeat_timeout: float,
            claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
            metrics_port: int, cpus: set[int] | None, otlp_traces_endpoint: str | None,
+           affinity: bool, affinity_steal_delay: float, affinity_min_tokens: int,
            **kwargs: Any) -> None:
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
     if cpus:
@@ -93,7 +106,8 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
             renew_interval=renew_interval, heartbeat_timeout=heartbeat_timeout,
             claim_interval=claim_interval,
             drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
-            result_maxlen=result_maxlen, metrics_port=metrics_port)
+            result_maxlen=result_maxlen, metrics_port=metrics_port, affinity=affinity,
+            affinity_steal_delay=affinity_steal_delay, affinity_min_tokens=affinity_min_tokens)
     except LLMQError as e:
         raise click.ClickException(str(e)) from None
     except ValueError as e:

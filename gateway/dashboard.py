@@ -154,10 +154,15 @@ async def pool(request: Request) -> Response:
     queues = []
     for s in stats:
         rate = rates.get(s.queue)
+        # NOTE: the pool's prefix-cache hit rate: every live worker's prompt tokens together
+        # (what cache affinity across workers raises: worker/affinity_keeper.py).
+        prompt = sum(w.prompt_tokens_total for w in beats if w.queue == s.queue)
+        cached = sum(w.cached_prompt_tokens_total for w in beats if w.queue == s.queue)
         queues.append({"queue": s.queue, "length": s.length, "lag": s.lag, "pending": s.pending,
                        "dead_letters": s.dead_letters, "consumers": live[s.queue],
                        "tokens_per_s": round(rate.tokens_per_s, 2) if rate else 0.0,
-                       "requests_per_s": round(rate.requests_per_s, 3) if rate else 0.0})
+                       "requests_per_s": round(rate.requests_per_s, 3) if rate else 0.0,
+                       "prefix_hit_rate": round(cached / prompt, 4) if prompt else None})
     now = time.time()
     workers = []
     for w in sorted(beats, key=lambda w: (w.queue, w.worker_id)):

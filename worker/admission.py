@@ -22,7 +22,10 @@ validates off the busy loop. Per entry, in order:
    it; then the cancel flag `llmq:x:{<request_id>}` (a cancel sent before a worker read the
    request);
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
-6. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
+6. with cache affinity on, a first delivery whose prefix a peer's cache holds deeper than this
+   worker's is handed to that peer instead (worker/affinity_keeper.py): no event, no ack, the
+   entry pending under the peer now;
+7. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 
 Steps 2-5 end the entry with one terminal event and an XACK, written by the result writer.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
@@ -43,15 +46,28 @@ from llmq.broker.redis_url import cluster_client
 from llmq.broker.replies import Fields, StreamEntry
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
-from llmq.worker.engine.input_processor import InputProcessor
+from llmq.worker.engine.input_processor import InputProcessor, ProcessedInput
 from llmq.worker.inbox import AddRequest
 from llmq.worker.inflight_table import InFlight
 from llmq.worker.result_writer import EntryWrite, ResultWriter
 from llmq.worker.worker_context import WorkerContext
 
+if TYPE_CHECKING:
+    from llmq.worker.affinity_keeper import AffinityKeeper
+    from llmq.worker.affinity_router import Route
+
 logger = logging.getLogger(__name__)
 
 Decoded = protocol.DecodedRequest | protocol.RejectedEntry  # what the broker's decoder made of it
+
+
+class _Diverted(NamedTuple):
+    """An entry admission would hand to `peer`, and what it needs to start it here after all."""
+    entry: InFlight
+    processed: ProcessedInput
+    now_ms: int
+    waited_ms: int
+    route: Route
 
 
 class Admission:
@@ -66,14 +82,17 @@ class Admission:
         self.writer = writer
         self.max_deliveries = ctx.config.max_deliveries
         self.clock = clock
+        self.affinity: AffinityKeeper | None = None  # set by the worker when affinity is on
 
     def admit(self, client: redis.Redis, entries: list[StreamEntry], backoff: Backoff,
               attempts: dict[str, int] | None = None,
-              forgiven: dict[str, int] | None = None, solo: set[str] | None = None) -> int:
+              forgiven: dict[str, int] | None = None, solo: set[str] | None = None,
+              divert: bool = True) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
 
         `attempts`: delivery counts of reclaimed entries (default 1); `forgiven`: their
-        drain hand-backs; `solo`: the suspects among them, which run alone.
+        drain hand-backs; `solo`: the suspects among them, which run alone. `divert=False`:
+        never hand one to a peer for its cache (the entries came from a peer's tickets).
 
         Makes one round trip (TIME, cancel flags, id ownership), retried through `backoff` while
         Redis is away; if the worker stops meanwhile the entries stay in the table and are
@@ -122,11 +141,15 @@ class Admission:
         # The entry that owns each id, when another one does ("" for a tenant's unmarked id).
         taken = {e.entry_id: owner or "" for e, owner in zip(named, owners, strict=True)
                  if (owner is not None or tenant_of(e.request_id)) and owner != e.entry_id}
-        return self._admit_all(fresh, now_ms, cancel_flags, taken)
+        return self._admit_all(fresh, now_ms, cancel_flags, taken, backoff,
+                               client if divert and self.affinity is not None else None)
 
     def _admit_all(self, fresh: list[tuple[InFlight, Decoded, Fields]], now_ms: int,
-                   cancel_flags: dict[str, bool], taken: dict[str, str]) -> int:
+                   cancel_flags: dict[str, bool], taken: dict[str, str], backoff: Backoff,
+                   divert_via: redis.Redis | None) -> int:
+        """`divert_via`: the connection to hand entries to peers with (None: run them all)."""
         adds: list[AddRequest] = []
+        diverted: dict[str, _Diverted] | None = {} if divert_via is not None else None
         for entry, decoded, fields in fresh:
             if entry.fenced:
                 self.table.pop(entry.entry_id)  # a peer took it while we waited for Redis
@@ -136,7 +159,7 @@ class Admission:
                     self._duplicate(entry, taken[entry.entry_id], fields)
                     continue
                 add = self._admit_one(entry, decoded, fields, now_ms,
-                                      cancel_flags.get(entry.entry_id, False))
+                                      cancel_flags.get(entry.entry_id, False), diverted)
             except Exception:  # noqa: BLE001 - one bad request must never stop admission
                 logger.exception("admitting entry %s failed", entry.entry_id)
                 self._fail(entry, ErrorCode.ENGINE_ERROR,
@@ -144,6 +167,8 @@ class Admission:
                 continue
             if add is not None:
                 adds.append(add)
+        if diverted and divert_via is not None:
+            adds += self._hand_over(divert_via, diverted, backoff)
         if adds:
             # NOTE: one inbox item per read, so the engine's next step sees the whole read
             # (prefills batched together, as if the requests had been added in-process).
@@ -151,8 +176,10 @@ class Admission:
         return len(fresh)
 
     def _admit_one(self, entry: InFlight, decoded: Decoded, fields: Fields, now_ms: int,
-                   cancel_flag: bool) -> AddRequest | None:
-        """The request for the engine, or None when the entry was answered here."""
+                   cancel_flag: bool, diverted: dict[str, _Diverted] | None = None
+                   ) -> AddRequest | None:
+        """The request for the engine, or None when the entry was answered here (or, with
+        `diverted`, is to be handed to the peer whose cache holds its prefix: recorded there)."""
         # NOTE: hand-backs by draining workers are not failures: a request that outlived a few
         # scale-downs must not be dead-lettered as poison.
         if entry.attempt - entry.forgiven > self.max_deliveries:
@@ -179,6 +206,18 @@ class Admission:
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         self.ctx.intake.note_prompt(entry.prompt_tokens)
+        if diverted is not None and entry.attempt == 1 and not entry.solo \
+                and self.affinity is not None \
+                and (route := self.affinity.router.target(processed.prompt_token_ids)):
+            diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, route)
+            return None
+        return self._start(entry, processed, now_ms, waited_ms)
+
+    def _start(self, entry: InFlight, processed: ProcessedInput, now_ms: int,
+               waited_ms: int) -> AddRequest:
+        """`start` queued, and the request for the busy loop."""
+        if self.affinity is not None:
+            self.affinity.router.claim(processed.prompt_token_ids)
         entry.admitted_ms = now_ms
         if entry.trace is not None:
             entry.trace.admitted_ns = time.time_ns()
@@ -191,6 +230,22 @@ class Admission:
         return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
                           processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
                           solo=entry.solo)
+
+    def _hand_over(self, client: redis.Redis, diverted: dict[str, _Diverted],
+                   backoff: Backoff) -> list[AddRequest]:
+        """Hand diverted entries to their peers; those a peer cannot take (gone, backlog full)
+        start here after all. Returns their requests."""
+        assert self.affinity is not None
+        # NOTE: out of the table first: a renewal racing the hand-over must not find an entry
+        # we still hold pending under the peer and fence it.
+        by_route: dict[Route, list[str]] = {}
+        for entry_id, d in diverted.items():
+            self.table.pop(entry_id)
+            by_route.setdefault(d.route, []).append(entry_id)
+        gone = self.affinity.hand_over(client, by_route, backoff)
+        return [self._start(d.entry, d.processed, d.now_ms, d.waited_ms)
+                for entry_id, d in diverted.items()
+                if entry_id not in gone and self.table.add(d.entry)]
 
     def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Fields) -> None:
         if rejected.request_id not in (None, entry.entry_id):

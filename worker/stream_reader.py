@@ -52,6 +52,8 @@ class StreamReader:
         self.block_ms = ctx.config.read_block_ms
         self.ensure_group = ensure_group
         self.hand_back = hand_back
+        # Room left for entries peers handed to this worker (worker/affinity_keeper.py).
+        self.reserved: Callable[[], int] = lambda: 0
         self.stop_event = threading.Event()
         self.awake = threading.Event()  # cleared while the worker sleeps: no reads
         self.awake.set()
@@ -98,7 +100,8 @@ class StreamReader:
             if not self.awake.is_set():
                 self.awake.wait(0.5)
                 continue
-            room = self.intake.room(len(self.table), self.table.num_not_started())
+            room = self.intake.room(len(self.table), self.table.num_not_started()) \
+                - self.reserved()
             if room <= 0:
                 self.table.wait_for_change(timeout=0.5)
                 continue

@@ -12,6 +12,7 @@ round trips never stall a forward pass. Threads:
     busy loop      inbox -> EngineFeeder -> engine; step(); outputs -> ResultWriter
                    (the feeder: worker/engine_feeder.py; utility calls: worker/utility_calls.py)
     ResultWriter   events, EXPIRE, then XACK, in one MULTI per batch    (worker/result_writer.py)
+    AffinityKeeper prefix summaries, hand-overs taken and stolen       (worker/affinity_keeper.py)
 
 The threads share one `WorkerContext` (config, keys, connection factory, metrics, inbox,
 in-flight table); the engine is anything that satisfies `EngineClient`.
@@ -50,6 +51,7 @@ from llmq.broker.keys import GROUP
 from llmq.protocol.errors import StreamExhausted
 from llmq.protocol.records import MAX_LISTED_LORAS
 from llmq.worker.admission import Admission
+from llmq.worker.affinity_keeper import AffinityKeeper
 from llmq.worker.backoff import TRANSIENT_ERRORS
 from llmq.worker.cancel_listener import CancelListener
 from llmq.worker.control_listener import ControlListener
@@ -107,6 +109,8 @@ class Worker:
                                    first_contact=self._first_contact)
         self.reader = StreamReader(ctx, self.admission, ensure_group=self.ensure_group,
                                    hand_back=self.keeper.hand_back)
+        self.affinity = AffinityKeeper.attach(ctx, self.admission, self.reader, engine.config,
+                                              self._accepting) if config.affinity else None
         self.cancels = CancelListener(ctx)
         self.controls = ControlListener(ctx)
         self.utility = UtilityCalls(engine, ctx.table, self.writer, self.keeper, self,
@@ -145,7 +149,9 @@ class Worker:
         self.controls.start()
         self.keeper.start()
         self.reclaimer.start()
-        self.reader.start()
+        for thread in (self.affinity, self.reader):
+            if thread is not None:
+                thread.start()
         exit_code = self._busy_loop()
         self._shutdown(exit_code)
         return exit_code
@@ -216,6 +222,10 @@ class Worker:
         if not self.draining:
             self.reclaimer.reclaiming = True
             self.reader.resume()
+
+    def _accepting(self) -> bool:
+        """Whether this worker takes new work (cache affinity hands it none otherwise)."""
+        return not (self._stop_requested or self.draining) and self.reader.awake.is_set()
 
     def ensure_group(self) -> None:
         """Create the consumer group (at id 0, with the stream) if it does not exist."""
@@ -291,6 +301,8 @@ class Worker:
             "result writer": self.writer.is_alive, "lease keeper": self.keeper.is_alive,
             "reclaimer": self.reclaimer.is_alive, "cancel listener": self.cancels.is_alive,
             "control listener": self.controls.is_alive}
+        if self.affinity is not None:
+            alive["affinity keeper"] = self.affinity.is_alive
         if not self.draining:
             alive["stream reader"] = self.reader.is_alive
         return [name for name, is_alive in alive.items() if not is_alive()]
@@ -337,6 +349,8 @@ class Worker:
         flushed = self.writer.stop(self.config.flush_timeout)
         # NOTE: renewals stop before the hand-back, or one could reset the huge IDLE to 0.
         self.reclaimer.stop()
+        if self.affinity is not None:
+            self.affinity.stop()
         self.keeper.stop()
         left = self.table.live_entry_ids()
         if left:
@@ -382,6 +396,8 @@ class Worker:
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
         self._stats = self.engine.stats()
+        if self.affinity is not None:
+            self.affinity.note_cache(self.engine.prefix_landmarks())
         self.stats_log.observe(time.monotonic(), self._stats, self._num_generated,
                                self.ctx.counters.requests_total)
         if self.health is None or self.metrics is None:

@@ -40,6 +40,12 @@ class WorkerConfig:
     metrics_port: int = 0  # /metrics /healthz /readyz; 0: off
     read_block_ms: int = 500  # XREADGROUP / XREAD BLOCK slice
     flush_timeout: float = 5.0  # s to keep trying to write the last events when stopping
+    # Prefix-cache affinity (worker/affinity_keeper.py): hand a request to the peer whose cache
+    # holds at least `affinity_min_tokens` more of its prefix; an idle worker takes one that
+    # waited there `affinity_steal_delay` s.
+    affinity: bool = True
+    affinity_steal_delay: float = 1.0
+    affinity_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         Keys(self.prefix)
@@ -66,6 +72,11 @@ class WorkerConfig:
             raise ValueError("result_ttl and result_maxlen must be >= 1")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.affinity_steal_delay < 0:
+            raise ValueError(f"affinity_steal_delay must be >= 0 s, got "
+                             f"{self.affinity_steal_delay}")
+        if self.affinity_min_tokens < 1:
+            raise ValueError(f"affinity_min_tokens must be >= 1, got {self.affinity_min_tokens}")
         if self.read_block_ms < 1:
             raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
 

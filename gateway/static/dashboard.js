@@ -55,7 +55,8 @@
       cell(q.queue, "queue"), cell(q.lag ?? "?", "num lag"), cell(q.pending, "num pending"),
       cell(q.length, "num length"), cell(q.dead_letters, "num dead"),
       cell(q.consumers, "num consumers"), cell(fmt.num(q.tokens_per_s), "num tps"),
-      cell(fmt.num(q.requests_per_s, 2), "num rps")));
+      cell(fmt.num(q.requests_per_s, 2), "num rps"),
+      cell(fmt.pct(q.prefix_hit_rate), "num prefix")));
     $("#queues tbody").replaceChildren(...(rows.length ? rows : [emptyRow("#queues", "no queues")]));
   }
 

@@ -65,3 +65,38 @@ def test_worker_serves_reclaims_cancels_and_stops_as_the_worker_user(acl_server,
     finally:
         admin.flushall()
         admin.close()
+
+
+def test_the_worker_user_may_hand_entries_over_and_take_them(acl_server) -> None:
+    """Cache affinity's commands (broker/affinity_handover.py, worker/affinity_keeper.py) as
+    the `worker` user: a summary, a hand-over, the owner's renewal, a peer's take."""
+    from llmq.broker.affinity_handover import AffinityHandover
+
+    port, _ = acl_server
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    admin.flushall()
+    with redis.Redis.from_url(acl_url(port, "worker")) as worker:
+        worker.xgroup_create(QUEUE_KEY, GROUP, "0", mkstream=True)
+        entry_id = admin.xadd(QUEUE_KEY, {"json": b'{"prompt": "Hi"}'}).decode()
+        worker.xreadgroup(GROUP, "wb", {QUEUE_KEY: ">"}, count=1)
+        # Given wa's summary, published the way its keeper does
+        pipe = worker.pipeline(transaction=False)
+        pipe.set(KEYS.affinity_summary("default", "wa"), b"\x01" * 8, px=5000)
+        pipe.pexpire(KEYS.affinity_summary("default", "wa"), 5000)
+        pipe.zadd(KEYS.affinity_members("default"), {"wa": 1})
+        pipe.zrange(KEYS.affinity_members("default"), 0, -1)
+        pipe.get(KEYS.affinity_summary("default", "wa"))
+        pipe.xlen(KEYS.affinity_tickets("default", "wa"))
+        pipe.execute()
+        handover = AffinityHandover(worker, KEYS, "default")
+        # When wb hands the entry to wa, wa renews it, and wb takes it back from the ticket
+        assert handover.hand_over(worker, "wb", "wa", "01" * 8, [entry_id], 16) == ([entry_id],
+                                                                                   [])
+        assert handover.renew(worker, "wa") == 1
+        worker.xread({KEYS.affinity_tickets("default", "wa"): "0-0"}, count=1, block=10)
+        (ticket,) = handover.tickets(worker, "wa", 8)
+        (taken,) = handover.take(worker, "wa", "wb", [ticket.ticket_id])
+        # Then every command was the worker user's to send, and the entry is wb's again
+        assert taken.entry.entry_id == entry_id and taken.attempt == 1
+        worker.delete(KEYS.affinity_summary("default", "wa"))
+        assert handover.forget(worker, "wa")

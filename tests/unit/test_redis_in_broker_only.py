@@ -41,6 +41,7 @@ WORKER_IO = {
     "worker/cancel_listener.py": "EXISTS of the owner's cancel flag before an abort",
     "worker/unread_loss.py": "XINFO GROUPS and the lost-unread count: a queue trimmed unread",
     "worker/worker.py": "the consumer group, the function library, deregistering on exit",
+    "worker/affinity_keeper.py": "prefix-cache summaries, ticket backlogs, XREAD of its tickets",
 }
 
 REDIS_ATTRS = {"redis", "sync_redis", "rq_redis", "_rq_redis", "rq", "_redis"}

@@ -219,6 +219,10 @@ class EngineCore:
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens
         return stats
 
+    def prefix_landmarks(self) -> list[int]:
+        """What the prefix cache holds, as landmark hashes (worker/engine/prefix_landmarks.py)."""
+        return self.scheduler.kv_cache_manager.cached_landmarks()
+
     def generate(self, prompts: list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams]) -> list[EngineCoreOutput]:
         """Run prompts to completion (offline, like vLLM's LLM.generate); outputs in input order.

@@ -26,6 +26,7 @@ import struct
 from collections.abc import Sequence
 
 from llmq.worker.engine.block_pool import BlockPool, KVCacheBlock
+from llmq.worker.engine.prefix_landmarks import is_landmark, short_hash
 from llmq.worker.engine.request import Request
 
 NONE_HASH = 0  # the parent of a request's first block
@@ -57,6 +58,9 @@ class KVCacheManager:
         # Counted once per (re)admission of a request: tokens looked up, tokens found.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # Hashes of landmark blocks offered to the cache (worker/engine/prefix_landmarks.py),
+        # pruned of evicted ones by `cached_landmarks`: what a worker tells its peers it holds.
+        self._landmarks: set[int] = set()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -178,6 +182,12 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def cached_landmarks(self) -> list[int]:
+        """Short hashes of the landmark blocks the prefix cache holds now (cache affinity)."""
+        cached = self.block_pool.cached_block_hash_to_block
+        self._landmarks = {h for h in self._landmarks if h in cached}
+        return [short_hash(h) for h in self._landmarks]
+
     def _free_out_of_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
         """Free the request's blocks that hold only keys no later query can see.
 
@@ -213,6 +223,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks[request_id]
         for i in range(start, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            if is_landmark(i):
+                self._landmarks.add(request.block_hashes[i])
         self.num_cached_blocks[request_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> None:

@@ -1,0 +1,110 @@
+"""Cache affinity without Redis: what a cache publishes, and where a prompt is sent.
+
+The engine's KV cache names its landmark blocks (depths 1, 2, 4, ... blocks); a prompt's
+landmarks computed outside the engine must be the same hashes, or no request would ever find
+its prefix. The router sends a prompt to the peer holding its prefix deepest, and only when
+that beats this worker's own cache by a hop's worth of tokens.
+"""
+
+from __future__ import annotations
+
+from llmq.broker.affinity_handover import Ticket
+from llmq.worker.affinity_keeper import choose_tickets, pack_landmarks, unpack_landmarks
+from llmq.worker.affinity_router import AffinityRouter, PeerCache
+from llmq.worker.engine.kv_cache_manager import KVCacheManager
+from llmq.worker.engine.prefix_landmarks import landmark_depths, prompt_landmarks
+from llmq.worker.engine.request import Request
+from llmq.worker.engine.sampling_params import SamplingParams
+
+BLOCK = 16
+PREFIX = [11 + i % 300 for i in range(512)]  # 32 blocks
+
+
+def prompt(suffix: int) -> list[int]:
+    return [*PREFIX, 1000 + suffix, 1001, 1002]
+
+
+def cached_landmarks(*prompts: list[int]) -> list[int]:
+    """What an engine's cache publishes after computing these prompts."""
+    manager = KVCacheManager(num_blocks=256, block_size=BLOCK)
+    for i, tokens in enumerate(prompts):
+        request = Request(f"r{i}", tokens, SamplingParams(), arrival_time=0.0)
+        blocks, hit = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, request.num_tokens - hit, blocks)
+        request.num_computed_tokens = request.num_tokens
+        manager.free(request)
+    return manager.cached_landmarks()
+
+
+def test_the_cache_publishes_the_landmarks_a_prompt_computes_outside_the_engine():
+    # Given an engine that computed one prompt with the prefix
+    published = set(cached_landmarks(prompt(0)))
+    # When another prompt with the prefix is hashed outside the engine
+    marks = prompt_landmarks(prompt(1), BLOCK)
+    # Then its landmarks 1..32 blocks deep are all in the cache's summary
+    assert [depth for depth, _ in marks] == landmark_depths(32) == [1, 2, 4, 8, 16, 32]
+    assert {h for _, h in marks} <= published
+    # And a summary survives its wire form
+    assert unpack_landmarks(pack_landmarks(sorted(published))) == published
+
+
+def test_evicted_and_reset_prefixes_leave_the_summary():
+    manager = KVCacheManager(num_blocks=40, block_size=BLOCK)
+    request = Request("a", prompt(0), SamplingParams(), arrival_time=0.0)
+    manager.allocate_slots(request, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    manager.free(request)
+    assert manager.cached_landmarks()
+    # When the cache is reset, nothing is published any more
+    assert manager.reset_prefix_cache()
+    assert manager.cached_landmarks() == []
+
+
+def test_a_prompt_goes_to_the_peer_holding_its_prefix_deepest():
+    # Given peer b holds the whole 512-token prefix, c only a different one
+    router = AffinityRouter(BLOCK, min_tokens=256)
+    other = cached_landmarks([5 + i % 7 for i in range(600)])
+    router.update([], [PeerCache("c", frozenset(other)),
+                       PeerCache("b", frozenset(cached_landmarks(prompt(0))))])
+    # Then a prompt with the prefix goes to b, one without it stays here
+    route = router.target(prompt(1))
+    assert route is not None and route.worker_id == "b"
+    # And the route names the prefix: its 32-block landmark, which b's summary holds
+    assert route.prefix == prompt_landmarks(prompt(1), BLOCK)[-1][1]
+    assert router.target([9] * 600) is None
+
+
+def test_a_prompt_stays_when_this_worker_holds_as_much_or_the_match_is_short():
+    router = AffinityRouter(BLOCK, min_tokens=256)
+    holder = PeerCache("b", frozenset(cached_landmarks(prompt(0))))
+    # Given this worker holds the prefix too: a tie keeps it here
+    router.update(cached_landmarks(prompt(0)), [holder])
+    assert router.target(prompt(1)) is None
+    # Given this worker is computing it right now (admitted, not cached yet): the same
+    router.update([], [holder])
+    router.claim(prompt(2))
+    assert router.target(prompt(3)) is None
+    # Given only 128 shared tokens: below min_tokens, not worth a hop
+    short = AffinityRouter(BLOCK, min_tokens=256)
+    short.update([], [PeerCache("b", frozenset(cached_landmarks(PREFIX[:128] + [1, 2])))])
+    assert short.target(PREFIX[:128] + [7] * 300) is None
+
+
+def test_a_peer_with_a_full_backlog_gets_nothing_more():
+    router = AffinityRouter(BLOCK, min_tokens=256, max_backlog=4)
+    marks = frozenset(cached_landmarks(prompt(0)))
+    router.update([], [PeerCache("b", marks, backlog=4)])
+    assert router.target(prompt(1)) is None
+    # And between two holders the one with the shorter backlog is chosen
+    router.update([], [PeerCache("b", marks, backlog=3), PeerCache("c", marks, backlog=1)])
+    route = router.target(prompt(1))
+    assert route is not None and route.worker_id == "c"
+
+
+def test_an_idle_worker_steals_one_prefix_whole():
+    ripe = [Ticket(f"{i}-0", f"e{i}", prefix, 5000) for i, prefix in enumerate("abacbbc")]
+    # Given it holds none of them: the prefix most tickets wait for, oldest first
+    assert [t.entry_id for t in choose_tickets(ripe, 2, lambda p: False)] == ["e1", "e4"]
+    # Given it holds c already: c's, which hit its cache
+    assert [t.entry_id for t in choose_tickets(ripe, 8, lambda p: p == "c")] == ["e3", "e6"]
+    assert choose_tickets([], 4, lambda p: True) == []
