@@ -6,17 +6,21 @@ waits for `/health`, logs to a file (printed when a start fails) and stops by it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from llmq.broker.embedded import free_port
+from tests.integration.worker_harness import WorkerProcess
 
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
 
@@ -88,6 +92,25 @@ class GatewayProcess:
 
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=KEYS[tenant],
                                   max_retries=0, **kwargs)
+
+
+@contextlib.contextmanager
+def gateway_pool(url: str, model_path: Path, logs: Path, worker_id: str,
+                 max_model_len: int) -> Iterator[GatewayProcess]:
+    """One tiny-model worker (a 32 MiB KV cache) and a gateway in front of it, both stopped at
+    the end."""
+    worker = WorkerProcess(url, model_path, logs, worker_id,
+                           extra=["--max-model-len", str(max_model_len),
+                                  "--kv-cache-memory-bytes", str(32 << 20)]).start()
+    r = redis.Redis.from_url(url)
+    worker.wait_ready(r)
+    r.close()
+    gateway = GatewayProcess(url, logs)
+    try:
+        yield gateway.start()
+    finally:
+        gateway.stop()
+        worker.stop()
 
 
 def parse_sse(text: str) -> list[tuple[str | None, str]]:

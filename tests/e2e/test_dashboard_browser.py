@@ -27,7 +27,12 @@ from llmq.broker.keys import Keys
 from llmq.protocol import DeadLetter, encode_dead_letter
 from tests.e2e.cli_harness import llmq_process, subprocess_env
 from tests.e2e.gateway_harness import GatewayProcess
-from tests.fixtures.browser import console_errors, headless_chromium, require_chromium
+from tests.fixtures.browser import (
+    console_errors,
+    headless_chromium,
+    require_chromium,
+    sign_in_to_dashboard,
+)
 from tests.integration.worker_harness import InProcessWorker, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -76,13 +81,7 @@ def client(url: str) -> Iterator[Client]:
 
 
 def sign_in(browser: Any, gateway: GatewayProcess, key: str) -> None:
-    # NOTE: away from the page first: a dashboard still polling when its cookie goes would
-    # rightly meet a 401 (and log it) before it reloads to the login.
-    browser.get("about:blank")
-    browser.execute_cdp_cmd("Network.clearBrowserCookies", {})
-    browser.get(f"{gateway.base_url}/dashboard")
-    browser.find_element("id", "login-key").send_keys(key)
-    browser.find_element("css selector", "#login-form button").click()
+    sign_in_to_dashboard(browser, gateway.base_url, key)
 
 
 def text_of(browser: Any, selector: str) -> str | None:

@@ -23,7 +23,12 @@ from llmq.broker.exchange import send
 from llmq.broker.job_progress import JobProgress, JobRecord
 from tests.e2e.cli_harness import LLMQ, llmq_process, serve, subprocess_env
 from tests.e2e.gateway_harness import GatewayProcess
-from tests.fixtures.browser import console_errors, headless_chromium, require_chromium
+from tests.fixtures.browser import (
+    console_errors,
+    headless_chromium,
+    require_chromium,
+    sign_in_to_dashboard,
+)
 from tests.integration.worker_harness import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -96,11 +101,7 @@ def jobs(gateway: GatewayProcess, valkey_server, tmp_path_factory: pytest.TempPa
 
 
 def sign_in(browser: Any, gateway: GatewayProcess, key: str) -> None:
-    browser.get("about:blank")
-    browser.execute_cdp_cmd("Network.clearBrowserCookies", {})
-    browser.get(f"{gateway.base_url}/dashboard")
-    browser.find_element("id", "login-key").send_keys(key)
-    browser.find_element("css selector", "#login-form button").click()
+    sign_in_to_dashboard(browser, gateway.base_url, key)
 
 
 def job_rows(browser: Any) -> dict[str, dict[str, str]]:

@@ -15,10 +15,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import redis
 
-from tests.e2e.gateway_harness import KEYS, GatewayProcess
-from tests.integration.worker_harness import WorkerProcess
+from tests.e2e.gateway_harness import KEYS, GatewayProcess, gateway_pool
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -30,18 +28,8 @@ AUTH = {"Authorization": f"Bearer {KEYS['alice']}"}
 def pool(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[GatewayProcess]:
     logs = tmp_path_factory.mktemp("gateway-front-door")
     # NOTE: a context of 2048, so the tool prompt of a template without tool support fits.
-    worker = WorkerProcess(valkey_server.url, tiny_model_path, logs, "gw-fd-w1",
-                           extra=["--max-model-len", "2048", "--kv-cache-memory-bytes",
-                                  str(32 << 20)]).start()
-    r = redis.Redis.from_url(valkey_server.url)
-    worker.wait_ready(r)
-    r.close()
-    gateway = GatewayProcess(valkey_server.url, logs)
-    try:
-        yield gateway.start()
-    finally:
-        gateway.stop()
-        worker.stop()
+    with gateway_pool(valkey_server.url, tiny_model_path, logs, "gw-fd-w1", 2048) as gateway:
+        yield gateway
 
 
 # -- errors that fail fast ------------------------------------------------------------------------

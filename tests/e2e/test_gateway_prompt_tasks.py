@@ -17,8 +17,7 @@ import openai
 import pytest
 import redis
 
-from tests.e2e.gateway_harness import KEYS, GatewayProcess
-from tests.integration.worker_harness import WorkerProcess
+from tests.e2e.gateway_harness import KEYS, GatewayProcess, gateway_pool
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -30,18 +29,8 @@ TWO_TURNS = [{"role": "user", "content": "Name a colour."},
 @pytest.fixture(scope="module")
 def pool(valkey_server, tiny_model_path: Path, tmp_path_factory) -> Iterator[GatewayProcess]:
     logs = tmp_path_factory.mktemp("gateway-prompt-tasks")
-    worker = WorkerProcess(valkey_server.url, tiny_model_path, logs, "gw-pt-w1",
-                           extra=["--max-model-len", "1024", "--kv-cache-memory-bytes",
-                                  str(32 << 20)]).start()
-    r = redis.Redis.from_url(valkey_server.url)
-    worker.wait_ready(r)
-    r.close()
-    gateway = GatewayProcess(valkey_server.url, logs)
-    try:
-        yield gateway.start()
-    finally:
-        gateway.stop()
-        worker.stop()
+    with gateway_pool(valkey_server.url, tiny_model_path, logs, "gw-pt-w1", 1024) as gateway:
+        yield gateway
 
 
 def post(pool: GatewayProcess, path: str, body: dict[str, Any]) -> httpx.Response:
