@@ -38,7 +38,7 @@ from llmq.broker.commands import (
     queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
-from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions_async
+from llmq.broker.functions import RETRY_FUNCTION, ensure_functions_async
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
 from llmq.protocol import (
@@ -124,7 +124,7 @@ class AsyncClient(ClientBase):
         await self._ensure_group_once(queue)
 
         async def send() -> Any:
-            return await self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+            return await self.redis.fcall(*self._fcall_args(submission, queue))
 
         reply = await self._submitting(send, queue)
         await self._verify_markers(queue, [(submission, reply)])
@@ -132,7 +132,7 @@ class AsyncClient(ClientBase):
 
     async def _verify_markers(self, queue: str, sent: Iterable[tuple[Any, Any]]) -> None:
         """`Client._verify_markers`, awaited."""
-        if not (marked := self._marked_elsewhere(sent)):
+        if not (marked := self._marked_elsewhere(queue, sent)):
             return
 
         async def read() -> list[Any]:
@@ -151,7 +151,7 @@ class AsyncClient(ClientBase):
         async def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+                pipe.fcall(*self._fcall_args(submission, queue))
             return await pipe.execute()
 
         replies = await self._submitting(send, queue)

@@ -45,7 +45,7 @@ from llmq.broker.commands import (
     queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect
-from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions
+from llmq.broker.functions import RETRY_FUNCTION, ensure_functions
 from llmq.broker.result_reader import FollowerGroup, ResultReader
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
@@ -154,7 +154,7 @@ class Client(ClientBase):
         self._ensure_group_once(queue)
 
         def send() -> Any:
-            return self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+            return self.redis.fcall(*self._fcall_args(submission, queue))
 
         reply = self._submitting(send, queue)
         self._verify_markers(queue, [(submission, reply)])
@@ -163,7 +163,7 @@ class Client(ClientBase):
     def _verify_markers(self, queue: str, sent: Iterable[tuple[Submission, Any]]) -> None:
         """For submits that queued nothing because the id is marked: check, with one round trip,
         that the marked entry can be this request (RequestIdConflict if not)."""
-        if not (marked := self._marked_elsewhere(sent)):
+        if not (marked := self._marked_elsewhere(queue, sent)):
             return
 
         def read() -> list[Any]:
@@ -188,7 +188,7 @@ class Client(ClientBase):
         def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+                pipe.fcall(*self._fcall_args(submission, queue))
             return pipe.execute()
 
         replies = self._submitting(send, queue)

@@ -15,6 +15,11 @@ load-functions` does for an operator.
         -> {1, entry_id}, or {0, first_entry_id} when the id was submitted before (marker TTL s)
         (a tenant's id `<tenant>:<id>` has its marker at llmq:t:id:<tenant>:<id>:{<queue>})
 
+    FCALL llmq_submit_lane 3|4 llmq:q:{<queue>}:<lane> llmq:sub:{<queue>}:<lane> \
+          llmq:lanes:{<queue>} [<marker>] json '{...}' [86400 <request_id>]
+        -> as llmq_submit, to a lane stream (broker/work_lanes.py): the entry id is chosen here,
+           `<ms>-<seq>` with seq >= 2**40, unique across the queue's streams
+
     FCALL llmq_retry 3|4 llmq:q:{<queue>} llmq:dlq:{<queue>} llmq:sub:{<queue>} [<marker>] \
           <dead letter id> <marker ttl s> <request id or ''> <field> <value> ...
         -> the new entry id (a dead letter queued again; the gateway's and `llmq dlq retry`'s)
@@ -32,17 +37,20 @@ from typing import Any
 import redis
 
 from llmq.broker import replies
+from llmq.broker.work_lanes import LANE_SEQ_BASE, LAST_FIELD
 from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
 __all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "RETRY_FUNCTION", "SUBMIT_FUNCTION",
+           "SUBMIT_LANE_FUNCTION",
            "ensure_functions", "ensure_functions_async", "is_missing_function",
            "load_functions", "submit_error"]
 
 logger = logging.getLogger(__name__)
 
 LIBRARY_NAME = "llmq"
-LIBRARY_VERSION = 2  # up with every change of the code below: loaders replace older versions
+LIBRARY_VERSION = 3  # up with every change of the code below: loaders replace older versions
 SUBMIT_FUNCTION = "llmq_submit"
+SUBMIT_LANE_FUNCTION = "llmq_submit_lane"
 RETRY_FUNCTION = "llmq_retry"
 EXHAUSTED = "LLMQEXHAUSTED"
 
@@ -77,6 +85,50 @@ local function submit(keys, args)
   return {{1, entry}}
 end
 
+-- The next lane entry id of the queue: the server's clock in ms, and a sequence number from
+-- {LANE_SEQ_BASE} up (the queue stream's own `*` ids never get there), after the last lane id
+-- any stream of the queue was given, so no two streams of the queue share an entry id.
+local function next_lane_id(lanes)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local ms, seq = now, {LANE_SEQ_BASE}
+  local last = redis.call('HGET', lanes, '{LAST_FIELD}')
+  if last then
+    local last_ms, last_seq = string.match(last, '^(%d+)-(%d+)$')
+    last_ms, last_seq = tonumber(last_ms), tonumber(last_seq)
+    if last_ms and last_ms >= now then ms, seq = last_ms, math.max(last_seq + 1, seq) end
+  end
+  return string.format('%.0f-%.0f', ms, seq)
+end
+
+-- keys: lane stream, its submissions, the queue's lanes [, idempotency marker]
+-- args: field, payload [, marker ttl seconds, request id]
+local function submit_lane(keys, args)
+  local field, payload = args[1], args[2]
+  if field ~= 'json' and field ~= 'msgpack' then
+    return redis.error_reply('ERR llmq_submit_lane: the field must be json or msgpack')
+  end
+  if payload == nil or #keys < 3 or #keys > 4 or (keys[4] and not args[4]) then
+    return redis.error_reply('ERR llmq_submit_lane: give 3 or 4 keys, a field and a payload')
+  end
+  local lane = string.match(keys[1], '}}:([^{{}}]+)$')
+  if not lane then
+    return redis.error_reply('ERR llmq_submit_lane: ' .. keys[1] .. ' is no lane stream')
+  end
+  if keys[4] then
+    local first = redis.call('GET', keys[4])
+    if first then return {{0, first}} end
+  end
+  local entry = redis.pcall('XADD', keys[1], next_lane_id(keys[3]), field, payload)
+  if type(entry) == 'table' and entry.err then return entry end
+  redis.call('HSET', keys[3], lane, entry, '{LAST_FIELD}', entry)
+  if keys[4] then
+    redis.call('SET', keys[4], entry, 'EX', tonumber(args[3]) or 86400)
+  end
+  redis.call('HSET', keys[2], entry, args[4] or entry)
+  return {{1, entry}}
+end
+
 -- A dead letter queued again, atomically within the queue's slot: the new entry, recorded like a
 -- submit's, the dead letter gone, and, when the request id is the producer's own, its marker
 -- naming the new entry (so `llmq result` knows the id before a worker starts it).
@@ -103,6 +155,7 @@ local function retry(keys, args)
 end
 
 redis.register_function('{SUBMIT_FUNCTION}', submit)
+redis.register_function('{SUBMIT_LANE_FUNCTION}', submit_lane)
 redis.register_function('{RETRY_FUNCTION}', retry)
 redis.register_function{{function_name='llmq_version', callback=function() return VERSION end,
                          flags={{'no-writes'}}}}

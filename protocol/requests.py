@@ -145,6 +145,10 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     # False: never speculate for this request on a worker running speculative decoding (the
     # tokens are the same either way; it only spends no compute on drafts).
     speculative: bool = True
+    # The priority class: interactive work is read and scheduled before batch work, which
+    # fills the capacity left (docs/protocol.md, section 3a). None: the lane of the stream the
+    # entry is on (a plain XADD to llmq:q:{<queue>} is interactive).
+    lane: Literal["interactive", "batch"] | None = None
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -41,6 +41,7 @@ from llmq.broker import replies
 from llmq.broker.keys import tenant_of
 from llmq.broker.redis_url import cluster_client
 from llmq.broker.replies import Fields, StreamEntry
+from llmq.broker.work_lanes import BATCH, WorkLane
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor
@@ -69,11 +70,13 @@ class Admission:
 
     def admit(self, client: redis.Redis, entries: list[StreamEntry], backoff: Backoff,
               attempts: dict[str, int] | None = None,
-              forgiven: dict[str, int] | None = None, solo: set[str] | None = None) -> int:
+              forgiven: dict[str, int] | None = None, solo: set[str] | None = None,
+              lanes: Mapping[str, WorkLane] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
 
         `attempts`: delivery counts of reclaimed entries (default 1); `forgiven`: their
-        drain hand-backs; `solo`: the suspects among them, which run alone.
+        drain hand-backs; `solo`: the suspects among them, which run alone; `lanes`: the lane
+        stream each came from (default the queue's own stream).
 
         Makes one round trip (TIME, cancel flags, id ownership), retried through `backoff` while
         Redis is away; if the worker stops meanwhile the entries stay in the table and are
@@ -86,6 +89,7 @@ class Admission:
             entry = _entry_for(decoded, attempt)
             entry.forgiven = (forgiven or {}).get(entry_id, 0)
             entry.solo = entry_id in (solo or ())
+            entry.lane = (lanes or {}).get(entry_id)
             if not self.table.add(entry):
                 # Already ours and running: XAUTOCLAIM handed back our own entry after a stall.
                 continue
@@ -183,9 +187,13 @@ class Admission:
         # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
+        # NOTE: the stream decides the class of a lane entry; on the queue's own stream a
+        # plain XADD may still say `"lane": "batch"`, which the engine then preempts first.
+        batch = (entry.lane.priority_class == BATCH if entry.lane is not None
+                 else request.lane == BATCH)
         return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
                           processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
-                          solo=entry.solo)
+                          solo=entry.solo, batch=batch)
 
     def _reject(self, entry: InFlight, rejected: protocol.RejectedEntry, fields: Fields) -> None:
         if rejected.request_id not in (None, entry.entry_id):

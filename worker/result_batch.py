@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from llmq import protocol
+from llmq.broker.work_lanes import WorkLane
 from llmq.protocol import Encoding, Event
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.inflight_table import InFlightTable
@@ -37,6 +38,9 @@ class EntryWrite:
     ack: bool = False  # XACK the entry after its events: this write is its last
     dead_letter: dict[str, bytes] | None = None  # fields to XADD to the dead-letter stream
     pop: bool = True  # forget the entry once acked (False for entries never in the table)
+    # The lane stream of an entry never in the table (None: the table's record, else the
+    # queue's own stream).
+    lane: WorkLane | None = None
 
 
 @dataclass
@@ -50,6 +54,7 @@ class ResultBatch:
         default_factory=list)
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
     events_written: bool = False  # on a cluster: the events are on their nodes, only acks remain
+    lanes: dict[str, WorkLane] = field(default_factory=dict)  # of acked entries not in the table
 
     @property
     def num_writes(self) -> int:
@@ -65,6 +70,8 @@ class ResultBatch:
                     self.errors.append(event.code)
         if write.ack:
             self.ack_ids.append(write.entry_id)
+            if write.lane is not None:
+                self.lanes[write.entry_id] = write.lane
             if write.pop:
                 self.pop_ids.append(write.entry_id)
 

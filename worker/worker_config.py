@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, validate_name
 from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
+from llmq.worker.fair_share import parse_weights
 
 __all__ = ["WorkerConfig", "default_worker_id"]
 
@@ -40,6 +41,12 @@ class WorkerConfig:
     metrics_port: int = 0  # /metrics /healthz /readyz; 0: off
     read_block_ms: int = 500  # XREADGROUP / XREAD BLOCK slice
     flush_timeout: float = 5.0  # s to keep trying to write the last events when stopping
+    # Fraction of max_num_seqs that batch-lane work never takes, kept for interactive requests
+    # (worker/intake_window.py).
+    interactive_headroom: float = 0.25
+    # Fair-share weights of tenants within a lane, `acme=2,bob=1`; unnamed tenants weigh 1
+    # (worker/fair_share.py).
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
         Keys(self.prefix)
@@ -68,6 +75,10 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.read_block_ms < 1:
             raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
+        if not 0 <= self.interactive_headroom < 1:
+            raise ValueError(f"interactive_headroom must be in [0, 1), got "
+                             f"{self.interactive_headroom}")
+        parse_weights(self.tenant_weights)  # ValueError naming the bad item
 
     @property
     def heartbeat_interval(self) -> float:

@@ -108,7 +108,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, batch: bool = False) -> None:
         """Queue a request that passed `InputProcessor`; nothing is checked again here."""
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
@@ -117,6 +117,7 @@ class EngineCore:
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           arrival_time=self.clock() if arrival_time is None else arrival_time,
                           priority=priority, detokenizer=detokenizer)
+        request.batch = batch
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -9,7 +9,9 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
   chunks), then waiting ones, so a long prompt is prefilled in chunks alongside decodes.
 - Order: `running` is kept sorted by the policy (fcfs: arrival; priority: lower value, then
   arrival), so the request preempted when blocks run out, the last one, is always the least
-  important and never one already scheduled in this step.
+  important and never one already scheduled in this step. Under either policy, requests from a
+  batch lane (`Request.batch`, broker/work_lanes.py) come after every interactive one: they
+  wait behind interactive requests and are preempted first.
 - Preemption is by recompute: the victim's blocks are freed (full ones stay in the prefix cache)
   and it goes back to the front of the waiting queue, keeping its output tokens and text.
 - Requests finished outside `update_from_output` (aborts, the preemption cap) leave a terminal
@@ -73,7 +75,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, next to admit first
         self.running: list[Request] = []  # sorted by _order_key
-        self._order_keys: dict[str, tuple[float, float, int]] = {}
+        self._order_keys: dict[str, tuple[int, float, float, int]] = {}
         self._arrivals = itertools.count()
         self._finished_request_ids: set[str] = set()
         self._finished_outputs: list[EngineCoreOutput] = []
@@ -95,8 +97,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._order_keys[request.request_id] = (
-            request.priority if self.by_priority else 0, request.arrival_time,
-            next(self._arrivals))
+            int(request.batch), request.priority if self.by_priority else 0,
+            request.arrival_time, next(self._arrivals))
         if request.sampling_params.n > 1:
             self.parallel.add_parent(request)
             if request.fork_at == 0:  # nothing to share: n plain requests
@@ -294,16 +296,19 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _order_key(self, request: Request) -> tuple[float, float, int]:
+    def _order_key(self, request: Request) -> tuple[int, float, float, int]:
         return self._order_keys[request.request_id]
 
     def _enqueue_waiting(self, request: Request, front: bool) -> None:
         if self.by_priority:
             bisect.insort(self.waiting, request, key=self._order_key)
-        elif front:
-            self.waiting.insert(0, request)
+            return
+        # fcfs within a class; interactive requests all before the first batch one
+        first_batch = next((i for i, r in enumerate(self.waiting) if r.batch), len(self.waiting))
+        if request.batch:
+            self.waiting.insert(first_batch if front else len(self.waiting), request)
         else:
-            self.waiting.append(request)
+            self.waiting.insert(0 if front else first_batch, request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
