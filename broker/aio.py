@@ -30,6 +30,7 @@ from llmq.broker.commands import (
     Followed,
     QueueStats,
     ResultFollower,
+    Submission,
     dead_letter_to_retry,
     group_created,
     parse_dead_letters,
@@ -122,6 +123,7 @@ class AsyncClient(ClientBase):
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
         await self._ensure_group_once(queue)
+        await self._ensure_lane_groups(queue, [submission])
 
         async def send() -> Any:
             return await self.redis.fcall(*self._fcall_args(submission, queue))
@@ -147,6 +149,7 @@ class AsyncClient(ClientBase):
         submissions = self._submissions(requests)
         queue = self._queue(queue)
         await self._ensure_group_once(queue)
+        await self._ensure_lane_groups(queue, submissions)
 
         async def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
@@ -182,6 +185,17 @@ class AsyncClient(ClientBase):
         created = await self.call(create)
         self._groups_ready.add(queue)
         return created
+
+    async def _ensure_lane_groups(self, queue: str, submissions: list[Submission]) -> None:
+        if not (lanes := self._new_lanes(queue, submissions)):
+            return
+
+        async def create() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_lane_groups(pipe, lanes)
+            return await pipe.execute(raise_on_error=False)
+
+        self._lane_groups_made(lanes, await self.call(create))
 
     async def _ensure_group_once(self, queue: str) -> None:
         if queue not in self._groups_ready:

@@ -152,6 +152,7 @@ class Client(ClientBase):
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
         self._ensure_group_once(queue)
+        self._ensure_lane_groups(queue, [submission])
 
         def send() -> Any:
             return self.redis.fcall(*self._fcall_args(submission, queue))
@@ -184,6 +185,7 @@ class Client(ClientBase):
         submissions = self._submissions(requests)
         queue = self._queue(queue)
         self._ensure_group_once(queue)
+        self._ensure_lane_groups(queue, submissions)
 
         def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
@@ -223,6 +225,17 @@ class Client(ClientBase):
         created = self.call(create)
         self._groups_ready.add(queue)
         return created
+
+    def _ensure_lane_groups(self, queue: str, submissions: list[Submission]) -> None:
+        if not (lanes := self._new_lanes(queue, submissions)):
+            return
+
+        def create() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_lane_groups(pipe, lanes)
+            return pipe.execute(raise_on_error=False)
+
+        self._lane_groups_made(lanes, self.call(create))
 
     def _ensure_group_once(self, queue: str) -> None:
         if queue not in self._groups_ready:

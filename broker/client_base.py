@@ -34,7 +34,7 @@ from llmq.broker.functions import (
     is_missing_function,
     submit_error,
 )
-from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
+from llmq.broker.keys import GROUP, NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.broker.settings import BrokerSettings
 from llmq.broker.work_lanes import WorkLane, lane_for_request
@@ -150,6 +150,27 @@ class ClientBase:
         """The stream a submission goes to: its `lane` (interactive unless it says batch), and
         the tenant its id names (broker/work_lanes.py)."""
         return lane_for_request(self.keys, queue, submission.lane, submission.request_id)
+
+    def _new_lanes(self, queue: str, submissions: Iterable[Submission]) -> list[WorkLane]:
+        """The lane streams of `submissions` whose consumer group this client has not made
+        sure of yet (the queue's own stream has `ensure_group`)."""
+        lanes = {lane.stream: lane for s in submissions
+                 if not (lane := self._lane(s, queue)).is_queue_stream
+                 and lane.stream not in self._groups_ready}
+        return list(lanes.values())
+
+    @staticmethod
+    def _queue_lane_groups(pipe: Any, lanes: list[WorkLane]) -> None:
+        """Queue XGROUP CREATE (at id 0, MKSTREAM) of each lane: like the queue's, made by
+        producers too, so lag counts their entries before any worker ran (KEDA)."""
+        for lane in lanes:
+            pipe.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+
+    def _lane_groups_made(self, lanes: list[WorkLane], results: list[Any]) -> None:
+        for lane, result in zip(lanes, results, strict=True):
+            if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
+                raise result
+            self._groups_ready.add(lane.stream)
 
     def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
         """FCALL's function, then its arguments: numkeys, keys, then args (broker/functions.py):
