@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from llmq.broker import replies
 from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
@@ -46,6 +47,7 @@ from llmq.broker.commands import (
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect
 from llmq.broker.functions import RETRY_FUNCTION, ensure_functions
+from llmq.broker.lane_stats import LaneStats, lane_stats_reads, parse_lane_stats, queue_lanes
 from llmq.broker.result_reader import FollowerGroup, ResultReader
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
@@ -311,6 +313,19 @@ class Client(ClientBase):
             pipe = self.redis.pipeline(transaction=False)
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, pipe.execute(raise_on_error=False))
+
+        return self.call(read)
+
+    def lane_stats(self, queue: str | None = None) -> list[LaneStats]:
+        """Backlog, pending and entries read of each lane stream of a queue (its own first)."""
+        queue = self._queue(queue)
+
+        def read() -> list[LaneStats]:
+            names = replies.texts(self.redis.hkeys(self.keys.lanes(queue)), "HKEYS")
+            lanes = queue_lanes(self.keys, queue, names)
+            pipe = self.redis.pipeline(transaction=False)
+            lane_stats_reads(pipe, lanes)
+            return parse_lane_stats(lanes, pipe.execute(raise_on_error=False))
 
         return self.call(read)
 
