@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     MARKER_CHECK_REPLIES,
@@ -168,8 +170,10 @@ class ClientBase:
 
     def _lane_groups_made(self, lanes: list[WorkLane], results: list[Any]) -> None:
         for lane, result in zip(lanes, results, strict=True):
+            if isinstance(result, NoPermissionError):
+                continue  # another tenant's lane: the submit itself is refused, and says so
             if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
-                raise result
+                raise translate(result, self.url) or result
             self._groups_ready.add(lane.stream)
 
     def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
