@@ -86,6 +86,29 @@ def done_times(r: redis.Redis, request_ids: list[str]) -> dict[str, tuple[int, i
     return out
 
 
+def start_times(r: redis.Redis, request_ids: list[str]) -> dict[str, int]:
+    """request id -> server ms its first `start` was written (admitted by a worker)."""
+    pipe = r.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.xrange(KEYS.result(request_id), count=1)
+    out = {}
+    for request_id, entries in zip(request_ids, pipe.execute(), strict=True):
+        for entry_id, fields in entries:
+            if isinstance(protocol.decode_event(fields), protocol.Start):
+                out[request_id] = int(entry_id.decode().partition("-")[0])
+    return out
+
+
+def share_of_b(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]
+               ) -> tuple[float, int, int, float]:
+    """(B's share of output tokens, A's tokens, B's tokens, seconds) over the span of B's
+    times in `b` (request id -> (ms, tokens)), counting A's in the same span."""
+    start, end = min(ms for ms, _ in b.values()), max(ms for ms, _ in b.values())
+    a_tokens = sum(t for ms, t in a.values() if start <= ms <= end)
+    b_tokens = sum(t for _, t in b.values())
+    return b_tokens / max(1, a_tokens + b_tokens), a_tokens, b_tokens, (end - start) / 1000
+
+
 def batch_backlog(client: Client, tenant: str) -> int:
     return sum(s.backlog for s in client.lane_stats() if s.lane == f"batch:{tenant}")
 
@@ -128,17 +151,23 @@ def main() -> None:
             deadline = time.monotonic() + 3600
             while len(done_times(r, b_ids)) < len(b_ids) and time.monotonic() < deadline:
                 time.sleep(2.0)
-            b_done = done_times(r, b_ids)
-            a_done = done_times(r, a_ids)
-            start, end = min(ms for ms, _ in b_done.values()), max(ms for ms, _ in b_done.values())
-            a_tokens = sum(t for ms, t in a_done.values() if start <= ms <= end)
-            b_tokens = sum(t for ms, t in b_done.values() if start <= ms <= end)
+            b_done, a_done = done_times(r, b_ids), done_times(r, a_ids)
+            b_start, a_start = start_times(r, b_ids), start_times(r, a_ids)
+            # NOTE: A's requests already running when B submitted finish inside the span of
+            # B's; counted by admission, only what the workers chose while both had work
+            # queued counts (ignore_eos: each makes exactly --batch-max-tokens tokens).
+            tokens = args.batch_max_tokens
+            by_start = share_of_b({i: (ms, tokens) for i, ms in a_start.items()},
+                                  {i: (ms, tokens) for i, ms in b_start.items()})
+            by_done = share_of_b(a_done, b_done)
+            end = max(ms for ms, _ in b_done.values())
             a_left = len(a_ids) - len([ms for ms, _ in a_done.values() if ms <= end])
-            share = b_tokens / max(1, a_tokens + b_tokens)
-            print(f"fair share: A queued {args.tenant_a}, then B {args.tenant_b}; over the "
-                  f"{(end - start) / 1000:.1f} s B's requests finished in, B got "
-                  f"{b_tokens} output tokens, A {a_tokens}: B's share {share:.1%} "
-                  f"(bar 45-55%); A still had {a_left} requests queued or running at its end")
+            print(f"fair share: A queued {args.tenant_a}, then B {args.tenant_b} (A still had "
+                  f"{a_left} queued or running when B's last finished)")
+            for what, (share, a_tokens, b_tokens, seconds) in (
+                    ("admitted", by_start), ("finished", by_done)):
+                print(f"  over the {seconds:.1f} s B's requests were {what} in: B {b_tokens} "
+                      f"output tokens, A {a_tokens}: B's share {share:.1%} (bar 45-55%)")
 
             # -- interactive under a batch backlog -------------------------------------------
             backlog = batch_backlog(client, "A")

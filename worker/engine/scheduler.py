@@ -11,7 +11,10 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
   arrival), so the request preempted when blocks run out, the last one, is always the least
   important and never one already scheduled in this step. Under either policy, requests from a
   batch lane (`Request.batch`, broker/work_lanes.py) come after every interactive one: they
-  wait behind interactive requests and are preempted first.
+  wait behind interactive requests and are preempted first; while an interactive request waits
+  to start, running batch requests sit the step out (keeping their blocks), so its prefill runs
+  in a step of its own size, and a batch request is preempted when the interactive one finds
+  no KV room.
 - Preemption is by recompute: the victim's blocks are freed (full ones stay in the prefix cache)
   and it goes back to the front of the waiting queue, keeping its output tokens and text.
 - Requests finished outside `update_from_output` (aborts, the preemption cap) leave a terminal
@@ -141,9 +144,20 @@ class Scheduler:
         preempted = False
 
         # Running requests: one decode token each, or the next chunk of their prompt.
+        # NOTE: not batch ones while an interactive request waits: its time to first token is
+        # then about an idle engine's, whatever the batch running beside it.
+        waiting_interactive = next((r for r in self.waiting if not r.batch), None)
+        hold_batch = waiting_interactive is not None
+        while waiting_interactive is not None and sum(r.num_seqs for r in self.running) \
+                + waiting_interactive.num_seqs > self.config.max_num_seqs \
+                and (victims := [r for r in self.running if r.batch]):
+            self._preempt(victims[-1])  # a seat for it (nothing is scheduled yet)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if hold_batch and request.batch:
+                i += 1
+                continue
             num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
@@ -189,6 +203,12 @@ class Scheduler:
             num_hit = min(num_hit, request.num_tokens_to_compute)
             num_new = min(request.num_tokens_to_compute - num_hit, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None and not request.batch and hold_batch \
+                    and (victims := [r for r in self.running if r.batch]):
+                # NOTE: batch requests sat this step out, so none was scheduled in it.
+                self._preempt(victims[-1])
+                num_seqs -= victims[-1].num_seqs
+                continue
             if block_ids is None:
                 break
             self.waiting.pop(0)
