@@ -40,6 +40,7 @@ from llmq.broker.commands import (
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
 from llmq.broker.functions import RETRY_FUNCTION, ensure_functions_async
+from llmq.broker.lane_stats import LaneStats, lane_stats_reads, parse_lane_stats, queue_lanes
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
 from llmq.protocol import (
@@ -243,6 +244,19 @@ class AsyncClient(ClientBase):
             pipe = self.redis.pipeline(transaction=False)
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, await pipe.execute(raise_on_error=False))
+
+        return await self.call(read)
+
+    async def lane_stats(self, queue: str | None = None) -> list[LaneStats]:
+        """Backlog, pending and entries read of each lane stream of a queue (its own first)."""
+        queue = self._queue(queue)
+
+        async def read() -> list[LaneStats]:
+            names = replies.texts(await self.redis.hkeys(self.keys.lanes(queue)), "HKEYS")
+            lanes = queue_lanes(self.keys, queue, names)
+            pipe = self.redis.pipeline(transaction=False)
+            lane_stats_reads(pipe, lanes)
+            return parse_lane_stats(lanes, await pipe.execute(raise_on_error=False))
 
         return await self.call(read)
 
