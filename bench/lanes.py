@@ -109,6 +109,22 @@ def share_of_b(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]
     return b_tokens / max(1, a_tokens + b_tokens), a_tokens, b_tokens, (end - start) / 1000
 
 
+def server_side(r: redis.Redis, request_ids: list[str]) -> tuple[list[float], list[float]]:
+    """(entry added -> start event, start event -> first delta) in ms on the server's clock."""
+    queued, engine = [], []
+    for request_id in request_ids:
+        marker = r.get(KEYS.idempotency("default", request_id))
+        events = r.xrange(KEYS.result(request_id))
+        times = [(int(i.decode().partition("-")[0]), protocol.decode_event(f)) for i, f in events]
+        start = next((ms for ms, e in times if isinstance(e, protocol.Start)), None)
+        first = next((ms for ms, e in times if isinstance(e, protocol.Delta)), None)
+        if marker is None or start is None or first is None:
+            continue
+        queued.append(start - int(marker.decode().partition("-")[0]))
+        engine.append(first - start)
+    return queued, engine
+
+
 def batch_backlog(client: Client, tenant: str) -> int:
     return sum(s.backlog for s in client.lane_stats() if s.lane == f"batch:{tenant}")
 
@@ -179,6 +195,10 @@ def main() -> None:
                                        args.interactive_max_tokens)
             after = batch_backlog(client, "A")
             ratio = percentile(loaded, 99) / percentile(idle, 99)
+            queued, engine = server_side(r, [f"B:loaded-{i}" for i in range(args.samples)])
+            print(f"  server side: queued to admitted p50 {percentile(queued, 50):.0f} ms, p99 "
+                  f"{percentile(queued, 99):.0f} ms; admitted to first token p50 "
+                  f"{percentile(engine, 50):.0f} ms, p99 {percentile(engine, 99):.0f} ms")
             print(f"batch backlog of A: {before} queued when the interactive stream began, "
                   f"{after} when it ended")
             print(f"loaded pool: interactive TTFT p50 {percentile(loaded, 50) * 1000:.0f} ms, "

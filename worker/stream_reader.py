@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # While batch work waits for room, a blocking read on the interactive lanes alone is this short.
 BATCH_RECHECK_MS = 50
+# Batch entries read (and admitted: tokenized) at most per pass, so an interactive entry that
+# arrives meanwhile waits for a few admissions, not for a whole window's.
+BATCH_READ_MAX = 8
 
 
 class StreamReader:
@@ -174,7 +177,7 @@ class StreamReader:
         """Without blocking: interactive lanes first, then batch lanes in what room is left,
         each lane's tenants in fair shares (worker/fair_share.py)."""
         read = self._read_fair(INTERACTIVE, self.ctx.lanes.interactive(), interactive_room)
-        batch_room -= len(read)  # what was just read takes seats and window too
+        batch_room = min(batch_room - len(read), BATCH_READ_MAX)  # read ones take seats too
         self.batch_left_unread = batch_room <= 0
         if batch_room > 0:
             read += self._read_fair(BATCH, self.ctx.lanes.batch(), batch_room)
