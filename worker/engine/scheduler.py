@@ -9,12 +9,8 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
   chunks), then waiting ones, so a long prompt is prefilled in chunks alongside decodes.
 - Order: `running` is kept sorted by the policy (fcfs: arrival; priority: lower value, then
   arrival), so the request preempted when blocks run out, the last one, is always the least
-  important and never one already scheduled in this step. Under either policy, requests from a
-  batch lane (`Request.batch`, broker/work_lanes.py) come after every interactive one: they
-  wait behind interactive requests and are preempted first; while an interactive request waits
-  to start, running batch requests sit the step out (keeping their blocks), so its prefill runs
-  in a step of its own size, and a batch request is preempted when the interactive one finds
-  no KV room.
+  important and never one already scheduled in this step. Batch-lane requests yield to
+  interactive ones: waiting, seats, KV blocks, steps (worker/engine/lane_priority.py).
 - Preemption is by recompute: the victim's blocks are freed (full ones stay in the prefix cache)
   and it goes back to the front of the waiting queue, keeping its output tokens and text.
 - Requests finished outside `update_from_output` (aborts, the preemption cap) leave a terminal
@@ -38,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from llmq.protocol.errors import ErrorCode, RequestRejected
-from llmq.worker.engine import stop_checker
+from llmq.worker.engine import lane_priority, stop_checker
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.kv_cache_manager import KVCacheManager
 from llmq.worker.engine.outputs import (
@@ -146,20 +142,15 @@ class Scheduler:
         # Running requests: one decode token each, or the next chunk of their prompt.
         # NOTE: not batch ones while an interactive request waits: its time to first token is
         # then about an idle engine's, whatever the batch running beside it.
-        waiting_interactive = next((r for r in self.waiting if not r.batch), None)
-        hold_batch = waiting_interactive is not None
-        while waiting_interactive is not None and sum(r.num_seqs for r in self.running) \
-                + waiting_interactive.num_seqs > self.config.max_num_seqs \
-                and (victims := [r for r in self.running if r.batch]):
-            self._preempt(victims[-1])  # a seat for it (nothing is scheduled yet)
+        hold_batch = (interactive := lane_priority.first_interactive(self.waiting)) is not None
+        seats = self.config.max_num_seqs
+        for victim in lane_priority.seat_victims(interactive, self.running, seats):
+            self._preempt(victim)  # a seat for it (nothing is scheduled yet)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if hold_batch and request.batch:
-                i += 1
-                continue
             num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (hold_batch and request.batch):
                 i += 1
                 continue
             draft = self.speculator.propose(request, budget, self.max_model_len) \
@@ -203,11 +194,10 @@ class Scheduler:
             num_hit = min(num_hit, request.num_tokens_to_compute)
             num_new = min(request.num_tokens_to_compute - num_hit, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
-            if block_ids is None and not request.batch and hold_batch \
-                    and (victims := [r for r in self.running if r.batch]):
-                # NOTE: batch requests sat this step out, so none was scheduled in it.
-                self._preempt(victims[-1])
-                num_seqs -= victims[-1].num_seqs
+            if block_ids is None and not request.batch \
+                    and (giver := lane_priority.batch_victim(self.running)):
+                self._preempt(giver)  # NOTE: batch requests sat this step out: none scheduled
+                num_seqs -= giver.num_seqs
                 continue
             if block_ids is None:
                 break
@@ -322,13 +312,8 @@ class Scheduler:
     def _enqueue_waiting(self, request: Request, front: bool) -> None:
         if self.by_priority:
             bisect.insort(self.waiting, request, key=self._order_key)
-            return
-        # fcfs within a class; interactive requests all before the first batch one
-        first_batch = next((i for i, r in enumerate(self.waiting) if r.batch), len(self.waiting))
-        if request.batch:
-            self.waiting.insert(first_batch if front else len(self.waiting), request)
         else:
-            self.waiting.insert(0 if front else first_batch, request)
+            self.waiting.insert(lane_priority.waiting_index(self.waiting, request, front), request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
