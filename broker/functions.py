@@ -18,7 +18,7 @@ load-functions` does for an operator.
     FCALL llmq_submit_lane 3|4 llmq:q:{<queue>}:<lane> llmq:sub:{<queue>}:<lane> \
           llmq:lanes:{<queue>} [<marker>] json '{...}' [86400 <request_id>]
         -> as llmq_submit, to a lane stream (broker/work_lanes.py): the entry id is chosen here,
-           `<ms>-<seq>` with seq >= 2**40, unique across the queue's streams
+           `<ms>-<k * 2**40 + c>` (k: the lane's number), unique across the queue's streams
 
     FCALL llmq_retry 3|4 llmq:q:{<queue>} llmq:dlq:{<queue>} llmq:sub:{<queue>} [<marker>] \
           <dead letter id> <marker ttl s> <request id or ''> <field> <value> ...
@@ -37,7 +37,7 @@ from typing import Any
 import redis
 
 from llmq.broker import replies
-from llmq.broker.work_lanes import LANE_SEQ_BASE, LAST_FIELD
+from llmq.broker.work_lanes import COUNT_FIELD, LANE_SEQ_BASE, LAST_FIELD, MAX_LANE_NUMBER
 from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
 __all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "RETRY_FUNCTION", "SUBMIT_FUNCTION",
@@ -85,20 +85,35 @@ local function submit(keys, args)
   return {{1, entry}}
 end
 
--- The next lane entry id of the queue: the server's clock in ms, and a sequence number from
--- {LANE_SEQ_BASE} up (the queue stream's own `*` ids never get there), after the last lane id
--- any stream of the queue was given, so no two streams of the queue share an entry id.
-local function next_lane_id(lanes)
+-- The next entry id of a lane: `<ms>-<k * {LANE_SEQ_BASE} + c>`, where ms is the server's clock
+-- (or the queue's last lane ms, if later), c counts the queue's lane entries within that ms
+-- (`{LAST_FIELD}` holds `<ms>-<c>`) and k is the lane's own number (1, 2, ...: the queue's own
+-- stream's `*` ids stay below {LANE_SEQ_BASE}). c makes the id unique across the queue's
+-- streams; k keeps an XADD by hand to a lane (`*` continues from its last id) inside that
+-- lane's own range. Returns nil and an error when the lane has no valid number.
+local function next_lane_id(lanes, lane)
+  local k = redis.call('HGET', lanes, lane)
+  if not k then
+    k = redis.call('HINCRBY', lanes, '{COUNT_FIELD}', 1)
+    redis.call('HSET', lanes, lane, k)
+  end
+  k = tonumber(k)
+  if not k or k < 1 or k > {MAX_LANE_NUMBER} or k ~= math.floor(k) then
+    return nil, 'ERR llmq_submit_lane: lane ' .. lane .. ' has no valid number in ' .. lanes
+  end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local ms, seq = now, {LANE_SEQ_BASE}
+  local ms, c = now, 0
   local last = redis.call('HGET', lanes, '{LAST_FIELD}')
   if last then
-    local last_ms, last_seq = string.match(last, '^(%d+)-(%d+)$')
-    last_ms, last_seq = tonumber(last_ms), tonumber(last_seq)
-    if last_ms and last_ms >= now then ms, seq = last_ms, math.max(last_seq + 1, seq) end
+    local last_ms, last_c = string.match(last, '^(%d+)-(%d+)$')
+    last_ms, last_c = tonumber(last_ms), tonumber(last_c)
+    if last_ms and last_c and last_ms >= now and last_c < {LANE_SEQ_BASE} - 1 then
+      ms, c = last_ms, last_c + 1
+    end
   end
-  return string.format('%.0f-%.0f', ms, seq)
+  redis.call('HSET', lanes, '{LAST_FIELD}', string.format('%.0f-%.0f', ms, c))
+  return string.format('%.0f-%.0f', ms, k * {LANE_SEQ_BASE} + c)
 end
 
 -- keys: lane stream, its submissions, the queue's lanes [, idempotency marker]
@@ -119,9 +134,10 @@ local function submit_lane(keys, args)
     local first = redis.call('GET', keys[4])
     if first then return {{0, first}} end
   end
-  local entry = redis.pcall('XADD', keys[1], next_lane_id(keys[3]), field, payload)
+  local id, problem = next_lane_id(keys[3], lane)
+  if not id then return redis.error_reply(problem) end
+  local entry = redis.pcall('XADD', keys[1], id, field, payload)
   if type(entry) == 'table' and entry.err then return entry end
-  redis.call('HSET', keys[3], lane, entry, '{LAST_FIELD}', entry)
   if keys[4] then
     redis.call('SET', keys[4], entry, 'EX', tonumber(args[3]) or 86400)
   end

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmq.broker import replies
 from llmq.broker.keys import GROUP, Keys
-from llmq.broker.work_lanes import LAST_FIELD, WorkLane, lane_from_name, work_lane
+from llmq.broker.work_lanes import WorkLane, lane_from_name, work_lane
 
 __all__ = ["LaneStats", "lane_stats_reads", "parse_lane_stats", "queue_lanes"]
 
@@ -38,7 +38,7 @@ def queue_lanes(keys: Keys, queue: str, lane_names: list[str]) -> list[WorkLane]
     """The queue's own stream and the lanes HKEYS llmq:lanes:{<queue>} named."""
     lanes = [work_lane(keys, queue)]
     for name in sorted(lane_names):
-        if name != LAST_FIELD and (lane := lane_from_name(keys, queue, name)) is not None:
+        if (lane := lane_from_name(keys, queue, name)) is not None:
             lanes.append(lane)
     return lanes
 

@@ -95,7 +95,7 @@ class TenantAcl:
             f"(~{q} ~{lq} ~{subs} ~{lsubs} ~{lanes} ~{markers} +fcall)",
             f"(~{subs} ~{lsubs} +hset)",
             # NOTE: the lane submit function's id clock and lane list (ids and entry ids only).
-            f"(~{lanes} +hget +hset)",
+            f"(~{lanes} +hget +hset +hincrby)",
             # NOTE: HEXISTS, not HGET: whether an entry is recorded (a marker check), not whose.
             f"(%R~{subs} %R~{lsubs} +hexists)",
             f"(~{markers} +get +set)",

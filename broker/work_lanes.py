@@ -15,11 +15,13 @@ A tenant's lanes are under `llmq:t:` as its ids' keys are, so ACL globs tell the
 (`llmq:sub:{<queue>}:batch`, `llmq:t:sub:{<queue>}:<lane>:<t>`); dead letters,
 hand-back counts, markers and cancellations stay the queue's. Every key is in the queue's slot.
 The submit function (`llmq_submit_lane`, broker/functions.py) gives lane entries ids that are
-unique across all of a queue's streams (their sequence numbers start at LANE_SEQ_BASE, which the
-queue stream's own `*` ids never reach), so an entry id names one entry of the queue whichever
-stream holds it, as everything keyed by entry id (in-flight tables, hand-back counts, id-less
-result streams) assumes. It also records each lane in `llmq:lanes:{<queue>}`, where workers find
-the lanes to read.
+unique across all of a queue's streams (`<ms>-<k * LANE_SEQ_BASE + c>`: k the lane's number, c
+a per-millisecond count shared by the queue's lanes; the queue stream's own `*` ids stay below
+LANE_SEQ_BASE), so an entry id names one entry of the queue whichever stream holds it, as
+everything keyed by entry id (in-flight tables, hand-back counts, id-less result streams)
+assumes, and an XADD by hand to a lane (its `*` id continues from the lane's last) stays in that
+lane's range. It records each lane's number in `llmq:lanes:{<queue>}`, where workers find the
+lanes to read.
 """
 
 from __future__ import annotations
@@ -29,18 +31,23 @@ from typing import Literal
 
 from llmq.broker.keys import Keys, is_valid_tenant, tenant_of
 
-__all__ = ["BATCH", "INTERACTIVE", "LANE_SEQ_BASE", "PRIORITY_CLASSES", "LAST_FIELD",
+__all__ = ["BATCH", "COUNT_FIELD", "INTERACTIVE", "LANE_SEQ_BASE", "LAST_FIELD",
+           "MAX_LANE_NUMBER", "PRIORITY_CLASSES",
            "PriorityClass", "WorkLane", "lane_for_request", "lane_from_name", "work_lane"]
 
 INTERACTIVE: Literal["interactive"] = "interactive"
 BATCH: Literal["batch"] = "batch"
 PriorityClass = Literal["interactive", "batch"]
 PRIORITY_CLASSES: tuple[PriorityClass, ...] = (INTERACTIVE, BATCH)
-# 2**40: the first sequence number of a lane entry id (`<ms>-<seq>`). The queue stream's `*` ids
-# count from 0 within each millisecond and would need a trillion entries in one to get here.
+# 2**40: lane k's entry ids are `<ms>-<k * 2**40 + c>`. The queue stream's `*` ids count from 0
+# within each millisecond and would need a trillion entries in one to get past it.
 LANE_SEQ_BASE = 1 << 40
-# The field of llmq:lanes:{<queue>} holding the queue's last lane entry id (no lane is named so).
+# Lane numbers stay below 2**13, so k * 2**40 + c is exact in Lua's doubles (2**53).
+MAX_LANE_NUMBER = (1 << 13) - 1
+# Fields of llmq:lanes:{<queue>} besides the lanes' (no lane is named so): the last lane id's
+# `<ms>-<c>`, and how many lane numbers were given out.
 LAST_FIELD = "last"
+COUNT_FIELD = "count"
 
 
 @dataclass(frozen=True)

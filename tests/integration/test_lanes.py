@@ -22,6 +22,7 @@ from tests.integration.worker_harness import (
     KEYS,
     InProcessWorker,
     WorkerProcess,
+    dead_letters,
     read_events,
     wait_for,
     wait_terminal,
@@ -107,3 +108,42 @@ def test_a_dead_workers_entries_on_a_lane_stream_are_taken_over(
     finally:
         slow.stop()
         peer.stop()
+
+
+def test_entries_that_do_not_fit_their_stream_are_dead_lettered_not_run(
+        redis_server, redis_client, tiny_model) -> None:
+    acme = work_lane(KEYS, "default", BATCH, "acme")
+    shared = work_lane(KEYS, "default", BATCH)
+    with Client(redis_server.url) as client:  # the lanes and their groups exist
+        ok = client.submit_many([_request(0, id="acme:ok", lane="batch"),
+                                 _request(0, id="shared-ok", lane="batch")])
+    # Given entries added by hand: a queue-style id on acme's lane, bob's id on acme's lane
+    # (with an id in its range), a tenant's id on the shared batch lane, and a lane-style id on
+    # the queue's own stream
+    def last(stream: str) -> tuple[int, int]:
+        ((entry_id, _),) = redis_client.xrevrange(stream, count=1)
+        ms, seq = entry_id.decode().split("-")
+        return int(ms), int(seq)
+
+    (a_ms, a_seq), (s_ms, s_seq) = last(acme.stream), last(shared.stream)
+    raw = redis_client.xadd(acme.stream, {"json": '{"id": "acme:raw", "prompt": "x"}'},
+                            id=f"{a_ms + 5}-0")
+    forged = [
+        redis_client.xadd(acme.stream, {"json": '{"id": "bob:1", "prompt": "x"}'},
+                          id=f"{a_ms + 6}-{a_seq}"),
+        redis_client.xadd(shared.stream, {"json": '{"id": "acme:2", "prompt": "x"}'},
+                          id=f"{s_ms + 6}-{s_seq}"),
+        redis_client.xadd(KEYS.queue("default"), {"json": '{"prompt": "x"}'},
+                          id=f"{a_ms + 7}-{a_seq}")]
+    with InProcessWorker(redis_server.url, tiny_model):
+        # When a worker reads them all, Then the genuine ones run
+        assert all(isinstance(wait_terminal(redis_client, r, timeout=60), protocol.Done)
+                   for r in ok)
+        # And every forged one is dead-lettered, acked, and answered on no result stream
+        entries = {e.decode() for e in (raw, *forged)}
+        wait_for(lambda: entries <= {letter.entry_id for letter, _ in dead_letters(redis_client)},
+                 30, "the forged entries dead-lettered")
+    assert all(redis_client.xpending(s, GROUP)["pending"] == 0
+               for s in (acme.stream, shared.stream, KEYS.queue("default")))
+    for request_id in ("acme:raw", "bob:1", "acme:2", *entries):
+        assert read_events(redis_client, request_id) == [], request_id

@@ -112,7 +112,8 @@ ALLOWED = [
     ("FCALL", "llmq_submit_lane", "4", OWN_LANE["stream"], OWN_LANE["records"], LANES,  # its
      OWN["marker"], "json", "{}", "86400", "acme:1"),                  # own batch lane
     ("XADD", OWN_LANE["stream"], "1-1", "json", "{}"), ("HSET", OWN_LANE["records"], "1-1", "a"),
-    ("HGET", LANES, "last"), ("HSET", LANES, "batch:acme", "1-1"),
+    ("HGET", LANES, "last"), ("HSET", LANES, "batch:acme", "1"),
+    ("HINCRBY", LANES, "count", "1"),
     ("XGROUP", "CREATE", OWN_LANE["stream"], GROUP, "0", "MKSTREAM"),
     ("XPENDING", OWN_LANE["stream"], GROUP, "1-0", "1-0", "1"),
     ("HEXISTS", OWN_LANE["records"], "1-0"),
