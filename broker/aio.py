@@ -30,6 +30,7 @@ from llmq.broker.commands import (
     Followed,
     QueueStats,
     ResultFollower,
+    Submission,
     dead_letter_to_retry,
     group_created,
     parse_dead_letters,
@@ -38,7 +39,8 @@ from llmq.broker.commands import (
     queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect_async
-from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions_async
+from llmq.broker.functions import RETRY_FUNCTION, ensure_functions_async
+from llmq.broker.lane_stats import LaneStats, lane_stats_reads, parse_lane_stats, queue_lanes
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
 from llmq.protocol import (
@@ -122,9 +124,10 @@ class AsyncClient(ClientBase):
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
         await self._ensure_group_once(queue)
+        await self._ensure_lane_groups(queue, [submission])
 
         async def send() -> Any:
-            return await self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+            return await self.redis.fcall(*self._fcall_args(submission, queue))
 
         reply = await self._submitting(send, queue)
         await self._verify_markers(queue, [(submission, reply)])
@@ -132,7 +135,7 @@ class AsyncClient(ClientBase):
 
     async def _verify_markers(self, queue: str, sent: Iterable[tuple[Any, Any]]) -> None:
         """`Client._verify_markers`, awaited."""
-        if not (marked := self._marked_elsewhere(sent)):
+        if not (marked := self._marked_elsewhere(queue, sent)):
             return
 
         async def read() -> list[Any]:
@@ -147,11 +150,12 @@ class AsyncClient(ClientBase):
         submissions = self._submissions(requests)
         queue = self._queue(queue)
         await self._ensure_group_once(queue)
+        await self._ensure_lane_groups(queue, submissions)
 
         async def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+                pipe.fcall(*self._fcall_args(submission, queue))
             return await pipe.execute()
 
         replies = await self._submitting(send, queue)
@@ -182,6 +186,17 @@ class AsyncClient(ClientBase):
         created = await self.call(create)
         self._groups_ready.add(queue)
         return created
+
+    async def _ensure_lane_groups(self, queue: str, submissions: list[Submission]) -> None:
+        if not (lanes := self._new_lanes(queue, submissions)):
+            return
+
+        async def create() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_lane_groups(pipe, lanes)
+            return await pipe.execute(raise_on_error=False)
+
+        self._lane_groups_made(lanes, await self.call(create))
 
     async def _ensure_group_once(self, queue: str) -> None:
         if queue not in self._groups_ready:
@@ -229,6 +244,19 @@ class AsyncClient(ClientBase):
             pipe = self.redis.pipeline(transaction=False)
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, await pipe.execute(raise_on_error=False))
+
+        return await self.call(read)
+
+    async def lane_stats(self, queue: str | None = None) -> list[LaneStats]:
+        """Backlog, pending and entries read of each lane stream of a queue (its own first)."""
+        queue = self._queue(queue)
+
+        async def read() -> list[LaneStats]:
+            names = replies.texts(await self.redis.hkeys(self.keys.lanes(queue)), "HKEYS")
+            lanes = queue_lanes(self.keys, queue, names)
+            pipe = self.redis.pipeline(transaction=False)
+            lane_stats_reads(pipe, lanes)
+            return parse_lane_stats(lanes, await pipe.execute(raise_on_error=False))
 
         return await self.call(read)
 

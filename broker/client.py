@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from llmq.broker import replies
 from llmq.broker.client_base import ClientBase
 from llmq.broker.commands import (
     DEFAULT_REQUEST_TTL,
@@ -45,7 +46,8 @@ from llmq.broker.commands import (
     queue_names,
 )
 from llmq.broker.connection import DEFAULT_MAX_CONNECTIONS, connect
-from llmq.broker.functions import RETRY_FUNCTION, SUBMIT_FUNCTION, ensure_functions
+from llmq.broker.functions import RETRY_FUNCTION, ensure_functions
+from llmq.broker.lane_stats import LaneStats, lane_stats_reads, parse_lane_stats, queue_lanes
 from llmq.broker.result_reader import FollowerGroup, ResultReader
 from llmq.broker.retry import DEFAULT_RETRY_TIMEOUT, Backoff
 from llmq.broker.settings import BrokerSettings
@@ -152,9 +154,10 @@ class Client(ClientBase):
         submission = self._submission(prompt, messages, prompt_token_ids, request_id, params)
         queue = self._queue(queue)
         self._ensure_group_once(queue)
+        self._ensure_lane_groups(queue, [submission])
 
         def send() -> Any:
-            return self.redis.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+            return self.redis.fcall(*self._fcall_args(submission, queue))
 
         reply = self._submitting(send, queue)
         self._verify_markers(queue, [(submission, reply)])
@@ -163,7 +166,7 @@ class Client(ClientBase):
     def _verify_markers(self, queue: str, sent: Iterable[tuple[Submission, Any]]) -> None:
         """For submits that queued nothing because the id is marked: check, with one round trip,
         that the marked entry can be this request (RequestIdConflict if not)."""
-        if not (marked := self._marked_elsewhere(sent)):
+        if not (marked := self._marked_elsewhere(queue, sent)):
             return
 
         def read() -> list[Any]:
@@ -184,11 +187,12 @@ class Client(ClientBase):
         submissions = self._submissions(requests)
         queue = self._queue(queue)
         self._ensure_group_once(queue)
+        self._ensure_lane_groups(queue, submissions)
 
         def send() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for submission in submissions:
-                pipe.fcall(SUBMIT_FUNCTION, *self._fcall_args(submission, queue))
+                pipe.fcall(*self._fcall_args(submission, queue))
             return pipe.execute()
 
         replies = self._submitting(send, queue)
@@ -223,6 +227,17 @@ class Client(ClientBase):
         created = self.call(create)
         self._groups_ready.add(queue)
         return created
+
+    def _ensure_lane_groups(self, queue: str, submissions: list[Submission]) -> None:
+        if not (lanes := self._new_lanes(queue, submissions)):
+            return
+
+        def create() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            self._queue_lane_groups(pipe, lanes)
+            return pipe.execute(raise_on_error=False)
+
+        self._lane_groups_made(lanes, self.call(create))
 
     def _ensure_group_once(self, queue: str) -> None:
         if queue not in self._groups_ready:
@@ -298,6 +313,19 @@ class Client(ClientBase):
             pipe = self.redis.pipeline(transaction=False)
             self._queue_stats_reads(pipe, queue)
             return self._parse_stats(queue, pipe.execute(raise_on_error=False))
+
+        return self.call(read)
+
+    def lane_stats(self, queue: str | None = None) -> list[LaneStats]:
+        """Backlog, pending and entries read of each lane stream of a queue (its own first)."""
+        queue = self._queue(queue)
+
+        def read() -> list[LaneStats]:
+            names = replies.texts(self.redis.hkeys(self.keys.lanes(queue)), "HKEYS")
+            lanes = queue_lanes(self.keys, queue, names)
+            pipe = self.redis.pipeline(transaction=False)
+            lane_stats_reads(pipe, lanes)
+            return parse_lane_stats(lanes, pipe.execute(raise_on_error=False))
 
         return self.call(read)
 

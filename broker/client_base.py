@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from llmq.broker.commands import (
     CANCEL_STREAM_MAXLEN,
     MARKER_CHECK_REPLIES,
@@ -28,11 +30,17 @@ from llmq.broker.commands import (
     queue_marker_check,
 )
 from llmq.broker.connection import describe_connection, resolve_redis_url, translate
-from llmq.broker.functions import is_missing_function, submit_error
-from llmq.broker.keys import NAME_PATTERN, Keys, is_valid_name, validate_name
+from llmq.broker.functions import (
+    SUBMIT_FUNCTION,
+    SUBMIT_LANE_FUNCTION,
+    is_missing_function,
+    submit_error,
+)
+from llmq.broker.keys import GROUP, NAME_PATTERN, Keys, is_valid_name, validate_name
 from llmq.broker.retry import Backoff, RetryPolicy
 from llmq.broker.settings import BrokerSettings
 from llmq.broker.tracing import submit_traceparent
+from llmq.broker.work_lanes import WorkLane, lane_for_request
 from llmq.protocol import Encoding, encode_cancel
 from llmq.protocol.errors import InvalidRequest
 from llmq.protocol.requests import ENTRY_ID_RE
@@ -145,32 +153,68 @@ class ClientBase:
         return old_result, [len(keys), *keys, entry.dlq_entry_id, self.request_ttl, request_id,
                             *fields]
 
+    def _lane(self, submission: Submission, queue: str) -> WorkLane:
+        """The stream a submission goes to: its `lane` (interactive unless it says batch), and
+        the tenant its id names (broker/work_lanes.py)."""
+        return lane_for_request(self.keys, queue, submission.lane, submission.request_id)
+
+    def _new_lanes(self, queue: str, submissions: Iterable[Submission]) -> list[WorkLane]:
+        """The lane streams of `submissions` whose consumer group this client has not made
+        sure of yet (the queue's own stream has `ensure_group`)."""
+        lanes = {lane.stream: lane for s in submissions
+                 if not (lane := self._lane(s, queue)).is_queue_stream
+                 and lane.stream not in self._groups_ready}
+        return list(lanes.values())
+
+    @staticmethod
+    def _queue_lane_groups(pipe: Any, lanes: list[WorkLane]) -> None:
+        """Queue XGROUP CREATE (at id 0, MKSTREAM) of each lane: like the queue's, made by
+        producers too, so lag counts their entries before any worker ran (KEDA)."""
+        for lane in lanes:
+            pipe.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+
+    def _lane_groups_made(self, lanes: list[WorkLane], results: list[Any]) -> None:
+        for lane, result in zip(lanes, results, strict=True):
+            if isinstance(result, NoPermissionError):
+                continue  # another tenant's lane: the submit itself is refused, and says so
+            if isinstance(result, Exception) and "BUSYGROUP" not in str(result):
+                raise translate(result, self.url) or result
+            self._groups_ready.add(lane.stream)
+
     def _fcall_args(self, submission: Submission, queue: str) -> list[Any]:
-        """FCALL llmq_submit's arguments: numkeys, keys, then args (broker/functions.py)."""
-        keys = [self.keys.queue(queue), self.keys.submissions(queue)]
+        """FCALL's function, then its arguments: numkeys, keys, then args (broker/functions.py):
+        llmq_submit for the queue's own stream, llmq_submit_lane for a lane stream."""
+        lane = self._lane(submission, queue)
+        keys = [lane.stream, lane.submissions]
+        if not lane.is_queue_stream:
+            keys.append(self.keys.lanes(queue))
         args: list[Any] = [submission.encoding, submission.payload]
         if submission.request_id is not None:
             keys.append(self.keys.idempotency(queue, submission.request_id))
             args += [self.request_ttl, submission.request_id]
-        return [len(keys), *keys, *args]
+        function = SUBMIT_FUNCTION if lane.is_queue_stream else SUBMIT_LANE_FUNCTION
+        return [function, len(keys), *keys, *args]
 
-    @staticmethod
-    def _marked_elsewhere(sent: Iterable[tuple[Submission, Any]]) -> list[tuple[str, str]]:
-        """(request id, entry id its marker names) of the submits the script did not queue."""
-        return [(submission.request_id, as_str(reply[1])) for submission, reply in sent
+    def _marked_elsewhere(self, queue: str, sent: Iterable[tuple[Submission, Any]]
+                          ) -> list[tuple[str, str, WorkLane]]:
+        """(request id, entry id its marker names, the lane it was sent to) of the submits the
+        script did not queue."""
+        return [(submission.request_id, as_str(reply[1]), self._lane(submission, queue))
+                for submission, reply in sent
                 if submission.request_id is not None and not int(reply[0])]
 
-    def _queue_marker_checks(self, pipe: Any, queue: str, marked: list[tuple[str, str]]) -> None:
-        for request_id, entry_id in marked:
+    def _queue_marker_checks(self, pipe: Any, queue: str,
+                             marked: list[tuple[str, str, WorkLane]]) -> None:
+        for request_id, entry_id, lane in marked:
             if ENTRY_ID_RE.fullmatch(entry_id):
-                queue_marker_check(pipe, self.keys, queue, request_id, entry_id)
+                queue_marker_check(pipe, self.keys, queue, request_id, entry_id, lane)
 
     @staticmethod
-    def _check_markers(marked: list[tuple[str, str]], replies: list[Any]) -> None:
+    def _check_markers(marked: list[tuple[str, str, WorkLane]], replies: list[Any]) -> None:
         """RequestIdConflict for the first marker that cannot be its request's (see
         `commands.check_marker`): raised rather than pretend the request is queued."""
         at = 0
-        for request_id, entry_id in marked:
+        for request_id, entry_id, _ in marked:
             if not ENTRY_ID_RE.fullmatch(entry_id):
                 check_marker(request_id, entry_id, None)
             check_marker(request_id, entry_id, replies[at:at + MARKER_CHECK_REPLIES])

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from redis.exceptions import NoPermissionError
@@ -23,6 +23,7 @@ from llmq.broker.keys import GROUP, Keys, is_valid_name
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.replies import StreamEntry
 from llmq.broker.transcript import Fold, Transcript
+from llmq.broker.work_lanes import WorkLane, work_lane
 from llmq.protocol import (
     DeadLetter,
     Encoding,
@@ -95,6 +96,7 @@ class Submission:
     request_id: str | None  # None: the entry id will be the request id
     encoding: Encoding
     payload: bytes
+    lane: Literal["interactive", "batch"] | None = None  # the request's `lane` field
 
 
 def build_submission(params: Mapping[str, Any], encoding: Encoding = "json") -> Submission:
@@ -110,7 +112,7 @@ def build_submission(params: Mapping[str, Any], encoding: Encoding = "json") -> 
     # NOTE: the worker's own decoder, on the very bytes that will be sent: what passes here
     # passes there (the worker adds only model-specific checks such as the context length).
     request = parse_request(payload, encoding)
-    return Submission(request.id, encoding, payload)
+    return Submission(request.id, encoding, payload, request.lane)
 
 
 def decode_result_entry(request_id: str, entry_id: str, fields: replies.Fields) -> Event | None:
@@ -218,19 +220,21 @@ def queue_events(pipe: Any, keys: Keys, events: Iterable[tuple[Event, Encoding]]
 
 
 def queue_marker_check(pipe: Any, keys: Keys, queue: str, request_id: str,
-                       entry_id: str) -> None:
+                       entry_id: str, lane: WorkLane | None = None) -> None:
     """Queue the reads `check_marker` needs, for a submit the script answered "already marked
     as `entry_id`". Execute with raise_on_error=False. None of them reads a payload: a producer
     may not read the request stream.
 
     The submission record is read first: it lives from the submit until the worker's ack, so an
     entry that is neither recorded nor pending nor answered when the later reads run was never
-    queued by the submit function, or is gone."""
-    pipe.hexists(keys.submissions(queue), entry_id)
+    queued by the submit function, or is gone. `lane`: the stream it was submitted to (the
+    queue's own by default)."""
+    lane = lane or work_lane(keys, queue)
+    pipe.hexists(lane.submissions, entry_id)
     pipe.time()
     pipe.xlen(keys.result(request_id))  # NOTE: XLEN, the result readers' right (not EXISTS)
-    pipe.xpending_range(keys.queue(queue), GROUP, min=entry_id, max=entry_id, count=1)
-    pipe.xinfo_groups(keys.queue(queue))
+    pipe.xpending_range(lane.stream, GROUP, min=entry_id, max=entry_id, count=1)
+    pipe.xinfo_groups(lane.stream)
 
 
 def check_marker(request_id: str, entry_id: str, marker_replies: Sequence[object] | None

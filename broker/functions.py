@@ -15,6 +15,11 @@ load-functions` does for an operator.
         -> {1, entry_id}, or {0, first_entry_id} when the id was submitted before (marker TTL s)
         (a tenant's id `<tenant>:<id>` has its marker at llmq:t:id:<tenant>:<id>:{<queue>})
 
+    FCALL llmq_submit_lane 3|4 llmq:q:{<queue>}:<lane> llmq:sub:{<queue>}:<lane> \
+          llmq:lanes:{<queue>} [<marker>] json '{...}' [86400 <request_id>]
+        -> as llmq_submit, to a lane stream (broker/work_lanes.py): the entry id is chosen here,
+           `<ms>-<k * 2**40 + c>` (k: the lane's number), unique across the queue's streams
+
     FCALL llmq_retry 3|4 llmq:q:{<queue>} llmq:dlq:{<queue>} llmq:sub:{<queue>} [<marker>] \
           <dead letter id> <marker ttl s> <request id or ''> <field> <value> ...
         -> the new entry id (a dead letter queued again; the gateway's and `llmq dlq retry`'s)
@@ -32,17 +37,20 @@ from typing import Any
 import redis
 
 from llmq.broker import replies
+from llmq.broker.work_lanes import COUNT_FIELD, LANE_SEQ_BASE, LAST_FIELD, MAX_LANE_NUMBER
 from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
 __all__ = ["LIBRARY", "LIBRARY_NAME", "LIBRARY_VERSION", "RETRY_FUNCTION", "SUBMIT_FUNCTION",
+           "SUBMIT_LANE_FUNCTION",
            "ensure_functions", "ensure_functions_async", "is_missing_function",
            "load_functions", "submit_error"]
 
 logger = logging.getLogger(__name__)
 
 LIBRARY_NAME = "llmq"
-LIBRARY_VERSION = 2  # up with every change of the code below: loaders replace older versions
+LIBRARY_VERSION = 3  # up with every change of the code below: loaders replace older versions
 SUBMIT_FUNCTION = "llmq_submit"
+SUBMIT_LANE_FUNCTION = "llmq_submit_lane"
 RETRY_FUNCTION = "llmq_retry"
 EXHAUSTED = "LLMQEXHAUSTED"
 
@@ -77,6 +85,66 @@ local function submit(keys, args)
   return {{1, entry}}
 end
 
+-- The next entry id of a lane: `<ms>-<k * {LANE_SEQ_BASE} + c>`, where ms is the server's clock
+-- (or the queue's last lane ms, if later), c counts the queue's lane entries within that ms
+-- (`{LAST_FIELD}` holds `<ms>-<c>`) and k is the lane's own number (1, 2, ...: the queue's own
+-- stream's `*` ids stay below {LANE_SEQ_BASE}). c makes the id unique across the queue's
+-- streams; k keeps an XADD by hand to a lane (`*` continues from its last id) inside that
+-- lane's own range. Returns nil and an error when the lane has no valid number.
+local function next_lane_id(lanes, lane)
+  local k = redis.call('HGET', lanes, lane)
+  if not k then
+    k = redis.call('HINCRBY', lanes, '{COUNT_FIELD}', 1)
+    redis.call('HSET', lanes, lane, k)
+  end
+  k = tonumber(k)
+  if not k or k < 1 or k > {MAX_LANE_NUMBER} or k ~= math.floor(k) then
+    return nil, 'ERR llmq_submit_lane: lane ' .. lane .. ' has no valid number in ' .. lanes
+  end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local ms, c = now, 0
+  local last = redis.call('HGET', lanes, '{LAST_FIELD}')
+  if last then
+    local last_ms, last_c = string.match(last, '^(%d+)-(%d+)$')
+    last_ms, last_c = tonumber(last_ms), tonumber(last_c)
+    if last_ms and last_c and last_ms >= now and last_c < {LANE_SEQ_BASE} - 1 then
+      ms, c = last_ms, last_c + 1
+    end
+  end
+  redis.call('HSET', lanes, '{LAST_FIELD}', string.format('%.0f-%.0f', ms, c))
+  return string.format('%.0f-%.0f', ms, k * {LANE_SEQ_BASE} + c)
+end
+
+-- keys: lane stream, its submissions, the queue's lanes [, idempotency marker]
+-- args: field, payload [, marker ttl seconds, request id]
+local function submit_lane(keys, args)
+  local field, payload = args[1], args[2]
+  if field ~= 'json' and field ~= 'msgpack' then
+    return redis.error_reply('ERR llmq_submit_lane: the field must be json or msgpack')
+  end
+  if payload == nil or #keys < 3 or #keys > 4 or (keys[4] and not args[4]) then
+    return redis.error_reply('ERR llmq_submit_lane: give 3 or 4 keys, a field and a payload')
+  end
+  local lane = string.match(keys[1], '}}:([^{{}}]+)$')
+  if not lane then
+    return redis.error_reply('ERR llmq_submit_lane: ' .. keys[1] .. ' is no lane stream')
+  end
+  if keys[4] then
+    local first = redis.call('GET', keys[4])
+    if first then return {{0, first}} end
+  end
+  local id, problem = next_lane_id(keys[3], lane)
+  if not id then return redis.error_reply(problem) end
+  local entry = redis.pcall('XADD', keys[1], id, field, payload)
+  if type(entry) == 'table' and entry.err then return entry end
+  if keys[4] then
+    redis.call('SET', keys[4], entry, 'EX', tonumber(args[3]) or 86400)
+  end
+  redis.call('HSET', keys[2], entry, args[4] or entry)
+  return {{1, entry}}
+end
+
 -- A dead letter queued again, atomically within the queue's slot: the new entry, recorded like a
 -- submit's, the dead letter gone, and, when the request id is the producer's own, its marker
 -- naming the new entry (so `llmq result` knows the id before a worker starts it).
@@ -103,6 +171,7 @@ local function retry(keys, args)
 end
 
 redis.register_function('{SUBMIT_FUNCTION}', submit)
+redis.register_function('{SUBMIT_LANE_FUNCTION}', submit_lane)
 redis.register_function('{RETRY_FUNCTION}', retry)
 redis.register_function{{function_name='llmq_version', callback=function() return VERSION end,
                          flags={{'no-writes'}}}}

@@ -30,6 +30,18 @@ both, no mode flag.
                                       of entries handed to that worker, pending under it, that it
                                       has not taken yet; peers take them after a delay
     llmq:aff:{<queue>}:members        zset    workers with a summary or tickets -> last publish ms
+    llmq:q:{<queue>}:batch  stream    the batch lane of producers without a tenant
+                                      (broker/work_lanes.py), consumer group `workers`;
+                                      interactive work without a tenant is llmq:q:{<queue>}
+    llmq:sub:{<queue>}:batch          hash  its submission records
+    llmq:t:q:{<queue>}:<lane>:<tenant>, llmq:t:sub:{<queue>}:<lane>:<tenant>   a tenant's lane
+                                      streams (`interactive`, `batch`) and their records, under
+                                      `llmq:t:` like a tenant's ids, so that the shared producer's
+                                      `~llmq:q:*` matches none and a tenant's `~llmq:t:q:{*}:*:acme`
+                                      matches its own only (tenant names hold no `:`)
+    llmq:lanes:{<queue>}    hash      lane -> the last entry id the submit function added to it,
+                                      and `last` -> the last lane entry id of the queue (lane ids
+                                      are unique across the queue's streams)
 
   request slot, tag = the request id:
     llmq:r:{<request_id>}   stream    one request's events (start, delta, done, error), capped with
@@ -162,6 +174,24 @@ class Keys:
     def submissions(self, queue: str) -> str:
         """Entry id -> request id of each submission not yet acked (the submit function's)."""
         return f"{self.prefix}:sub:{_tag('queue', queue)}"
+
+    def lane_stream(self, queue: str, lane: str) -> str:
+        """Request stream of one lane of `queue` (`batch`, `batch:<tenant>`,
+        `interactive:<tenant>`; broker/work_lanes.py names them)."""
+        return f"{self._lane_space(lane)}:q:{_tag('queue', queue)}:{lane}"
+
+    def lane_submissions(self, queue: str, lane: str) -> str:
+        """A lane stream's submission records (entry id -> request id until acked)."""
+        return f"{self._lane_space(lane)}:sub:{_tag('queue', queue)}:{lane}"
+
+    def _lane_space(self, lane: str) -> str:
+        """`<prefix>:t` for a tenant's lane (`<class>:<tenant>`), else the prefix."""
+        validate_name("lane", lane)
+        return f"{self.prefix}:t" if tenant_of(lane) is not None else self.prefix
+
+    def lanes(self, queue: str) -> str:
+        """The lanes of `queue` that the submit function wrote to (lane -> its last entry id)."""
+        return f"{self.prefix}:lanes:{_tag('queue', queue)}"
 
     def control(self, queue: str) -> str:
         """Utility-call stream every worker of `queue` follows (admin-only)."""

@@ -37,6 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from llmq.broker.client import Client
 from llmq.broker.result_reader import FollowerGroup
 from llmq.broker.transcript import Transcript
+from llmq.broker.work_lanes import BATCH
 
 __all__ = ["OrderedRun", "RunEnd", "RunSink", "Settled", "Submit"]
 
@@ -158,8 +159,10 @@ class OrderedRun(Generic[R]):
                 end = start
                 while end < len(chunk) and chunk[end][1].queue == queue:
                     end += 1
-                request_ids = self.client.submit_many([s.body for _, s in chunk[start:end]],
-                                                      queue=queue)
+                # NOTE: every run is batch work (the Batch API, `llmq batch`, `llmq submit -f`,
+                # `llmq run`): its lane (broker/work_lanes.py), unless a line names its own.
+                request_ids = self.client.submit_many(
+                    [{"lane": BATCH, **s.body} for _, s in chunk[start:end]], queue=queue)
                 gatherer.add(request_ids)
                 self._index_of.update(zip(request_ids, [i for i, _ in chunk[start:end]],
                                           strict=True))

@@ -67,6 +67,7 @@ class GroupInfo(NamedTuple):
     pending: int  # entries read by a consumer and not yet acked
     last_delivered_id: str
     lag: int | None  # entries not read yet; None when Redis cannot tell (after an XDEL)
+    entries_read: int | None = None  # entries delivered to the group so far (Redis 7)
 
 
 class ConsumerInfo(NamedTuple):
@@ -273,7 +274,8 @@ def groups(reply: object) -> list[GroupInfo]:
             consumers=integer(info.get("consumers", 0), "XINFO GROUPS"),
             pending=integer(info.get("pending", 0), "XINFO GROUPS"),
             last_delivered_id=text(info.get("last-delivered-id", "0-0"), "XINFO GROUPS"),
-            lag=_optional_integer(info.get("lag"), "XINFO GROUPS")))
+            lag=_optional_integer(info.get("lag"), "XINFO GROUPS"),
+            entries_read=_optional_integer(info.get("entries-read"), "XINFO GROUPS")))
     return out
 
 

@@ -22,9 +22,11 @@ __all__ = ["trim_acked_requests"]
 logger = logging.getLogger(__name__)
 
 
-def trim_acked_requests(client: redis.Redis, keys: Keys, queue: str) -> int:
-    """Remove the request entries of `queue` that were delivered and acked; returns how many."""
-    key = keys.queue(queue)
+def trim_acked_requests(client: redis.Redis, keys: Keys, queue: str,
+                        stream: str | None = None) -> int:
+    """Remove the request entries of `queue` that were delivered and acked; returns how many.
+    `stream`: one of its lane streams (broker/work_lanes.py) instead of its own."""
+    key = stream or keys.queue(queue)
     try:
         groups = replies.groups(client.xinfo_groups(key))
     except redis.ResponseError:  # no such stream yet

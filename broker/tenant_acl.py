@@ -62,8 +62,12 @@ class TenantAcl:
     def patterns(self) -> dict[str, str]:
         """The key patterns of the rule, by what they hold."""
         own = f"{self.tenant}:{_STAND_IN}"
+        own_lane = f"{_STAND_IN}:{self.tenant}"
         return {
             "queues": self._glob(self.keys.queue(_STAND_IN)),
+            "lane streams": self._glob(self.keys.lane_stream(_STAND_IN, own_lane)),
+            "lane records": self._glob(self.keys.lane_submissions(_STAND_IN, own_lane)),
+            "lanes": self._glob(self.keys.lanes(_STAND_IN)),
             "submission records": self._glob(self.keys.submissions(_STAND_IN)),
             "cancel streams": self._glob(self.keys.cancel(_STAND_IN)),
             "results": self._glob(self.keys.result(own)),
@@ -77,22 +81,27 @@ class TenantAcl:
         name = validate_name("user", user or self.tenant)
         p = self.patterns()
         q, markers, subs = p["queues"], p["markers"], p["submission records"]
+        # NOTE: its own lane streams only (broker/work_lanes.py): another tenant's, and the
+        # shared producer's batch lane, are the streams whose fair shares it would take.
+        lq, lsubs, lanes = p["lane streams"], p["lane records"], p["lanes"]
         selectors = [
-            f"(~{q} ~{p['cancel streams']} +xadd)",
+            f"(~{q} ~{lq} ~{p['cancel streams']} +xadd)",
             # NOTE: not XINFO STREAM, whose first and last entries are other tenants' requests:
             # the client's checks for a version-1 or exhausted stream skip what is refused.
-            f"(~{q} +xgroup|create)",
-            # NOTE: the submit function declares the queue, its records and the marker as its
-            # keys; what it runs is checked against this user too, so it can mark only this
-            # tenant's ids.
-            f"(~{q} ~{subs} ~{markers} +fcall)",
-            f"(~{subs} +hset)",
+            f"(~{q} ~{lq} +xgroup|create)",
+            # NOTE: the submit functions declare the stream, its records, the lanes and the
+            # marker as their keys; what they run is checked against this user too, so they can
+            # mark only this tenant's ids and write only its lanes.
+            f"(~{q} ~{lq} ~{subs} ~{lsubs} ~{lanes} ~{markers} +fcall)",
+            f"(~{subs} ~{lsubs} +hset)",
+            # NOTE: the lane submit function's id clock and lane list (ids and entry ids only).
+            f"(~{lanes} +hget +hset +hincrby)",
             # NOTE: HEXISTS, not HGET: whether an entry is recorded (a marker check), not whose.
-            f"(%R~{subs} +hexists)",
+            f"(%R~{subs} %R~{lsubs} +hexists)",
             f"(~{markers} +get +set)",
             f"(~{p['cancel flags']} +set)",
             f"(%R~{p['results']} +xread +xrange +xrevrange +xlen +xinfo|stream)",
-            f"(%R~{q} +xpending +xinfo|groups)",
+            f"(%R~{q} %R~{lq} +xpending +xinfo|groups)",
         ]
         return (f"user {name} on #{password_hash} resetkeys resetchannels -@all +ping +time "
                 + " ".join(selectors))

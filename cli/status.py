@@ -1,4 +1,5 @@
-"""`llmq status`: the queues (length, lag, pending, dead letters) and the live workers.
+"""`llmq status`: the queues (length, lag, pending, dead letters), their lanes (backlog,
+running, done, done per second over one second: broker/lane_stats.py) and the live workers.
 
 PREFIX HIT is the share of prompt tokens served from a prefix cache since each worker started
 (its heartbeat's cached over prompt token totals): per worker, and per queue over its live
@@ -20,10 +21,27 @@ import msgspec
 
 from llmq.broker.commands import exhausted_message
 from llmq.broker.connection import redact_url
+from llmq.broker.lane_stats import LaneStats
 from llmq.broker.redis_url import primary_address
+from llmq.broker.work_lanes import INTERACTIVE
 from llmq.cli.helpers import ago, echo_json, open_client, table
 from llmq.cli.options import connection_kwargs, connection_options
 from llmq.protocol import WorkerHeartbeat
+
+# Seconds between the two snapshots a lane's throughput (DONE/S) is measured over.
+RATE_WINDOW_S = 1.0
+
+
+def _lane_rates(before: list[LaneStats], after: list[LaneStats], seconds: float
+                ) -> dict[tuple[str, str], float]:
+    """Requests finished per second in each lane between two snapshots."""
+    earlier = {(s.queue, s.lane): s.done for s in before}
+    rates = {}
+    for s in after:
+        done, then = s.done, earlier.get((s.queue, s.lane))
+        if done is not None and then is not None and seconds > 0:
+            rates[(s.queue, s.lane)] = max(0, done - then) / seconds
+    return rates
 
 
 @click.command()
@@ -36,6 +54,11 @@ def status(as_json: bool, **kwargs: Any) -> None:
     if client.settings.queue not in names:
         names.append(client.settings.queue)  # the configured queue, even before it exists
     queues = [client.stats(name) for name in sorted(names)]
+    lanes_before = [s for name in sorted(names) for s in client.lane_stats(name)]
+    started = time.monotonic()
+    time.sleep(RATE_WINDOW_S)  # NOTE: two snapshots: a lane's throughput is their difference
+    lanes = [s for name in sorted(names) for s in client.lane_stats(name)]
+    rates = _lane_rates(lanes_before, lanes, time.monotonic() - started)
     workers = sorted(client.workers(), key=lambda w: (w.queue, w.worker_id))
     live = Counter(w.queue for w in workers)
     now = time.time()
@@ -50,6 +73,10 @@ def status(as_json: bool, **kwargs: Any) -> None:
                         "consumers": live[q.queue], "group_consumers": q.consumers,
                         "exhausted": q.exhausted, "lost_unread": q.lost_unread,
                         "prefix_hit_rate": pool_hit[q.queue]} for q in queues],
+            "lanes": [{"queue": s.queue, "lane": s.lane, "tenant": s.tenant,
+                       "priority_class": s.priority_class, "backlog": s.backlog,
+                       "pending": s.pending, "done": s.done,
+                       "done_per_s": rates.get((s.queue, s.lane))} for s in lanes],
             "workers": [{**msgspec.structs.asdict(w),
                          "heartbeat_age_s": round(max(0.0, now - w.heartbeat_ms / 1000), 3),
                          "prefix_hit_rate_total": hit_rate([w])}
@@ -62,6 +89,13 @@ def status(as_json: bool, **kwargs: Any) -> None:
         ["QUEUE", "LENGTH", "LAG", "PENDING", "DEAD LETTERS", "CONSUMERS", "PREFIX HIT"],
         [[q.queue, q.length, "?" if q.lag is None else q.lag, q.pending, q.dead_letters,
           live[q.queue], percent(pool_hit[q.queue])] for q in queues]))
+    if any(s.lane != INTERACTIVE or s.length for s in lanes):
+        click.echo("")
+        click.echo(table(
+            ["QUEUE", "LANE", "BACKLOG", "RUNNING", "DONE", "DONE/S"],
+            [[s.queue, s.lane, s.backlog, s.pending, "?" if s.done is None else s.done,
+              "?" if (rate := rates.get((s.queue, s.lane))) is None else f"{rate:.1f}"]
+             for s in lanes]))
     for q in queues:
         if q.exhausted:
             click.echo(f"\nqueue {q.queue!r} is FULL: {exhausted_message(client.keys, q.queue)}")

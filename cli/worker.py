@@ -65,6 +65,12 @@ def parse_cpus(value: str | None) -> set[int] | None:
               default=10_000, show_default=True, help="Approximate cap of each result stream.")
 @click.option("--metrics-port", envvar="LLMQ_METRICS_PORT", type=click.IntRange(0, 65535),
               default=0, show_default=True, help="/metrics /healthz /readyz port (0: off).")
+@click.option("--interactive-headroom", envvar="LLMQ_INTERACTIVE_HEADROOM",
+              type=click.FloatRange(0, 1, max_open=True), default=0.25, show_default=True,
+              help="Fraction of the engine's seats batch-lane work leaves free for interactive "
+                   "requests.")
+@click.option("--tenant-weights", envvar="LLMQ_TENANT_WEIGHTS", default="",
+              help="Fair-share weights of tenants within a lane, e.g. acme=2,bob=1 (others 1).")
 @click.option("--cpus", envvar="LLMQ_CPUS", default=None, callback=lambda _c, _p, v: parse_cpus(v),
               help="Cores to run on, e.g. 0 or 2-3,5 (default: any). `llmq up` pins each "
               "worker to its own.")
@@ -86,7 +92,8 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
            lease_timeout: float, renew_interval: float | None, heartbeat_timeout: float,
            claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
-           metrics_port: int, cpus: set[int] | None, otlp_traces_endpoint: str | None,
+           metrics_port: int, interactive_headroom: float, tenant_weights: str,
+           cpus: set[int] | None, otlp_traces_endpoint: str | None,
            affinity: bool, affinity_steal_delay: float, affinity_min_tokens: int,
            **kwargs: Any) -> None:
     """Serve QUEUE: read requests from Redis, generate, stream tokens back."""
@@ -106,8 +113,10 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
             renew_interval=renew_interval, heartbeat_timeout=heartbeat_timeout,
             claim_interval=claim_interval,
             drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
-            result_maxlen=result_maxlen, metrics_port=metrics_port, affinity=affinity,
-            affinity_steal_delay=affinity_steal_delay, affinity_min_tokens=affinity_min_tokens)
+            result_maxlen=result_maxlen, metrics_port=metrics_port,
+            interactive_headroom=interactive_headroom, tenant_weights=tenant_weights,
+            affinity=affinity, affinity_steal_delay=affinity_steal_delay,
+            affinity_min_tokens=affinity_min_tokens)
     except LLMQError as e:
         raise click.ClickException(str(e)) from None
     except ValueError as e:

@@ -146,6 +146,7 @@ async def pool(request: Request) -> Response:
         names.append(state.settings.broker.queue)  # the configured queue, even before it exists
     names.sort()
     stats = await asyncio.gather(*(state.client.stats(name) for name in names))
+    lane_stats = await asyncio.gather(*(state.client.lane_stats(name) for name in names))
     rates = state.series.rates()
     beats = await state.pool.workers()
     # NOTE: consumers counted are live workers (a heartbeat): the group keeps a stopped
@@ -163,6 +164,10 @@ async def pool(request: Request) -> Response:
                        "tokens_per_s": round(rate.tokens_per_s, 2) if rate else 0.0,
                        "requests_per_s": round(rate.requests_per_s, 3) if rate else 0.0,
                        "prefix_hit_rate": round(cached / prompt, 4) if prompt else None})
+    # NOTE: a tenant sees the shared lanes and its own, not which other tenants queue what.
+    lanes = [{"queue": s.queue, "lane": s.lane, "backlog": s.backlog, "pending": s.pending,
+              "done": s.done} for per_queue in lane_stats for s in per_queue
+             if viewer.admin or s.tenant in (None, viewer.tenant)]
     now = time.time()
     workers = []
     for w in sorted(beats, key=lambda w: (w.queue, w.worker_id)):
@@ -175,7 +180,7 @@ async def pool(request: Request) -> Response:
     return json_response({
         "viewer": {"tenant": viewer.tenant, "admin": viewer.admin}, "now_ms": int(now * 1000),
         "stale_after_s": STALE_AFTER_S, "rate_window_s": RATE_WINDOW_S, "queues": queues,
-        "workers": workers},
+        "lanes": lanes, "workers": workers},
         headers={"Cache-Control": "no-store"})
 
 

@@ -178,6 +178,10 @@ class Request(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=Tr
     # The LoRA adapter to run under, by its name in the worker's adapter directory (None: the
     # base model). An unknown or unusable adapter is an invalid_request naming it.
     lora: Annotated[str, Meta(pattern=f"^{NAME_PATTERN}\\Z")] | None = None
+    # The priority class: interactive work is read and scheduled before batch work, which
+    # fills the capacity left (docs/protocol.md, section 3a). None: the lane of the stream the
+    # entry is on (a plain XADD to llmq:q:{<queue>} is interactive).
+    lane: Literal["interactive", "batch"] | None = None
 
     def __post_init__(self) -> None:
         # NOTE: msgspec turns a ValueError raised here into its ValidationError, so these checks

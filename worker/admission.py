@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
@@ -44,6 +44,7 @@ from llmq.broker import replies
 from llmq.broker.keys import tenant_of
 from llmq.broker.redis_url import cluster_client
 from llmq.broker.replies import Fields, StreamEntry
+from llmq.broker.work_lanes import BATCH, LANE_SEQ_BASE, WorkLane
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.engine.input_processor import InputProcessor, ProcessedInput
@@ -87,12 +88,13 @@ class Admission:
     def admit(self, client: redis.Redis, entries: list[StreamEntry], backoff: Backoff,
               attempts: dict[str, int] | None = None,
               forgiven: dict[str, int] | None = None, solo: set[str] | None = None,
-              divert: bool = True) -> int:
+              divert: bool = True, lanes: Mapping[str, WorkLane] | None = None) -> int:
         """Admit entries this worker owns (in its PEL). Returns how many were new to it.
 
         `attempts`: delivery counts of reclaimed entries (default 1); `forgiven`: their
-        drain hand-backs; `solo`: the suspects among them, which run alone. `divert=False`:
-        never hand one to a peer for its cache (the entries came from a peer's tickets).
+        drain hand-backs; `solo`: the suspects among them, which run alone; `lanes`: the lane
+        stream each came from (default the queue's own stream). `divert=False`: never hand one
+        to a peer for its cache (the entries came from a peer's tickets).
 
         Makes one round trip (TIME, cancel flags, id ownership), retried through `backoff` while
         Redis is away; if the worker stops meanwhile the entries stay in the table and are
@@ -105,19 +107,24 @@ class Admission:
             entry = _entry_for(decoded, attempt)
             entry.forgiven = (forgiven or {}).get(entry_id, 0)
             entry.solo = entry_id in (solo or ())
+            entry.lane = (lanes or {}).get(entry_id)
             if not self.table.add(entry):
                 # Already ours and running: XAUTOCLAIM handed back our own entry after a stall.
                 continue
             fresh.append((entry, decoded, fields))
         if not fresh:
             return 0
-        flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)]
+        # NOTE: an entry that does not fit its stream claims no marker and reads no flag.
+        foreign = {e.entry_id: why for e, _, _ in fresh if (why := _off_its_lane(e))}
+        flagged = [e for e, d, _ in fresh if isinstance(d, protocol.DecodedRequest)
+                   and e.entry_id not in foreign]
         # NOTE: an id-less request's id is its entry id, which no other entry may name. A
         # rejected entry that names a tenant's id (an oversized payload, say) is answered on
         # that id's stream only when the tenant's submit function marked it for this entry.
         named = [e for e in flagged if e.request_id != e.entry_id] + [
             e for e, d, _ in fresh if isinstance(d, protocol.RejectedEntry)
-            and d.request_id not in (None, e.entry_id) and tenant_of(e.request_id)]
+            and d.request_id not in (None, e.entry_id) and tenant_of(e.request_id)
+            and e.entry_id not in foreign]
         while True:
             try:
                 now_ms, flags, owners = self._read_time_flags_and_markers(client, flagged, named)
@@ -141,11 +148,12 @@ class Admission:
         # The entry that owns each id, when another one does ("" for a tenant's unmarked id).
         taken = {e.entry_id: owner or "" for e, owner in zip(named, owners, strict=True)
                  if (owner is not None or tenant_of(e.request_id)) and owner != e.entry_id}
-        return self._admit_all(fresh, now_ms, cancel_flags, taken, backoff,
+        return self._admit_all(fresh, now_ms, cancel_flags, taken, foreign, backoff,
                                client if divert and self.affinity is not None else None)
 
     def _admit_all(self, fresh: list[tuple[InFlight, Decoded, Fields]], now_ms: int,
-                   cancel_flags: dict[str, bool], taken: dict[str, str], backoff: Backoff,
+                   cancel_flags: dict[str, bool], taken: dict[str, str],
+                   foreign: dict[str, str], backoff: Backoff,
                    divert_via: redis.Redis | None) -> int:
         """`divert_via`: the connection to hand entries to peers with (None: run them all)."""
         adds: list[AddRequest] = []
@@ -155,6 +163,9 @@ class Admission:
                 self.table.pop(entry.entry_id)  # a peer took it while we waited for Redis
                 continue
             try:
+                if entry.entry_id in foreign:
+                    self._off_lane(entry, foreign[entry.entry_id], fields)
+                    continue
                 if entry.entry_id in taken:
                     self._duplicate(entry, taken[entry.entry_id], fields)
                     continue
@@ -206,7 +217,10 @@ class Admission:
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         self.ctx.intake.note_prompt(entry.prompt_tokens)
+        # NOTE: only entries of the queue's own stream: the hand-over scripts move entries
+        # within that stream (broker/affinity_handover.py); lane streams are not handed over yet.
         if diverted is not None and entry.attempt == 1 and not entry.solo \
+                and (entry.lane is None or entry.lane.is_queue_stream) \
                 and self.affinity is not None \
                 and (route := self.affinity.router.target(processed.prompt_token_ids)):
             diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, route)
@@ -227,9 +241,13 @@ class Admission:
         # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
+        # NOTE: the stream decides the class of a lane entry; on the queue's own stream a
+        # plain XADD may still say `"lane": "batch"`, which the engine then preempts first.
+        lane = entry.lane if entry.lane is not None and not entry.lane.is_queue_stream else None
+        batch = lane.priority_class == BATCH if lane is not None else request.lane == BATCH
         return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
                           processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
-                          solo=entry.solo)
+                          solo=entry.solo, batch=batch)
 
     def _hand_over(self, client: redis.Redis, diverted: dict[str, _Diverted],
                    backoff: Backoff) -> list[AddRequest]:
@@ -287,6 +305,17 @@ class Admission:
         # owner's result stream.
         self._fail(entry, code, message, details, dead_letter=self.dead_letter(
             entry.entry_id, None, code, message, entry.attempt, fields))
+
+    def _off_lane(self, entry: InFlight, why: str, fields: Fields) -> None:
+        """An entry that does not fit its stream (broker/work_lanes.py): not run, answered on no
+        result stream (its id could be another stream's entry's), dead-lettered."""
+        logger.warning("entry %s on %s not run: %s", entry.entry_id,
+                       entry.lane.stream if entry.lane else self.ctx.queue_key, why)
+        entry.terminal = True
+        code = ErrorCode.INVALID_REQUEST
+        self.writer.put(EntryWrite(entry.entry_id, None, entry.encoding, [], ack=True,
+                                   dead_letter=self.dead_letter(entry.entry_id, None, code, why,
+                                                                entry.attempt, fields)))
 
     def _poison(self, entry: InFlight, decoded: Decoded, fields: Fields) -> None:
         """Delivered more than max_deliveries times: it keeps killing workers, so stop here."""
@@ -370,3 +399,23 @@ def _entry_for(decoded: Decoded, attempt: int) -> InFlight:
     # A rejected entry still sits in the table until its error or dead letter is acked.
     return InFlight(decoded.entry_id, decoded.request_id or decoded.entry_id, attempt,
                     decoded.encoding or "json")
+
+
+def _off_its_lane(entry: InFlight) -> str | None:
+    """Why an entry does not fit the stream it is on, or None. Lane entry ids are the lane
+    submit function's (sequence numbers from LANE_SEQ_BASE) and the queue's own stream's are
+    `*` ids below it, so no entry id is two streams'; a tenant's lane carries that tenant's ids
+    only and the shared batch lane none: an entry someone XADDed by hand with another stream's
+    entry id cannot take over that entry's request id, marker or result stream."""
+    on_lane = int(entry.entry_id.partition("-")[2] or 0) >= LANE_SEQ_BASE
+    lane = entry.lane
+    if lane is None or lane.is_queue_stream:
+        return "a lane entry id on the queue's own stream" if on_lane else None
+    if not on_lane:
+        return f"added to {lane.stream} without the lane submit function (llmq_submit_lane)"
+    tenant = tenant_of(entry.request_id)
+    if lane.tenant is not None and tenant != lane.tenant:
+        return f"lane {lane.label} carries only request ids `{lane.tenant}:<id>`"
+    if lane.tenant is None and tenant is not None:
+        return f"a tenant's request id on the shared lane {lane.label}"
+    return None

@@ -115,7 +115,8 @@ class EngineFeeder:
             return False
         try:
             self.engine.add_request(item.entry_id, item.prompt_token_ids, item.sampling_params,
-                                    priority=item.priority, arrival_time=item.arrival_time)
+                                    priority=item.priority, arrival_time=item.arrival_time,
+                                    batch=item.batch)
             entry.in_engine = True
         except RequestRejected as e:
             error = protocol.Error(request_id=entry.request_id, attempt=entry.attempt,

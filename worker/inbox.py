@@ -32,6 +32,8 @@ class AddRequest:
     # Run it alone: it was in the engine when the engine failed (worker/reclaimer.py), so it
     # waits for the engine to empty and nothing joins it until it ends.
     solo: bool = False
+    # From a batch lane (broker/work_lanes.py): scheduled after interactive work, preempted first.
+    batch: bool = False
 
 
 @dataclass

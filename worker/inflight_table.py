@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmq.broker.work_lanes import WorkLane
 from llmq.protocol import Encoding
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class InFlight:
     # stream reader's intake window counts, worker/intake_window.py).
     started: bool = False
     n: int = 1  # completions asked for; the terminal event waits for all of them
+    # The stream the entry is on (broker/work_lanes.py); None: the queue's own stream.
+    lane: WorkLane | None = None
     finished_choices: dict[int, Any] = field(default_factory=dict)  # index -> its last output
     trace: RequestTrace | None = None  # its spans' times, when the worker traces
 
@@ -148,6 +151,23 @@ class InFlightTable:
                     e.fenced = True
                     newly.append(entry_id)
         return newly
+
+    def lanes_of(self, entry_ids: list[str]) -> dict[str, WorkLane | None]:
+        """entry id -> its lane, for the entries held (None: the queue's own stream)."""
+        with self._lock:
+            return {i: e.lane for i in entry_ids if (e := self._entries.get(i)) is not None}
+
+    def count_lanes(self, *, not_started: bool = False) -> dict[str | None, int]:
+        """Entries held per priority class (None: the queue's own stream, interactive), those
+        still running; with `not_started`, only those the engine has not started."""
+        counts: dict[str | None, int] = {}
+        with self._lock:
+            for e in self._entries.values():
+                if e.terminal or e.fenced or (not_started and e.started):
+                    continue
+                cls = e.lane.priority_class if e.lane is not None else None
+                counts[cls] = counts.get(cls, 0) + 1
+        return counts
 
     def holds_solo(self) -> bool:
         """Whether a suspect entry is held: a worker takes no second one meanwhile."""

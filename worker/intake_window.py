@@ -10,6 +10,12 @@ requests. The rest stays unread in the stream, where the group's lag shows it an
 blocking read takes it. Entries start when the engine has produced their first token; a full KV
 cache leaves them waiting, so a worker short of KV room reads nothing more either.
 
+Lanes (broker/work_lanes.py): interactive entries are read first and see the whole window
+(counting only the interactive entries that wait); batch entries fill what is left of it, and
+never take the last `interactive_headroom` of the engine's seats, so an interactive request that
+arrives while a batch backlog is being worked off finds a seat and is read at once
+(`lane_rooms`).
+
 Plain arithmetic over ints, shared by the admission thread (prompt lengths) and the stream
 reader (room); no lock needed for the one float both touch.
 """
@@ -28,9 +34,14 @@ SMOOTHING = 0.05
 
 
 class IntakeWindow:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
+                 interactive_headroom: float = 0.0) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Seats batch work leaves free (at least one when there is any headroom at all, and
+        # never all of them).
+        self.headroom_seats = min(max_num_seqs - 1, max(
+            1 if interactive_headroom > 0 else 0, round(max_num_seqs * interactive_headroom)))
         self.mean_prompt_tokens = float(ASSUMED_PROMPT_TOKENS)
         self._seen = False
 
@@ -50,3 +61,13 @@ class IntakeWindow:
     def room(self, num_held: int, num_not_started: int) -> int:
         """Entries to read now, holding `num_held` entries of which `num_not_started` wait."""
         return max(0, min(self.max_num_seqs - num_held, self.window - num_not_started))
+
+    def lane_rooms(self, num_held: int, num_not_started: int,
+                   num_interactive_not_started: int) -> tuple[int, int]:
+        """(interactive entries, batch entries) to read now. Interactive ones count only their
+        own class's waiting entries against the window; batch ones all, and leave
+        `headroom_seats` seats free."""
+        seats = self.max_num_seqs - num_held
+        interactive = min(seats, self.window - num_interactive_not_started)
+        batch = min(seats - self.headroom_seats, self.window - num_not_started)
+        return max(0, interactive), max(0, batch)

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import redis
 
 from llmq.broker import replies
 from llmq.broker.commands import as_fields
 from llmq.broker.keys import GROUP
+from llmq.broker.work_lanes import WorkLane
 from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
 from llmq.worker.inbox import AbortRequests
 from llmq.worker.io_thread import IOThread
@@ -171,14 +172,16 @@ class LeaseKeeper(IOThread):
         return fenced
 
     def hand_back(self, entry_ids: list[str], *, forgive: bool = False,
-                  suspect: bool = False) -> int:
+                  suspect: bool = False, lanes: Mapping[str, WorkLane] | None = None) -> int:
         """Make entries instantly reclaimable by peers (shutdown); returns how many were ours.
 
         With `forgive` (a drain, not a failure) each is also counted in `llmq:hb:{<queue>}`, so
         the delivery it used up is not held against it as poison. With `suspect` (they were in
-        the engine when it failed) each runs alone on its next delivery."""
+        the engine when it failed) each runs alone on its next delivery. `lanes`: the lane of
+        entries not in the in-flight table (read, not admitted); the table knows the others'."""
         lost, orphaned = self._claim_owned(entry_ids,
-                                           SUSPECT_IDLE_MS if suspect else HAND_BACK_IDLE_MS)
+                                           SUSPECT_IDLE_MS if suspect else HAND_BACK_IDLE_MS,
+                                           lanes)
         owned = sorted(set(entry_ids) - set(lost) - set(orphaned))
         if owned and forgive:
             key = self.keys.handbacks(self.ctx.queue)
@@ -191,6 +194,7 @@ class LeaseKeeper(IOThread):
 
     def hand_back_retrying(self, entry_ids: list[str], *, forgive: bool,
                            suspect: bool = False) -> int | None:
+        # NOTE: the entries are in the in-flight table, which knows their lanes.
         """`hand_back` tried three times through Redis trouble; None (logged) when every try
         failed, and peers reclaim the entries once their lease lapses."""
         for attempt in range(3):
@@ -203,17 +207,29 @@ class LeaseKeeper(IOThread):
                      len(entry_ids), self.ctx.config.lease_timeout)
         return None
 
-    def _claim_owned(self, entry_ids: list[str], idle_ms: int) -> tuple[list[str], list[str]]:
+    def _claim_owned(self, entry_ids: list[str], idle_ms: int,
+                     lanes: Mapping[str, WorkLane] | None = None) -> tuple[list[str], list[str]]:
         lost: list[str] = []
         orphaned: list[str] = []
-        for i in range(0, len(entry_ids), _SLICE):
-            ids = entry_ids[i:i + _SLICE]
-            result = self._script(keys=[self.queue_key],
-                                  args=[GROUP, self.worker_id, idle_ms, *ids])
-            lost_reply, orphaned_reply = replies.array(result, "the claim script")
-            lost.extend(replies.texts(lost_reply, "the claim script"))
-            orphaned.extend(replies.texts(orphaned_reply, "the claim script"))
+        for stream, stream_ids in self._by_stream(entry_ids, lanes).items():
+            for i in range(0, len(stream_ids), _SLICE):
+                ids = stream_ids[i:i + _SLICE]
+                result = self._script(keys=[stream], args=[GROUP, self.worker_id, idle_ms, *ids])
+                lost_reply, orphaned_reply = replies.array(result, "the claim script")
+                lost.extend(replies.texts(lost_reply, "the claim script"))
+                orphaned.extend(replies.texts(orphaned_reply, "the claim script"))
         return lost, orphaned
+
+    def _by_stream(self, entry_ids: list[str], lanes: Mapping[str, WorkLane] | None
+                   ) -> dict[str, list[str]]:
+        """Entry ids by the stream they are on: `lanes`, else the in-flight table's record,
+        else the queue's own stream."""
+        held = self.table.lanes_of(entry_ids)
+        streams: dict[str, list[str]] = {}
+        for entry_id in entry_ids:
+            lane = (lanes or {}).get(entry_id) or held.get(entry_id)
+            streams.setdefault(lane.stream if lane else self.queue_key, []).append(entry_id)
+        return streams
 
     def _on_nogroup(self) -> None:
         # The group is gone (Redis restarted without persistence, or someone destroyed it): our

@@ -2,6 +2,9 @@
 
 Every `claim_interval` (heartbeat_timeout / 5, one second by default), while not draining:
 
+Each scan covers every stream of the queue: its own and every lane stream
+(worker/lane_registry.py), each with its own consumer group and pending list.
+
 1. Dead workers. A consumer that holds pending entries and whose heartbeat hash
    `llmq:w:<name>` has expired is dead (SIGKILL, OOM kill, node loss): its entries are taken at
    once (XPENDING for that consumer, then XCLAIM with min-idle = heartbeat_timeout, so two
@@ -38,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import redis
 from redis.typing import StreamIdT
@@ -47,6 +51,7 @@ from llmq.broker import replies
 from llmq.broker.keys import GROUP, is_valid_name
 from llmq.broker.replies import PendingEntry
 from llmq.broker.retention import trim_acked_requests
+from llmq.broker.work_lanes import WorkLane
 from llmq.protocol.errors import ErrorCode
 from llmq.protocol.requests import ENTRY_ID_RE
 from llmq.worker.admission import Admission
@@ -100,19 +105,30 @@ class Reclaimer(IOThread):
             if self.first_contact is not None:
                 self._guard(self._make_first_contact)
             if self.reclaiming:
-                self._guard(self.take_dead_workers)
-                self._guard(self.take_lapsed)
+                self._guard(self._refresh_lanes)
+                for lane in self.ctx.lanes.all():
+                    self._guard(partial(self.take_dead_workers, lane))
+                    self._guard(partial(self.take_lapsed, lane))
             if self._first_consumer_cleanup is not None \
                     and started >= self._first_consumer_cleanup:
                 self._first_consumer_cleanup = None
-                self._guard(self._cleanup_consumers)
+                for lane in self.ctx.lanes.all():
+                    self._guard(partial(self._cleanup_consumers, lane))
             if started >= self._next_cleanup:
                 self._next_cleanup = started + 60.0
-                self._guard(self._cleanup_consumers)
-                self._guard(self.answer_vanished_unread)
+                # NOTE: entries trimmed unread are counted on the queue's own stream, the one
+                # plain XADDs reach; a lane's entries all have submission records, which
+                # `answer_vanished_unread` answers.
                 self._guard(lambda: self.unread_loss.check(self.client))
-                self._guard(lambda: trim_acked_requests(self.client, self.keys, self.ctx.queue))
+                for lane in self.ctx.lanes.all():
+                    self._guard(partial(self._cleanup_consumers, lane))
+                    self._guard(partial(self.answer_vanished_unread, lane))
+                    self._guard(partial(trim_acked_requests, self.client, self.keys,
+                                        self.ctx.queue, lane.stream))
             self.stop_event.wait(max(0.0, self.claim_interval - (time.monotonic() - started)))
+
+    def _refresh_lanes(self) -> None:
+        self.ctx.lanes.refresh(self.client)
 
     def _make_first_contact(self) -> None:
         assert self.first_contact is not None
@@ -136,11 +152,13 @@ class Reclaimer(IOThread):
 
     # -- 1. dead workers --------------------------------------------------------------------------
 
-    def take_dead_workers(self) -> int:
-        """Take the entries of consumers whose heartbeat expired; returns how many."""
+    def take_dead_workers(self, lane: WorkLane | None = None) -> int:
+        """Take the entries of consumers whose heartbeat expired from `lane` (the queue's own
+        stream by default); returns how many."""
         if not self.liveness.healthy_for(self.heartbeat_timeout) or self._room() <= 0:
             return 0
-        consumers = replies.consumers(self.client.xinfo_consumers(self.queue_key, GROUP))
+        lane = lane or self.ctx.lanes.queue_lane
+        consumers = replies.consumers(self.client.xinfo_consumers(lane.stream, GROUP))
         holders = [c.name for c in consumers if c.pending and c.name != self.worker_id]
         # NOTE: a consumer name that is no valid worker id cannot have a heartbeat: dead.
         named = [h for h in holders if is_valid_name(h)]
@@ -152,9 +170,9 @@ class Reclaimer(IOThread):
         taken = 0
         for name in (h for h in holders if not alive.get(h)):
             rows = replies.pending_entries(self.client.xpending_range(
-                self.queue_key, GROUP, "-", "+", self._room() + _SCAN_SLACK, consumername=name,
+                lane.stream, GROUP, "-", "+", self._room() + _SCAN_SLACK, consumername=name,
                 idle=self.heartbeat_ms))
-            got = self._take(rows, self.heartbeat_ms, f"from dead worker {name}")
+            got = self._take(rows, self.heartbeat_ms, f"from dead worker {name}", lane)
             taken += got
             if got:
                 self.client.zrem(self.keys.workers(), name)
@@ -162,25 +180,28 @@ class Reclaimer(IOThread):
 
     # -- 2. lapsed leases and handed-back entries -------------------------------------------------
 
-    def take_lapsed(self) -> int:
-        """Take entries idle past the lease (or handed back); returns how many."""
+    def take_lapsed(self, lane: WorkLane | None = None) -> int:
+        """Take entries idle past the lease (or handed back) from `lane` (the queue's own stream
+        by default); returns how many."""
         if self._room() <= 0:
             return 0
+        lane = lane or self.ctx.lanes.queue_lane
         # NOTE: handed-back entries may go at any time; a lapsed lease only once this worker's
         # beats have been steady for a whole lease, so an owner alive through a common stall
         # has renewed first.
         steady = self.liveness.healthy_for(self.lease_timeout)
         min_idle = self.lease_ms if steady else HAND_BACK_IDLE_MS
         rows = replies.pending_entries(self.client.xpending_range(
-            self.queue_key, GROUP, "-", "+", self._room() + _SCAN_SLACK, idle=min_idle))
-        return self._take(rows, min_idle, f"idle past the {self.lease_ms} ms lease")
+            lane.stream, GROUP, "-", "+", self._room() + _SCAN_SLACK, idle=min_idle))
+        return self._take(rows, min_idle, f"idle past the {self.lease_ms} ms lease", lane)
 
     # -- taking entries ---------------------------------------------------------------------------
 
     def _room(self) -> int:
         return self.ctx.max_num_seqs - len(self.table)
 
-    def _take(self, rows: list[PendingEntry], min_idle_ms: int, why: str) -> int:
+    def _take(self, rows: list[PendingEntry], min_idle_ms: int, why: str,
+              lane: WorkLane) -> int:
         """XCLAIM the XPENDING `rows` there is room for (one suspect at most) and admit them."""
         room = self._room()
         holding_suspect = self.table.holds_solo()
@@ -202,15 +223,15 @@ class Reclaimer(IOThread):
             return 0
         message_ids: list[StreamIdT] = [*chosen]  # NOTE: a list is invariant: redis-py's type
         claimed = replies.entries(self.client.xclaim(
-            self.queue_key, GROUP, self.worker_id, min_idle_ms, message_ids), "XCLAIM")
+            lane.stream, GROUP, self.worker_id, min_idle_ms, message_ids), "XCLAIM")
         got = [entry.entry_id for entry in claimed]
         if missing := [i for i in chosen if i not in set(got)]:
-            self._answer_vanished(missing)
+            self._answer_vanished(missing, lane)
         if not claimed:
             return 0
         pipe = self.client.pipeline(transaction=False)
         for entry_id in got:
-            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(lane.stream, GROUP, min=entry_id, max=entry_id, count=1)
         pipe.hmget(self.keys.handbacks(self.ctx.queue), got)
         *pendings, handbacks = pipe.execute()
         attempts = {}
@@ -226,14 +247,15 @@ class Reclaimer(IOThread):
         if self.ctx.metrics is not None:
             self.ctx.metrics.inc_reclaimed(len(got))
         return self.admission.admit(self.client, claimed, self.backoff, attempts, forgiven,
-                                    solo=suspects & set(got))
+                                    solo=suspects & set(got),
+                                    lanes=dict.fromkeys(got, lane))
 
-    def _answer_vanished(self, entry_ids: list[str]) -> None:
+    def _answer_vanished(self, entry_ids: list[str], lane: WorkLane) -> None:
         """Chosen entries XCLAIM did not return: a peer took them first (still pending), or they
         were trimmed or deleted from the stream while pending (XCLAIM dropped them)."""
         pipe = self.client.pipeline(transaction=False)
         for entry_id in entry_ids:
-            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(lane.stream, GROUP, min=entry_id, max=entry_id, count=1)
         gone = [i for i, pending in zip(entry_ids, pipe.execute(), strict=True)
                 if not replies.pending_entries(pending)]
         if not gone:
@@ -243,23 +265,23 @@ class Reclaimer(IOThread):
         # NOTE: the payload is gone; the request id is known only from the submit function's
         # record (a raw XADD leaves none), which anyone who may submit can forge: it counts only
         # when the id's marker names this entry back.
-        submitted = replies.optional_texts(
-            self.client.hmget(self.keys.submissions(self.ctx.queue), gone), "HMGET")
+        submitted = replies.optional_texts(self.client.hmget(lane.submissions, gone), "HMGET")
         owners = self._confirmed_ids(dict(zip(gone, submitted, strict=True)))
         for entry_id in gone:
-            self._answer_lost(entry_id, owners.get(entry_id), message)
+            self._answer_lost(entry_id, owners.get(entry_id), message, lane)
 
-    def _answer_lost(self, entry_id: str, request_id: str | None, message: str) -> None:
+    def _answer_lost(self, entry_id: str, request_id: str | None, message: str,
+                     lane: WorkLane) -> None:
         """`lost_payload` on the request's stream, or on llmq:r:{<entry id>} when its id is
         unknown (as for any entry without a usable id), and a dead letter for operators."""
         code = ErrorCode.LOST_PAYLOAD
         answered_on = request_id if request_id is not None else entry_id
         error = protocol.Error(request_id=answered_on, attempt=1, code=code, message=message)
         self.writer.put(EntryWrite(
-            entry_id, answered_on, "json", [error], ack=True, pop=False,
+            entry_id, answered_on, "json", [error], ack=True, pop=False, lane=lane,
             dead_letter=self.admission.dead_letter(entry_id, request_id, code, message, 0, None)))
 
-    def answer_vanished_unread(self) -> int:
+    def answer_vanished_unread(self, lane: WorkLane | None = None) -> int:
         """Answer `lost_payload` for submissions whose entry left the request stream unread
         (someone trimmed or deleted it); returns how many. Runs once a minute.
 
@@ -267,29 +289,29 @@ class Reclaimer(IOThread):
         one that is neither in the stream nor pending vanished. Its request id counts only if
         its idempotency marker still names that entry (or the id is the entry id), so a
         record forged by another producer cannot fail someone else's request."""
-        key = self.keys.submissions(self.ctx.queue)
+        lane = lane or self.ctx.lanes.queue_lane
         answered, cursor = 0, 0
         while True:
-            cursor, page = self.client.hscan(key, cursor, count=500)
+            cursor, page = self.client.hscan(lane.submissions, cursor, count=500)
             if records := replies.string_hash(page, "HSCAN"):
-                answered += self._answer_vanished_in(records)
+                answered += self._answer_vanished_in(records, lane)
             if not cursor:
                 return answered
 
-    def _answer_vanished_in(self, records: dict[str, str]) -> int:
+    def _answer_vanished_in(self, records: dict[str, str], lane: WorkLane) -> int:
         # NOTE: anyone who may submit may HSET a record (the submit function runs with the
         # caller's rights): one that names no entry id must not fail the whole pass.
         if bad := [e for e in records if not ENTRY_ID_RE.fullmatch(e)]:
             logger.warning("dropping %d submission records naming no entry id: %r", len(bad),
                            bad[:3])
-            self.client.hdel(self.keys.submissions(self.ctx.queue), *bad)
+            self.client.hdel(lane.submissions, *bad)
             records = {e: r for e, r in records.items() if e not in bad}
             if not records:
                 return 0
         pipe = self.client.pipeline(transaction=False)
         for entry_id in records:
-            pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
-            pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
+            pipe.xrange(lane.stream, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(lane.stream, GROUP, min=entry_id, max=entry_id, count=1)
         results = pipe.execute()
         vanished = {entry_id: request_id for (entry_id, request_id), present, pending in zip(
             records.items(), results[0::2], results[1::2], strict=True)
@@ -309,13 +331,13 @@ class Reclaimer(IOThread):
         if answered:
             logger.warning("dropping %d submission records of entries answered already: %s",
                            len(answered), sorted(answered)[:3])
-            self.client.hdel(self.keys.submissions(self.ctx.queue), *answered)
+            self.client.hdel(lane.submissions, *answered)
         message = "the entry was trimmed or deleted from the request stream before a worker read it"
         for entry_id in vanished:
             if entry_id not in answered:
-                self._answer_lost(entry_id, owners.get(entry_id), message)
+                self._answer_lost(entry_id, owners.get(entry_id), message, lane)
         logger.warning("%d submitted entries vanished unread from %s: answered lost_payload",
-                       len(vanished), self.queue_key)
+                       len(vanished), lane.stream)
         return len(vanished)
 
     def _confirmed_ids(self, records: dict[str, str | None]) -> dict[str, str]:
@@ -337,11 +359,12 @@ class Reclaimer(IOThread):
 
     # -- 3. tidying -------------------------------------------------------------------------------
 
-    def _cleanup_consumers(self) -> None:
+    def _cleanup_consumers(self, lane: WorkLane | None = None) -> None:
         """Delete consumers of dead workers once they hold nothing: those whose heartbeat is
         gone (idle past a heartbeat timeout), and any idle for a long time. So `llmq status`
         and the dashboard count the workers there are, not every one that ever ran."""
-        idle = [c for c in replies.consumers(self.client.xinfo_consumers(self.queue_key, GROUP))
+        stream = (lane or self.ctx.lanes.queue_lane).stream
+        idle = [c for c in replies.consumers(self.client.xinfo_consumers(stream, GROUP))
                 if c.name != self.worker_id and c.pending == 0 and c.idle_ms > self.heartbeat_ms]
         pipe = self.client.pipeline(transaction=False)
         for consumer in idle:
@@ -350,6 +373,6 @@ class Reclaimer(IOThread):
         for consumer, beat in zip(idle, beats, strict=True):
             if consumer.idle_ms > CONSUMER_CLEANUP_IDLE_MS or not replies.integer(beat, "EXISTS"):
                 # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
-                self.client.xgroup_delconsumer(self.queue_key, GROUP, consumer.name)
+                self.client.xgroup_delconsumer(stream, GROUP, consumer.name)
                 logger.info("removed idle consumer %s (no heartbeat, nothing pending)",
                             consumer.name)

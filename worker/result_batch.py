@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from llmq import protocol
+from llmq.broker.work_lanes import WorkLane
 from llmq.protocol import Encoding, Event
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.inflight_table import InFlightTable
@@ -37,6 +38,9 @@ class EntryWrite:
     ack: bool = False  # XACK the entry after its events: this write is its last
     dead_letter: dict[str, bytes] | None = None  # fields to XADD to the dead-letter stream
     pop: bool = True  # forget the entry once acked (False for entries never in the table)
+    # The lane stream of an entry never in the table (None: the table's record, else the
+    # queue's own stream).
+    lane: WorkLane | None = None
 
 
 @dataclass
@@ -53,6 +57,7 @@ class ResultBatch:
     # event: their spans (worker/request_spans.py).
     answered: list[tuple[str, protocol.Done | protocol.Error]] = field(default_factory=list)
     events_written: bool = False  # on a cluster: the events are on their nodes, only acks remain
+    lanes: dict[str, WorkLane] = field(default_factory=dict)  # of acked entries not in the table
 
     @property
     def num_writes(self) -> int:
@@ -70,6 +75,8 @@ class ResultBatch:
             if write.events and isinstance(write.events[-1], protocol.Done | protocol.Error):
                 self.answered.append((write.entry_id, write.events[-1]))
             self.ack_ids.append(write.entry_id)
+            if write.lane is not None:
+                self.lanes[write.entry_id] = write.lane
             if write.pop:
                 self.pop_ids.append(write.entry_id)
 

@@ -38,6 +38,7 @@ from llmq import protocol
 from llmq.broker.commands import queue_events
 from llmq.broker.keys import GROUP
 from llmq.broker.retry import is_refusal_to_wait_out
+from llmq.broker.work_lanes import WorkLane
 from llmq.protocol import Encoding, Event
 from llmq.protocol.errors import ProtocolError
 from llmq.worker.ack_script import ACK_SCRIPT, ack_calls
@@ -166,8 +167,28 @@ class ResultWriter:
                      result_maxlen=self.ctx.config.result_maxlen)
 
     def _ack_calls(self, batch: ResultBatch) -> list[tuple[list[str], list[Any]]]:
-        keys = [self.queue_key, self.handbacks_key, self.dlq_key, self.submissions_key]
-        return ack_calls(keys, self.ctx.worker_id, batch.ack_ids, batch.dead_letters)
+        """The ack script's calls, one set per lane stream the acked entries are on (the dead
+        letters go with the first)."""
+        calls = []
+        letters = batch.dead_letters
+        for lane, ids in self._by_lane(batch).items():
+            keys = [lane.stream, self.handbacks_key, self.dlq_key, lane.submissions]
+            calls += ack_calls(keys, self.ctx.worker_id, ids, letters)
+            letters = []
+        if letters:  # dead letters without an ack
+            calls += ack_calls([self.queue_key, self.handbacks_key, self.dlq_key,
+                                self.submissions_key], self.ctx.worker_id, [], letters)
+        return calls
+
+    def _by_lane(self, batch: ResultBatch) -> dict[WorkLane, list[str]]:
+        """The batch's acked entry ids by lane: the write's, else the in-flight table's, else
+        the queue's own stream."""
+        held = self.table.lanes_of(batch.ack_ids)
+        by_lane: dict[WorkLane, list[str]] = {}
+        for entry_id in batch.ack_ids:
+            lane = batch.lanes.get(entry_id) or held.get(entry_id) or self.ctx.lanes.queue_lane
+            by_lane.setdefault(lane, []).append(entry_id)
+        return by_lane
 
     def _execute(self, batch: ResultBatch) -> None:
         """One server: events and acks in one MULTI, the acks after the events (an OOM-refused
@@ -228,7 +249,7 @@ class ResultWriter:
         """After an ambiguous failure (EXEC sent, reply lost): whether the transaction ran.
         It is all or nothing, so one witness decides: its acks, else its last event."""
         if batch.ack_ids:
-            return self._acks_landed(batch.ack_ids)
+            return self._acks_landed(batch.ack_ids, batch.lanes)
         if batch.events:
             return self._event_landed(*batch.events[-1])
         return False
@@ -251,16 +272,19 @@ class ResultWriter:
                 continue
         return False
 
-    def _acks_landed(self, ack_ids: list[str]) -> bool:
+    def _acks_landed(self, ack_ids: list[str], lanes: dict[str, WorkLane]) -> bool:
         """After an ambiguous failure: True when every acked entry is still in the stream but no
         longer pending, i.e. the transaction ran. When the entries are gone altogether (Redis
         came back without its data) nothing can be known: write again, a duplicate beats a loss.
         """
         try:
             pipe = self.client.pipeline(transaction=False)
+            held = self.table.lanes_of(ack_ids)
             for entry_id in ack_ids:
-                pipe.xpending_range(self.queue_key, GROUP, min=entry_id, max=entry_id, count=1)
-                pipe.xrange(self.queue_key, min=entry_id, max=entry_id, count=1)
+                lane = lanes.get(entry_id) or held.get(entry_id)
+                stream = lane.stream if lane is not None else self.queue_key
+                pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+                pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
             results = pipe.execute(raise_on_error=False)
         except TRANSIENT_ERRORS:
             return False

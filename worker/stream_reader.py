@@ -1,15 +1,19 @@
-"""StreamReader: the worker's input thread; new requests from the consumer group.
+"""StreamReader: the worker's input thread; new requests from the consumer groups of the lanes.
 
-After vLLM v1's EngineCoreProc input thread (socket -> decode -> queue for the busy loop) on a
-Redis consumer group:
+After vLLM v1's EngineCoreProc input thread (socket -> decode -> queue for the busy loop) on
+Redis consumer groups, one per lane stream of the queue (broker/work_lanes.py; the queue's own
+stream is the interactive lane of producers without a tenant):
 
-    XREADGROUP GROUP workers <worker_id> COUNT <room> BLOCK <ms> STREAMS llmq:q:{<queue>} >
+    XREADGROUP GROUP workers <worker_id> COUNT <n> STREAMS <lane streams with credit> > > ...
 
-where room is what the engine can start within a step or two, less what it holds that has not
-started, and never more than max_num_seqs - entries in flight (worker/intake_window.py). With no
-room it reads nothing, so unread work stays with the group for idle peers and the group's lag is
-a true scaling signal (KEDA's redis-streams scaler reads it). What it reads goes through
-`Admission`.
+Interactive lanes first, then batch lanes in what room is left; within a class, tenants' lanes
+in weighted fair shares of tokens (deficit round robin, worker/fair_share.py). Room is what the
+engine can start within a step or two, less what it holds that has not started, and never more
+than max_num_seqs - entries in flight; batch work also leaves the interactive headroom free
+(worker/intake_window.py). With no room it reads nothing, so unread work stays with the groups
+for idle peers and the groups' lag is a true scaling signal (KEDA's redis-streams scaler reads
+it). With nothing to read it blocks on every lane there is room for. What it reads goes through
+`Admission`, with the lane each entry came from.
 
 On NOGROUP (a fresh queue, or Redis restarted without persistence) it creates the group with
 MKSTREAM at id 0 (so entries a producer added before any worker existed are delivered) and goes
@@ -30,11 +34,19 @@ from llmq.broker import replies
 from llmq.broker.connection import is_cluster
 from llmq.broker.keys import GROUP
 from llmq.broker.replies import StreamEntry
+from llmq.broker.work_lanes import BATCH, INTERACTIVE, PriorityClass, WorkLane
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
+from llmq.worker.fair_share import FairShare, entry_cost, parse_weights
 from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+# While batch work waits for room, a blocking read on the interactive lanes alone is this short.
+BATCH_RECHECK_MS = 50
+# Batch entries read (and admitted: tokenized) at most per pass, so an interactive entry that
+# arrives meanwhile waits for a few admissions, not for a whole window's.
+BATCH_READ_MAX = 8
 
 
 class StreamReader:
@@ -43,6 +55,7 @@ class StreamReader:
 
     def __init__(self, ctx: WorkerContext, admission: Admission, *,
                  ensure_group: Callable[[], None], hand_back: Callable[..., int]) -> None:
+        self.ctx = ctx
         self.client = ctx.connect()
         self.queue_key = ctx.queue_key
         self.worker_id = ctx.worker_id
@@ -59,6 +72,9 @@ class StreamReader:
         self.awake.set()
         self.backoff = Backoff("stream reader", ctx.state, stop=self.stop_event)
         self.num_read = 0
+        weights = parse_weights(ctx.config.tenant_weights)
+        self.shares = {INTERACTIVE: FairShare(weights), BATCH: FairShare(weights)}
+        self.batch_left_unread = False  # the last read found no room for batch work
         self._client_id: int | None = None
         self._thread = threading.Thread(target=self._run, name="llmq-stream-reader", daemon=True)
 
@@ -100,16 +116,23 @@ class StreamReader:
             if not self.awake.is_set():
                 self.awake.wait(0.5)
                 continue
-            room = self.intake.room(len(self.table), self.table.num_not_started()) \
-                - self.reserved()
-            if room <= 0:
+            interactive_room, batch_room = self._rooms()
+            if interactive_room <= 0 and batch_room <= 0:
                 self.table.wait_for_change(timeout=0.5)
                 continue
             try:
                 if self._client_id is None:
                     self._client_id = self._fetch_client_id()
-                reply = self.client.xreadgroup(GROUP, self.worker_id, {self.queue_key: ">"},
-                                               count=room, block=self.block_ms)
+                self.ctx.lanes.refresh(self.client)
+                read = self._read_lanes(interactive_room, batch_room)
+                if not read:
+                    read = self._read_blocking(interactive_room, batch_room)
+                    if read:
+                        # NOTE: Redis wakes a blocked reader after the first XADD of a
+                        # producer's pipeline, so a batch submitted at once would otherwise
+                        # reach the engine one entry first and the rest a step later; taking
+                        # them together lets their prefills share the first step.
+                        read += self._read_lanes(*self._rooms(len(read)))
                 self.backoff.succeeded()
             except TRANSIENT_ERRORS as e:
                 self._client_id = None  # a new connection comes with a new id
@@ -122,24 +145,96 @@ class StreamReader:
                     logger.error("XREADGROUP refused: %s", e)
                     self.stop_event.wait(1.0)
                     continue
+                self.ctx.lanes.groups_lost()
                 try:
                     self.ensure_group()
                 except REDIS_ERRORS as e2:
                     self.backoff.failed(e2)
                 continue
-            # NOTE: one stream per read; RESP2 and RESP3 (`?protocol=3` URLs) shapes both parse.
-            entries = replies.read_entries(reply, "XREADGROUP")
-            if not entries:
+            if not read:
                 continue
-            entries += self._read_more(room - len(entries))
+            entries = [entry for _, entry in read]
+            lanes = {entry.entry_id: lane for lane, entry in read}
             if self.stop_event.is_set():
-                self._hand_back_late(entries)
+                self._hand_back_late(entries, lanes)
                 return
             if not self.awake.is_set():
-                self._hand_back_late(entries)
+                self._hand_back_late(entries, lanes)
                 continue
             self.num_read += len(entries)
-            self.admission.admit(self.client, entries, self.backoff)
+            self.admission.admit(self.client, entries, self.backoff, lanes=lanes)
+
+    def _rooms(self, just_read: int = 0) -> tuple[int, int]:
+        """(interactive, batch) entries to read now (worker/intake_window.py), less
+        `just_read` entries read but not admitted yet."""
+        waiting = self.table.count_lanes(not_started=True)
+        interactive_waiting = waiting.get(None, 0) + waiting.get(INTERACTIVE, 0)
+        interactive, batch = self.intake.lane_rooms(
+            len(self.table) + just_read, sum(waiting.values()) + just_read,
+            interactive_waiting + just_read)
+        # NOTE: seats kept for entries peers hand this worker for its cache (cache affinity)
+        reserved = self.reserved()
+        return interactive - reserved, batch - reserved
+
+    def _read_lanes(self, interactive_room: int, batch_room: int
+                    ) -> list[tuple[WorkLane, StreamEntry]]:
+        """Without blocking: interactive lanes first, then batch lanes in what room is left,
+        each lane's tenants in fair shares (worker/fair_share.py)."""
+        read = self._read_fair(INTERACTIVE, self.ctx.lanes.interactive(), interactive_room)
+        batch_room = min(batch_room - len(read), BATCH_READ_MAX)  # read ones take seats too
+        self.batch_left_unread = batch_room <= 0
+        if batch_room > 0:
+            read += self._read_fair(BATCH, self.ctx.lanes.batch(), batch_room)
+        return read
+
+    def _read_fair(self, priority_class: PriorityClass, lanes: list[WorkLane], room: int
+                   ) -> list[tuple[WorkLane, StreamEntry]]:
+        """Up to `room` entries of one class's lanes, by deficit round robin over tenants: each
+        round reads a few entries from every lane with credit left, in one XREADGROUP, and
+        charges what they cost; a lane found empty drops out."""
+        shares = self.shares[priority_class]
+        by_tenant = {lane.tenant or "": lane for lane in lanes}
+        active = list(by_tenant)
+        read: list[tuple[WorkLane, StreamEntry]] = []
+        while room > 0 and active:
+            chosen = shares.eligible(active)[:room]
+            count = max(1, room // len(chosen))
+            reply = self.client.xreadgroup(
+                GROUP, self.worker_id, {by_tenant[t].stream: ">" for t in chosen}, count=count)
+            got = dict(replies.read_streams(reply, "XREADGROUP"))
+            for tenant in chosen:
+                lane = by_tenant[tenant]
+                entries = got.get(lane.stream, [])
+                if not entries:
+                    shares.emptied(tenant)
+                    active.remove(tenant)
+                    continue
+                for entry in entries:
+                    shares.charge(tenant, entry_cost(entry.entry_id, entry.fields))
+                    read.append((lane, entry))
+                room -= len(entries)
+        return read
+
+    def _read_blocking(self, interactive_room: int, batch_room: int
+                       ) -> list[tuple[WorkLane, StreamEntry]]:
+        """Wait for the next entry on any lane there is room for, one per lane at most."""
+        lanes = self.ctx.lanes.interactive() if interactive_room > 0 else []
+        if batch_room > 0:
+            lanes += self.ctx.lanes.batch()
+        block_ms = self.block_ms
+        if batch_room <= 0 and self.batch_left_unread:
+            # NOTE: batch work may wait for room that opens while this read blocks on the
+            # interactive lanes alone: look again soon.
+            block_ms = min(block_ms, BATCH_RECHECK_MS)
+        if not lanes:
+            self.table.wait_for_change(timeout=block_ms / 1000.0)
+            return []
+        by_stream = {lane.stream: lane for lane in lanes}
+        reply = self.client.xreadgroup(GROUP, self.worker_id, dict.fromkeys(by_stream, ">"),
+                                       count=1, block=block_ms)
+        return [(by_stream[key], entry)
+                for key, entries in replies.read_streams(reply, "XREADGROUP")
+                for entry in entries if key in by_stream]
 
     def _fetch_client_id(self) -> int:
         """This connection's id, for CLIENT UNBLOCK on stop; 0 when the ACL does not allow
@@ -155,32 +250,11 @@ class StreamReader:
             logger.info("CLIENT ID refused (%s): a stop will not interrupt a blocking read", e)
             return 0
 
-    def _read_more(self, room: int) -> list[StreamEntry]:
-        """Entries already queued behind the ones a blocking read returned, without blocking.
-
-        NOTE: Redis wakes a blocked reader after the first XADD of a producer's pipeline, so a
-        batch submitted at once would otherwise reach the engine one entry first and the rest a
-        step later; taking them together lets their prefills share the first step.
-        """
-        more: list[StreamEntry] = []
-        while room > 0:
-            try:
-                reply = self.client.xreadgroup(GROUP, self.worker_id, {self.queue_key: ">"},
-                                               count=room)
-            except REDIS_ERRORS:
-                break  # the blocking loop deals with it; what was read is admitted
-            got = replies.read_entries(reply, "XREADGROUP")
-            if not got:
-                break
-            more += got
-            room -= len(got)
-        return more
-
-    def _hand_back_late(self, entries: list[StreamEntry]) -> None:
+    def _hand_back_late(self, entries: list[StreamEntry], lanes: dict[str, WorkLane]) -> None:
         ids = [entry.entry_id for entry in entries]
         for _ in range(3):
             try:
-                self.hand_back(ids, forgive=True)  # never started: no failure
+                self.hand_back(ids, forgive=True, lanes=lanes)  # never started: no failure
                 logger.info("handed back %d entries read after a stop or sleep", len(ids))
                 return
             except TRANSIENT_ERRORS as e:

@@ -232,6 +232,7 @@ class Worker:
         # NOTE: the group is gone with every entry we held (a Redis restart without
         # persistence): those entries have no lease to renew any more, but still run.
         self.table.orphan_all()
+        self.ctx.lanes.groups_lost()  # the lanes' groups went the same way: made again too
         pipe = self.admin.pipeline(transaction=False)
         queue_group_creation(pipe, self.keys, self.config.queue)
         try:

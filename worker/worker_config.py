@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from llmq.broker.keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys, validate_name
 from llmq.broker.settings import DEFAULT_RESULT_MAXLEN, DEFAULT_RESULT_TTL
+from llmq.worker.fair_share import parse_weights
 
 __all__ = ["WorkerConfig", "default_worker_id"]
 
@@ -46,6 +47,12 @@ class WorkerConfig:
     affinity: bool = True
     affinity_steal_delay: float = 1.0
     affinity_min_tokens: int = 256
+    # Fraction of max_num_seqs that batch-lane work never takes, kept for interactive requests
+    # (worker/intake_window.py).
+    interactive_headroom: float = 0.25
+    # Fair-share weights of tenants within a lane, `acme=2,bob=1`; unnamed tenants weigh 1
+    # (worker/fair_share.py).
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
         Keys(self.prefix)
@@ -79,6 +86,10 @@ class WorkerConfig:
             raise ValueError(f"affinity_min_tokens must be >= 1, got {self.affinity_min_tokens}")
         if self.read_block_ms < 1:
             raise ValueError(f"read_block_ms must be >= 1, got {self.read_block_ms}")
+        if not 0 <= self.interactive_headroom < 1:
+            raise ValueError(f"interactive_headroom must be in [0, 1), got "
+                             f"{self.interactive_headroom}")
+        parse_weights(self.tenant_weights)  # ValueError naming the bad item
 
     @property
     def heartbeat_interval(self) -> float:

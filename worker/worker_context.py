@@ -23,6 +23,7 @@ from llmq.worker.heartbeat_counters import HeartbeatCounters
 from llmq.worker.inbox import Inbox
 from llmq.worker.inflight_table import InFlightTable
 from llmq.worker.intake_window import IntakeWindow
+from llmq.worker.lane_registry import LaneRegistry
 from llmq.worker.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -50,10 +51,13 @@ class WorkerContext:
     connect: Callable[[], redis.Redis] = field(init=False)
     intake: IntakeWindow = field(init=False)
     spans: RequestSpans | None = None  # None: this process does not trace (broker/tracing.py)
+    lanes: LaneRegistry = field(init=False)
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.config.prefix)
-        self.intake = IntakeWindow(self.max_num_seqs, self.max_num_batched_tokens)
+        self.intake = IntakeWindow(self.max_num_seqs, self.max_num_batched_tokens,
+                                   self.config.interactive_headroom)
+        self.lanes = LaneRegistry(self.keys, self.config.queue)
         # NOTE: socket timeouts well above the blocking reads' BLOCK slice, so only a server that
         # stopped answering times out.
         timeout = self.config.read_block_ms / 1000.0 + 10.0

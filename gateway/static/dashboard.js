@@ -60,6 +60,24 @@
     $("#queues tbody").replaceChildren(...(rows.length ? rows : [emptyRow("#queues", "no queues")]));
   }
 
+  // Done per second between two polls, per lane (the server sends counts, not rates).
+  let lastLanes = { at: 0, done: new Map() };
+
+  function renderLanes(lanes, nowMs) {
+    const seconds = (nowMs - lastLanes.at) / 1000;
+    const done = new Map(lanes.map((l) => [`${l.queue} ${l.lane}`, l.done]));
+    const rows = lanes.map((l) => {
+      const before = lastLanes.done.get(`${l.queue} ${l.lane}`);
+      const rate = before == null || l.done == null || seconds <= 0 ? "?"
+        : fmt.num(Math.max(0, l.done - before) / seconds, 2);
+      return el("tr", { dataset: { queue: l.queue, lane: l.lane } },
+        cell(l.queue, "queue"), cell(l.lane, "lane"), cell(l.backlog, "num lag"),
+        cell(l.pending, "num pending"), cell(l.done ?? "?", "num done"), cell(rate, "num rps"));
+    });
+    lastLanes = { at: nowMs, done };
+    $("#lanes tbody").replaceChildren(...(rows.length ? rows : [emptyRow("#lanes", "no lanes")]));
+  }
+
   function workerState(w, staleAfter) {
     if (w.heartbeat_age_s > staleAfter) return ["stale", "no heartbeat"];
     if (w.draining) return ["draining", "draining"];
@@ -329,6 +347,7 @@
           + "only your own requests, so a queue's dead-letter count can exceed the letters you see; "
           + "jobs are your own batches.";
       renderQueues(pool.queues);
+      renderLanes(pool.lanes || [], pool.now_ms);
       renderWorkers(pool.workers, pool.stale_after_s);
       await refreshDeadLetters(pool.queues, viewer);
       await refreshJobs(viewer);

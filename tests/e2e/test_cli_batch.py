@@ -130,7 +130,7 @@ def test_cancel_stops_the_fan_out_and_cancels_submitted_requests(url: str, r: re
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: _status(url, batch_id)["status"] == "in_progress"
-                 and r.xlen(KEYS.queue("idle")) == 2, 30, "the first two requests")
+                 and r.xlen(KEYS.lane_stream("idle", "batch")) == 2, 30, "the first two requests")
         # When the batch is cancelled
         result = ok(llmq("batch", "cancel", batch_id, "--wait", url=url))
         assert worker.wait(30) == 0
@@ -140,7 +140,7 @@ def test_cancel_stops_the_fan_out_and_cancels_submitted_requests(url: str, r: re
     # Then the fan-out stopped: only the first two requests were ever queued, and both were
     # cancelled for the workers
     assert "cancelling batch" in result.stdout
-    assert r.xlen(KEYS.queue("idle")) == 2
+    assert r.xlen(KEYS.lane_stream("idle", "batch")) == 2
     assert all(r.exists(KEYS.cancel_flag(f"{batch_id}.{n}")) for n in (1, 2))
     # And the job finished, reporting the batch cancelled, every line accounted for
     status = _status(url, batch_id)

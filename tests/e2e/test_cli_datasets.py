@@ -167,7 +167,7 @@ def test_killed_twice_and_rerun_equals_an_uninterrupted_run(url: str, classify_w
     # And no request of the killed job was queued twice
     queued = Counter(json.loads(fields[b"json"])["id"]
                      for stream in (QUEUE, CLASSIFY)
-                     for _, fields in r.xrange(KEYS.queue(stream))
+                     for _, fields in r.xrange(KEYS.lane_stream(stream, "batch"))
                      if json.loads(fields[b"json"]).get("id", "").startswith("killed."))
     assert max(queued.values()) == 1
     assert len(queued) == 40 + 20  # every summary, and the labels of the kept half

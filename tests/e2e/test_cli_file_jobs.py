@@ -46,7 +46,7 @@ def test_forty_requests_killed_halfway_resume_without_resubmitting(url: str, r: 
                     **({"id": f"own-{i}"} if i % 2 else {})}) + "\n" for i in range(40)))
     out = tmp_path / "results.jsonl"
     args = ["submit", "-f", str(requests), "-o", str(out), "--queue", QUEUE]
-    stream_key = KEYS.queue(QUEUE)
+    stream_key = KEYS.lane_stream(QUEUE, "batch")  # file jobs are batch work (work_lanes.py)
     before = r.xlen(stream_key)
 
     # When the file job is killed once about a quarter of the results are written

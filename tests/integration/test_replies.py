@@ -71,7 +71,8 @@ def test_group_consumer_and_pending_rows_are_typed(client):
     client.xreadgroup("g", "w1", {"s": ">"}, count=1)
     # Then XINFO and XPENDING read as rows of text and ints
     assert replies.groups(client.xinfo_groups("s")) == [
-        GroupInfo(name="g", consumers=1, pending=1, last_delivered_id=first, lag=1)]
+        GroupInfo(name="g", consumers=1, pending=1, last_delivered_id=first, lag=1,
+                  entries_read=1)]
     (consumer,) = replies.consumers(client.xinfo_consumers("s", "g"))
     assert consumer == ConsumerInfo("w1", 1, consumer.idle_ms) and consumer.idle_ms >= 0
     (pending,) = replies.pending_entries(client.xpending_range("s", "g", "-", "+", 10))

@@ -20,6 +20,7 @@ from llmq.broker import Client
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.tenant_acl import TenantAcl
+from llmq.broker.work_lanes import work_lane
 from llmq.cli.main import cli
 from llmq.protocol.errors import BrokerError, RequestIdConflict
 from llmq.worker.metrics import WorkerMetrics
@@ -29,7 +30,6 @@ from llmq.worker.worker_context import WorkerContext
 from tests.fixtures.acl_server import PASSWORDS, acl_url
 from tests.integration.worker_harness import (
     KEYS,
-    QUEUE_KEY,
     InProcessWorker,
     dead_letters,
     read_events,
@@ -85,6 +85,13 @@ OWN = {"result": KEYS.result("acme:1"), "flag": KEYS.cancel_flag("acme:1"),
        "marker": KEYS.idempotency("default", "acme:1")}
 BOBS = {"result": KEYS.result("bob:1"), "flag": KEYS.cancel_flag("bob:1"),
         "marker": KEYS.idempotency("default", "bob:1")}
+LANES = KEYS.lanes("default")
+OWN_LANE = {"stream": KEYS.lane_stream("default", "batch:acme"),
+            "records": KEYS.lane_submissions("default", "batch:acme")}
+BOBS_LANE = {"stream": KEYS.lane_stream("default", "batch:bob"),
+             "records": KEYS.lane_submissions("default", "batch:bob")}
+SHARED_LANE = {"stream": KEYS.lane_stream("default", "batch"),
+               "records": KEYS.lane_submissions("default", "batch")}
 SHARED = {"result": KEYS.result("job-1"), "flag": KEYS.cancel_flag("job-1"),
           "marker": KEYS.idempotency("default", "job-1")}
 
@@ -102,6 +109,14 @@ ALLOWED = [
     ("XLEN", OWN["result"]), ("XINFO", "STREAM", OWN["result"]),
     ("XPENDING", Q, GROUP, "1-0", "1-0", "1"), ("XINFO", "GROUPS", Q),  # marker checks
     ("HEXISTS", SUB, "1-0"),
+    ("FCALL", "llmq_submit_lane", "4", OWN_LANE["stream"], OWN_LANE["records"], LANES,  # its
+     OWN["marker"], "json", "{}", "86400", "acme:1"),                  # own batch lane
+    ("XADD", OWN_LANE["stream"], "1-1", "json", "{}"), ("HSET", OWN_LANE["records"], "1-1", "a"),
+    ("HGET", LANES, "last"), ("HSET", LANES, "batch:acme", "1"),
+    ("HINCRBY", LANES, "count", "1"),
+    ("XGROUP", "CREATE", OWN_LANE["stream"], GROUP, "0", "MKSTREAM"),
+    ("XPENDING", OWN_LANE["stream"], GROUP, "1-0", "1-0", "1"),
+    ("HEXISTS", OWN_LANE["records"], "1-0"),
 ]
 DENIED = [
     ("XREAD", "STREAMS", BOBS["result"], "0"), ("XRANGE", BOBS["result"], "-", "+"),
@@ -127,6 +142,17 @@ DENIED = [
     ("FCALL", "llmq_submit", "3", Q, SUB, SHARED["marker"], "json", "{}", "86400", "job-1"),
     ("GET", KEYS.idempotency("default", "bob:acme:1")),               # bob's id, acme's name
     ("SET", KEYS.idempotency("default", "bob:acme:1"), "1-0"),
+    ("XADD", BOBS_LANE["stream"], "*", "json", "{}"),                 # another tenant's lane
+    ("XADD", SHARED_LANE["stream"], "*", "json", "{}"),               # the shared batch lane
+    ("FCALL", "llmq_submit_lane", "3", BOBS_LANE["stream"], BOBS_LANE["records"], LANES,
+     "json", "{}"),
+    ("FCALL", "llmq_submit_lane", "3", SHARED_LANE["stream"], SHARED_LANE["records"], LANES,
+     "json", "{}"),
+    ("HSET", BOBS_LANE["records"], "1-1", "bob:1"), ("HEXISTS", BOBS_LANE["records"], "1-1"),
+    ("XGROUP", "CREATE", BOBS_LANE["stream"], GROUP, "0", "MKSTREAM"),
+    ("XRANGE", OWN_LANE["stream"], "-", "+"),                         # payloads, its own too
+    ("XREADGROUP", "GROUP", GROUP, "a", "STREAMS", OWN_LANE["stream"], ">"),
+    ("HGETALL", LANES), ("DEL", LANES),
 ]
 
 
@@ -187,6 +213,32 @@ def test_tenants_run_their_own_and_cannot_hijack_block_or_read_each_other(
     admin.close()
 
 
+def test_a_tenant_queues_on_its_own_lanes_and_cannot_queue_on_anothers(
+        acl_server, tenants, tiny_model) -> None:
+    port = tenants
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    bob_raw = redis.Redis.from_url(url(port, "bob"))
+    with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="lane-worker"), \
+            Client(url(port, "acme")) as acme:
+        # When acme submits a batch request and an interactive one
+        batch = acme.submit("Hi", request_id="acme:b1", max_tokens=4, lane="batch")
+        online = acme.submit("Hi", request_id="acme:i1", max_tokens=4)
+        # Then each went to acme's own lane stream, and the worker (its ACL user) ran both
+        assert admin.xlen(OWN_LANE["stream"]) == 1
+        assert admin.xlen(KEYS.lane_stream("default", "interactive:acme")) == 1
+        assert acme.result(batch, timeout=30).attempt == 1
+        assert acme.result(online, timeout=30).attempt == 1
+        # And bob can neither add to acme's lane nor queue through it
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            bob_raw.xadd(OWN_LANE["stream"], {"json": '{"prompt": "bob in acme\'s lane"}'})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            bob_raw.fcall("llmq_submit_lane", 3, OWN_LANE["stream"], OWN_LANE["records"], LANES,
+                          "json", '{"prompt": "x"}')
+        assert admin.xlen(OWN_LANE["stream"]) == 1
+    bob_raw.close()
+    admin.close()
+
+
 def test_submit_raises_when_the_marker_names_no_entry_of_this_request(tenants) -> None:
     port = tenants
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
@@ -195,9 +247,11 @@ def test_submit_raises_when_the_marker_names_no_entry_of_this_request(tenants) -
         # entry that is gone, garbage, or an entry from the future
         acme.submit("Hi", request_id="acme:old", max_tokens=2)
         old_entry = admin.get(KEYS.idempotency("default", "acme:old")).decode()
-        admin.xreadgroup(GROUP, "w", {QUEUE_KEY: ">"})
-        admin.xack(QUEUE_KEY, GROUP, old_entry)
-        admin.xdel(QUEUE_KEY, old_entry)
+        # NOTE: a tenant's interactive requests wait on its own lane (broker/work_lanes.py)
+        lane = KEYS.lane_stream("default", "interactive:acme")
+        admin.xreadgroup(GROUP, "w", {lane: ">"})
+        admin.xack(lane, GROUP, old_entry)
+        admin.xdel(lane, old_entry)
         admin.set(KEYS.idempotency("default", "acme:junk"), "not-an-entry")
         admin.set(KEYS.idempotency("default", "acme:future"), "99999999999999-0")
         # ... and one naming an entry just past the group's last delivery that was never added
@@ -329,18 +383,21 @@ def test_forged_records_cannot_stall_the_lost_payload_pass_or_answer_a_finished_
             wait_for(lambda: not admin.hexists(SUB, finished), 10, "its record acked")
         admin.xdel(Q, finished)
         before = read_events(admin, finished)
-        # And acme's request trimmed before any worker read it (a genuine record)
+        # And acme's request trimmed from its lane before any worker read it (a genuine record)
         acme.submit("Hi", request_id="acme:gone", max_tokens=2)
         gone = admin.get(KEYS.idempotency("default", "acme:gone")).decode()
-        admin.xdel(Q, gone)
+        lane = work_lane(KEYS, "default", None, "acme")
+        admin.xdel(lane.stream, gone)
         # When acme forges records: one naming no entry, one naming the finished request
         acme_raw.hset(SUB, mapping={"not-an-entry": "x", finished: finished})
         with InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="second") as w:
             w.worker.reclaimer.answer_vanished_unread()
+            w.worker.reclaimer.answer_vanished_unread(lane)
             # Then acme's lost request is answered, by name, in the same pass
             error = wait_terminal(admin, "acme:gone")
             assert isinstance(error, protocol.Error) and error.code == "lost_payload"
             wait_for(lambda: admin.hlen(SUB) == 0, 10, "every record cleared")
+            wait_for(lambda: admin.hlen(lane.submissions) == 0, 10, "the lane's records too")
     # And the finished request's stream is as it was
     assert read_events(admin, finished) == before
     acme_raw.close()

@@ -187,7 +187,7 @@ def test_an_oversized_payload_with_a_tenant_id_is_answered_where_the_tenant_read
         table_worker, redis_server, redis_client) -> None:
     from llmq.broker.client import Client
     from llmq.broker.commands import Submission
-    from llmq.broker.functions import SUBMIT_FUNCTION, ensure_functions
+    from llmq.broker.functions import ensure_functions
 
     table_worker.wait_ready(redis_client)
     ensure_functions(redis_client)
@@ -196,7 +196,7 @@ def test_an_oversized_payload_with_a_tenant_id_is_answered_where_the_tenant_read
         # Given a tenant's submit function queuing a payload over the cap (a producer that
         # skipped the client's own check), its id marked for that entry
         args = client._fcall_args(Submission("acme:big-3", "json", payload), "default")
-        entry_id = protocol.as_str(redis_client.fcall(SUBMIT_FUNCTION, *args)[1])
+        entry_id = protocol.as_str(redis_client.fcall(*args)[1])
         # Then the tenant, following its own id, gets the invalid_request error there
         error = wait_terminal(redis_client, "acme:big-3")
         assert isinstance(error, protocol.Error) and error.code == "invalid_request", error

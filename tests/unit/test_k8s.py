@@ -131,11 +131,14 @@ def test_keda_watches_the_stream_and_group_the_workers_consume(overlay, request)
     env = worker_env(objects)
     queue = env.get("LLMQ_QUEUE", DEFAULT_QUEUE)
     keys = Keys(env.get("LLMQ_PREFIX", Keys().prefix))
-    # Then every trigger reads the broker's request stream of that queue and its group
+    # Then every trigger reads a request stream of that queue (its own, or its batch lane:
+    # broker/work_lanes.py) and its group, each stream with a lag and an in-flight trigger
+    streams = {keys.queue(queue), keys.lane_stream(queue, "batch")}
     for trigger in scaled["spec"]["triggers"]:
         assert trigger["type"].startswith("redis") and trigger["type"].endswith("-streams")
-        assert trigger["metadata"]["stream"] == keys.queue(queue)
+        assert trigger["metadata"]["stream"] in streams
         assert trigger["metadata"]["consumerGroup"] == GROUP
+    assert {t["metadata"]["stream"] for t in scaled["spec"]["triggers"]} == streams
     # And it scales the worker Deployment, from zero, on lag plus in-flight work
     deployment = one(objects, "Deployment", "llmq-worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]

@@ -31,6 +31,7 @@ PACKAGES = ("protocol", "worker", "gateway", "cli", "jobs")  # everything of llm
 # (docs/protocol.md), which no producer API covers.
 WORKER_IO = {
     "worker/stream_reader.py": "XREADGROUP of the queue: the worker's inbox",
+    "worker/lane_registry.py": "the queue's lanes (HKEYS) and their consumer groups",
     "worker/admission.py": "TIME, the cancel flag and the ack of refused entries at admission",
     "worker/lease_keeper.py": "heartbeats, lease renewal and fencing, hand-backs",
     "worker/reclaimer.py": "XAUTOCLAIM / XCLAIM of dead workers' entries, dead-lettering",

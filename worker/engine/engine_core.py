@@ -119,7 +119,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, *, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, batch: bool = False) -> None:
         """Queue a request that passed `InputProcessor`; nothing is checked again here."""
         arrival_time = self.clock() if arrival_time is None else arrival_time
         if sampling_params.task != "generate":  # answered from the prompt alone, next step
@@ -132,6 +132,7 @@ class EngineCore:
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           arrival_time=arrival_time,
                           priority=priority, detokenizer=detokenizer)
+        request.batch = batch
         self.scheduler.add_request(request)
         if sampling_params.prompt_logprobs is not None:  # delivered with its choice 0's end
             self.prompt_tasks.score_prompt(request_id, prompt_token_ids,

@@ -57,6 +57,7 @@ class ParallelSampling:
                             # detokenizer holds no text yet, only shared tables.
                             detokenizer=copy.copy(parent.detokenizer))
             child.parent_id, child.index = parent.request_id, index
+            child.batch = parent.batch
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             children.append(child)

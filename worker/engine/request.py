@@ -71,6 +71,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # lower value is served first under the priority policy
+        # From a batch lane: scheduled after every interactive request, and preempted first.
+        self.batch = False
         self.detokenizer = detokenizer
 
         self.status = RequestStatus.WAITING

@@ -9,7 +9,8 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
   chunks), then waiting ones, so a long prompt is prefilled in chunks alongside decodes.
 - Order: `running` is kept sorted by the policy (fcfs: arrival; priority: lower value, then
   arrival), so the request preempted when blocks run out, the last one, is always the least
-  important and never one already scheduled in this step.
+  important and never one already scheduled in this step. Batch-lane requests yield to
+  interactive ones: waiting, seats, KV blocks, steps (worker/engine/lane_priority.py).
 - Preemption is by recompute: the victim's blocks are freed (full ones stay in the prefix cache)
   and it goes back to the front of the waiting queue, keeping its output tokens and text.
 - Requests finished outside `update_from_output` (aborts, the preemption cap) leave a terminal
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from llmq.protocol.errors import ErrorCode, RequestRejected
-from llmq.worker.engine import stop_checker
+from llmq.worker.engine import lane_priority, stop_checker
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.kv_cache_manager import KVCacheManager
 from llmq.worker.engine.outputs import (
@@ -73,7 +74,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, next to admit first
         self.running: list[Request] = []  # sorted by _order_key
-        self._order_keys: dict[str, tuple[float, float, int]] = {}
+        self._order_keys: dict[str, tuple[int, float, float, int]] = {}
         self._arrivals = itertools.count()
         self._finished_request_ids: set[str] = set()
         self._finished_outputs: list[EngineCoreOutput] = []
@@ -95,8 +96,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._order_keys[request.request_id] = (
-            request.priority if self.by_priority else 0, request.arrival_time,
-            next(self._arrivals))
+            int(request.batch), request.priority if self.by_priority else 0,
+            request.arrival_time, next(self._arrivals))
         if request.sampling_params.n > 1:
             self.parallel.add_parent(request)
             if request.fork_at == 0:  # nothing to share: n plain requests
@@ -139,11 +140,17 @@ class Scheduler:
         preempted = False
 
         # Running requests: one decode token each, or the next chunk of their prompt.
+        # NOTE: not batch ones while an interactive request waits: its time to first token is
+        # then about an idle engine's, whatever the batch running beside it.
+        hold_batch = (interactive := lane_priority.first_interactive(self.waiting)) is not None
+        seats = self.config.max_num_seqs
+        for victim in lane_priority.seat_victims(interactive, self.running, seats):
+            self._preempt(victim)  # a seat for it (nothing is scheduled yet)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (hold_batch and request.batch):
                 i += 1
                 continue
             draft = self.speculator.propose(request, budget, self.max_model_len) \
@@ -187,6 +194,11 @@ class Scheduler:
             num_hit = min(num_hit, request.num_tokens_to_compute)
             num_new = min(request.num_tokens_to_compute - num_hit, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None and not request.batch \
+                    and (giver := lane_priority.batch_victim(self.running)):
+                self._preempt(giver)  # NOTE: batch requests sat this step out: none scheduled
+                num_seqs -= giver.num_seqs
+                continue
             if block_ids is None:
                 break
             self.waiting.pop(0)
@@ -294,16 +306,14 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _order_key(self, request: Request) -> tuple[float, float, int]:
+    def _order_key(self, request: Request) -> tuple[int, float, float, int]:
         return self._order_keys[request.request_id]
 
     def _enqueue_waiting(self, request: Request, front: bool) -> None:
         if self.by_priority:
             bisect.insort(self.waiting, request, key=self._order_key)
-        elif front:
-            self.waiting.insert(0, request)
         else:
-            self.waiting.append(request)
+            self.waiting.insert(lane_priority.waiting_index(self.waiting, request, front), request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
