@@ -69,6 +69,7 @@ class _Diverted(NamedTuple):
     now_ms: int
     waited_ms: int
     route: Route
+    batch: bool
 
 
 class Admission:
@@ -217,19 +218,24 @@ class Admission:
             return None
         entry.prompt_tokens = len(processed.prompt_token_ids)
         self.ctx.intake.note_prompt(entry.prompt_tokens)
+        # NOTE: the stream decides the class of a lane entry; on the queue's own stream a
+        # plain XADD may still say `"lane": "batch"`, which the engine then preempts first.
+        lane = entry.lane if entry.lane is not None and not entry.lane.is_queue_stream else None
+        batch = lane.priority_class == BATCH if lane is not None else request.lane == BATCH
         # NOTE: only entries of the queue's own stream: the hand-over scripts move entries
         # within that stream (broker/affinity_handover.py); lane streams are not handed over yet.
         if diverted is not None and entry.attempt == 1 and not entry.solo \
                 and (entry.lane is None or entry.lane.is_queue_stream) \
                 and self.affinity is not None \
                 and (route := self.affinity.router.target(processed.prompt_token_ids)):
-            diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, route)
+            diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, route,
+                                                 batch)
             return None
-        return self._start(entry, processed, now_ms, waited_ms)
+        return self._start(entry, processed, now_ms, waited_ms, batch)
 
     def _start(self, entry: InFlight, processed: ProcessedInput, now_ms: int,
-               waited_ms: int) -> AddRequest:
-        """`start` queued, and the request for the busy loop."""
+               waited_ms: int, batch: bool) -> AddRequest:
+        """`start` queued, and the request for the busy loop (`batch`: in the batch class)."""
         if self.affinity is not None:
             self.affinity.router.claim(processed.prompt_token_ids)
         entry.admitted_ms = now_ms
@@ -241,10 +247,6 @@ class Admission:
         # NOTE: `start` is queued before the engine sees the request, so it precedes every delta
         # in the writer's FIFO.
         self.writer.put(EntryWrite(entry.entry_id, entry.request_id, entry.encoding, [start]))
-        # NOTE: the stream decides the class of a lane entry; on the queue's own stream a
-        # plain XADD may still say `"lane": "batch"`, which the engine then preempts first.
-        lane = entry.lane if entry.lane is not None and not entry.lane.is_queue_stream else None
-        batch = lane.priority_class == BATCH if lane is not None else request.lane == BATCH
         return AddRequest(entry.entry_id, processed.prompt_token_ids, processed.sampling_params,
                           processed.priority, arrival_time=self.clock() - waited_ms / 1000.0,
                           solo=entry.solo, batch=batch)
@@ -261,7 +263,7 @@ class Admission:
             self.table.pop(entry_id)
             by_route.setdefault(d.route, []).append(entry_id)
         gone = self.affinity.hand_over(client, by_route, backoff)
-        return [self._start(d.entry, d.processed, d.now_ms, d.waited_ms)
+        return [self._start(d.entry, d.processed, d.now_ms, d.waited_ms, d.batch)
                 for entry_id, d in diverted.items()
                 if entry_id not in gone and self.table.add(d.entry)]
 
