@@ -49,7 +49,7 @@ class ResultBatch:
     finished: list[tuple[protocol.Done | protocol.Error, EngineCoreOutput]] = field(
         default_factory=list)
     errors: list[str] = field(default_factory=list)  # codes of admission errors, for metrics
-    events_written: bool = False  # on a cluster: the events are on their nodes, only acks remain
+    events_written: bool = False  # the events are on their nodes: only acks remain to send
 
     @property
     def num_writes(self) -> int:

@@ -45,7 +45,7 @@ import redis
 
 from llmq import protocol
 from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
-from llmq.broker.functions import ensure_functions
+from llmq.broker.functions import FunctionLibraryMissing, ensure_functions
 from llmq.broker.keys import GROUP
 from llmq.protocol.errors import StreamExhausted
 from llmq.worker.admission import Admission
@@ -120,6 +120,12 @@ class Worker:
         self._stats: EngineStats | None = None
         self.stats_log = EngineStatsLog(time.monotonic())
         self._group_seen = False  # a group existed once: recreating it later is news
+        # NOTE: no work is taken until the function library is there (it acks and renews
+        # leases): the first contact with Redis checks it, and opens intake.
+        self._library_ready = False
+        self._library_problem: str | None = None  # what is wrong with it, logged once
+        self.reader.pause()
+        self.reclaimer.reclaiming = False
         self._engine_failed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -209,8 +215,9 @@ class Worker:
                          name="llmq-pause-reader").start()
 
     def resume_intake(self) -> None:
-        """Read and reclaim again (awake), unless draining: a drain's stop stands."""
-        if not self.draining:
+        """Read and reclaim again (awake), unless draining (a drain's stop stands) or the
+        function library is not there yet."""
+        if not self.draining and self._library_ready:
             self.reclaimer.reclaiming = True
             self.reader.resume()
 
@@ -235,21 +242,34 @@ class Worker:
         self._group_seen = True
         self._load_functions()
 
-    def _first_contact(self) -> None:
-        """Once Redis answers: refuse to run beside a v1 queue, load the function library."""
+    def _first_contact(self) -> bool:
+        """Once Redis answers: refuse to run beside a v1 queue; take work once the function
+        library is there. True when done; called again every reclaim round until then."""
         if self.admin.exists(self.keys.legacy_queue(self.config.queue)):
             logger.error("%s: stopping", legacy_stream_message(self.keys, self.config.queue))
             self.request_stop()
-            return
-        self._load_functions()
+            return True
+        if not self._load_functions():
+            return False
+        self._library_ready = True
+        self.resume_intake()
+        return True
 
-    def _load_functions(self) -> None:
-        """The submit function library, where it is missing or older (producers FCALL it)."""
+    def _load_functions(self) -> bool:
+        """The function library (producers submit, workers ack through it), loaded where it
+        is missing or older if this worker's user may; False, said once in one line naming the
+        command to run, when it may not."""
         try:
             ensure_functions(self.admin)
-        except redis.ResponseError as exc:  # NOPERM under a stricter ACL, mostly
-            logger.warning("cannot load the llmq function library (%s): producers' submits "
-                           "fail until an admin runs `llmq admin load-functions`", exc)
+        except FunctionLibraryMissing as exc:
+            if self._library_problem != str(exc):
+                logger.error("%s; this worker takes no work until then", exc)
+            self._library_problem = str(exc)
+            return False
+        if self._library_problem is not None:
+            logger.warning("the llmq function library is loaded now: taking work")
+            self._library_problem = None
+        return True
 
     # -- the busy loop ----------------------------------------------------------------------------
 
@@ -392,6 +412,9 @@ class Worker:
         down = self.state.down()
         if self.utility.sleep_level:
             self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
+            return
+        if self._library_problem is not None:
+            self.health.set_ready(False, self._library_problem)
             return
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")
