@@ -8,6 +8,10 @@ workers drain and exit first, then the server. With `--detach` it returns once t
 and `llmq down` stops it. Every other command finds the server through the run folder
 (`LLMQ_RUN_DIR`, default ~/.local/state/llmq) when no `--redis-url` / `LLMQ_REDIS_URL` is set.
 
+Before the workers start, `llmq up` loads the llmq function library (broker/functions.py) where
+it is missing or older: on its own server it is the admin; with a `--redis-url` whose user may
+not load it, it stops with the one line that names the command to run as the admin.
+
 If a worker exits on its own, `llmq up` stops the rest and exits 1, like foreman: a pool that
 silently lost a worker is worse than one that says so.
 """
@@ -23,10 +27,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import click
+import redis
 
 from llmq.broker.client import Client
-from llmq.broker.connection import redact_url
+from llmq.broker.connection import connect, redact_url
 from llmq.broker.embedded import EmbeddedServer, default_run_dir
+from llmq.broker.functions import FunctionLibraryMissing, ensure_functions
 from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
 
 if TYPE_CHECKING:
@@ -144,6 +150,7 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             supervisor.log("server", f"{how} server pid {server.pid} at {url} "
                            f"(log: {server.logfile})")
 
+        _load_library(supervisor, url)
         pins = iter(layout or [])
         indexes = itertools.count(0)
 
@@ -200,6 +207,25 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             supervisor.release_foreground()
         if exit_code:
             sys.exit(exit_code)
+
+
+def _load_library(supervisor: Supervisor, url: str) -> None:
+    """The function library the workers ack through, loaded where missing or older; a
+    ClickException naming the command to run when this URL's user may not load it."""
+    client = connect(url)
+    try:
+        loaded = [s.server for s in ensure_functions(client) if s.loaded]
+    except FunctionLibraryMissing as exc:
+        raise click.ClickException(str(exc)) from None
+    except redis.RedisError as exc:
+        # NOTE: the workers wait for Redis, and check the library again when it answers.
+        supervisor.log("server", f"could not check the llmq function library yet ({exc})",
+                       "red")
+        return
+    finally:
+        client.close()
+    if loaded:
+        supervisor.log("server", f"loaded the llmq function library on {', '.join(loaded)}")
 
 
 def _wait_ready(supervisor: Supervisor, client: Client, timeout: float,

@@ -221,7 +221,8 @@ DENIED = {
         ("XADD", CTL, "*", "json", "{}"),         # calling its peers
         ("XREAD", "STREAMS", CTLR, "0"), ("DEL", CTL),
         # no code of its own: the admin loads the library (broker/functions.py), it only calls it
-        ("FUNCTION", "LOAD", "#!lua name=llmq\n"), ("FUNCTION", "LOAD", "REPLACE", "#!lua name=x\n"),
+        ("FUNCTION", "LOAD", "#!lua name=llmq\n"),
+        ("FUNCTION", "LOAD", "REPLACE", "#!lua name=x\n"),
         ("FUNCTION", "DELETE", "llmq"), ("FUNCTION", "FLUSH"), ("FUNCTION", "RESTORE", "x"),
         ("EVAL", "return 1", "0"), ("EVAL", "return 1", "1", Q), ("EVALSHA", SHA, "1", Q),
         ("EVAL_RO", "return 1", "0"), ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
