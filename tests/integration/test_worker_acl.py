@@ -33,6 +33,7 @@ from tests.integration.worker_harness import (
     KEYS,
     QUEUE_KEY,
     InProcessWorker,
+    read_events,
     wait_for,
     wait_terminal,
 )
@@ -150,6 +151,42 @@ def test_a_worker_on_an_older_library_takes_no_work_until_the_admin_loads_it(
                 # Then the worker takes the request and answers it
                 assert producer.result(request_id, timeout=60).finish_reason == "length"
                 assert len(complaints()) == 1  # said once, not at every check
+    finally:
+        admin.flushall()
+        admin.close()
+
+
+def test_a_library_lost_mid_run_holds_the_acks_until_the_admin_loads_it_again(
+        acl_server, tiny_model, caplog) -> None:
+    port, _ = acl_server
+    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
+    admin.flushall()
+    ensure_functions(admin)
+    try:
+        with Client(acl_url(port, "producer")) as producer, \
+                caplog.at_level(logging.INFO, logger="llmq"), \
+                InProcessWorker(acl_url(port, "worker"), tiny_model, worker_id="acl-lost",
+                                fault="slow_step:50"):
+            # Given a request running on a worker of the worker user
+            request_id = producer.submit("Hi", max_tokens=30, ignore_eos=True)
+            wait_for(lambda: len(admin.xrange(KEYS.result(request_id))) >= 3, 60, "deltas")
+            # When the library is lost while it runs (FUNCTION FLUSH; a restart without
+            # persistence would do the same)
+            admin.function_flush()
+            # Then the answer is written, but the entry stays pending: the ack waits for the
+            # library, and the worker says what to run
+            assert wait_terminal(admin, request_id, timeout=60).finish_reason == "length"
+            wait_for(lambda: any("llmq admin load-functions" in r.getMessage()
+                                 for r in caplog.records), 30, "the worker to report it")
+            assert admin.xpending(QUEUE_KEY, GROUP)["pending"] == 1
+            # When the admin loads it again
+            ensure_functions(admin)
+            # Then the entry is acked, and no event was written twice
+            wait_for(lambda: admin.xpending(QUEUE_KEY, GROUP)["pending"] == 0, 60, "the ack")
+            events = read_events(admin, request_id)
+            keys = [(type(e).__name__, e.attempt, getattr(e, "seq", None)) for e in events]
+            assert len(keys) == len(set(keys)), keys
+            assert len([e for e in events if protocol.is_terminal(e)]) == 1
     finally:
         admin.flushall()
         admin.close()
