@@ -435,6 +435,32 @@ def test_the_worker_user_can_neither_load_nor_run_code_of_its_own(connect):
     assert only[only.index("library_name") + 1] == "llmq"
 
 
+@pytest.mark.parametrize("user", ["producer", "gateway"])
+def test_producers_cannot_ack_or_steal_a_workers_entry_through_its_functions(connect, user):
+    admin, worker, caller = connect("admin"), connect("worker"), connect(user)
+    ensure_functions(admin)
+    # Given an entry a worker holds
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    entry_id = admin.xadd(Q, {"json": "{}"})
+    worker.xreadgroup(GROUP, "worker-1", {Q: ">"}, count=1)
+    # When a producer calls the workers' functions on it: hand it back in the worker's name (a
+    # huge idle), ack it (also with keys it may name in the hand-back counts' place). (Naming
+    # another consumer only reads: the entry is reported as someone else's, as XPENDING says.)
+    for attempt in (
+            lambda: caller.fcall("llmq_claim_owned", 1, Q, GROUP, "worker-1", 10**10, entry_id),
+            lambda: caller.fcall("llmq_ack", 4, Q, SUB, SUB, SUB, GROUP, "worker-1", 1,
+                                 entry_id),
+            lambda: caller.fcall("llmq_ack", 4, Q, HB, DLQ, SUB, GROUP, "worker-1", 1,
+                                 entry_id)):
+        # Then each is refused: what the function runs is checked against the caller's rights
+        with pytest.raises(redis.ResponseError, match="(?i)no permissions|can.t (access|run)"):
+            attempt()
+    # And the entry is still the worker's, pending, its lease untouched
+    (pending,) = worker.xpending_range(Q, GROUP, min="-", max="+", count=10)
+    assert (pending["message_id"], pending["consumer"]) == (entry_id, "worker-1")
+    assert pending["time_since_delivered"] < 10**9
+
+
 def test_keda_reads_lag_and_pending_but_not_requests(connect):
     worker, keda = connect("worker"), connect("keda")
     # Given a queue with two unread requests
