@@ -30,7 +30,7 @@ import click
 import redis
 
 from llmq.broker.client import Client
-from llmq.broker.connection import connect, redact_url
+from llmq.broker.connection import redact_url
 from llmq.broker.embedded import EmbeddedServer, default_run_dir
 from llmq.broker.functions import FunctionLibraryMissing, ensure_functions
 from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
@@ -150,7 +150,8 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             supervisor.log("server", f"{how} server pid {server.pid} at {url} "
                            f"(log: {server.logfile})")
 
-        _load_library(supervisor, url)
+        client = Client(url, prefix=connection["prefix"], queue=connection["queue"])
+        _load_library(supervisor, client)
         pins = iter(layout or [])
         indexes = itertools.count(0)
 
@@ -174,7 +175,6 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             return argv
 
         supervisor.spawn_workers(num_workers, worker_argv, detach=detach)
-        client = Client(url, prefix=connection["prefix"], queue=connection["queue"])
         if not _wait_ready(supervisor, client, ready_timeout, stop):
             exit_code = 130 if stop.is_set() else 1
             return
@@ -209,12 +209,11 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             sys.exit(exit_code)
 
 
-def _load_library(supervisor: Supervisor, url: str) -> None:
+def _load_library(supervisor: Supervisor, client: Client) -> None:
     """The function library the workers ack through, loaded where missing or older; a
     ClickException naming the command to run when this URL's user may not load it."""
-    client = connect(url)
     try:
-        loaded = [s.server for s in ensure_functions(client) if s.loaded]
+        loaded = [s.server for s in ensure_functions(client.redis) if s.loaded]
     except FunctionLibraryMissing as exc:
         raise click.ClickException(str(exc)) from None
     except redis.RedisError as exc:
@@ -222,8 +221,6 @@ def _load_library(supervisor: Supervisor, url: str) -> None:
         supervisor.log("server", f"could not check the llmq function library yet ({exc})",
                        "red")
         return
-    finally:
-        client.close()
     if loaded:
         supervisor.log("server", f"loaded the llmq function library on {', '.join(loaded)}")
 
