@@ -45,7 +45,6 @@ import redis
 
 from llmq import protocol
 from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
-from llmq.broker.functions import FunctionLibraryMissing, ensure_functions
 from llmq.broker.keys import GROUP
 from llmq.protocol.errors import StreamExhausted
 from llmq.worker.admission import Admission
@@ -57,6 +56,7 @@ from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine_client import EngineClient
 from llmq.worker.engine_feeder import EngineFeeder
 from llmq.worker.lease_keeper import LeaseKeeper
+from llmq.worker.library_check import LibraryCheck
 from llmq.worker.reclaimer import Reclaimer
 from llmq.worker.result_writer import ResultWriter
 from llmq.worker.stats_log import EngineStatsLog
@@ -122,8 +122,8 @@ class Worker:
         self._group_seen = False  # a group existed once: recreating it later is news
         # NOTE: no work is taken until the function library is there (it acks and renews
         # leases): the first contact with Redis checks it, and opens intake.
+        self.library = LibraryCheck(self.admin)
         self._library_ready = False
-        self._library_problem: str | None = None  # what is wrong with it, logged once
         self.reader.pause()
         self.reclaimer.reclaiming = False
         self._engine_failed = False
@@ -240,7 +240,7 @@ class Worker:
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
         self._group_seen = True
-        self._load_functions()
+        self.library.check()
 
     def _first_contact(self) -> bool:
         """Once Redis answers: refuse to run beside a v1 queue; take work once the function
@@ -249,26 +249,10 @@ class Worker:
             logger.error("%s: stopping", legacy_stream_message(self.keys, self.config.queue))
             self.request_stop()
             return True
-        if not self._load_functions():
+        if not self.library.check():
             return False
         self._library_ready = True
         self.resume_intake()
-        return True
-
-    def _load_functions(self) -> bool:
-        """The function library (producers submit, workers ack through it), loaded where it
-        is missing or older if this worker's user may; False, said once in one line naming the
-        command to run, when it may not."""
-        try:
-            ensure_functions(self.admin)
-        except FunctionLibraryMissing as exc:
-            if self._library_problem != str(exc):
-                logger.error("%s; this worker takes no work until then", exc)
-            self._library_problem = str(exc)
-            return False
-        if self._library_problem is not None:
-            logger.warning("the llmq function library is loaded now: taking work")
-            self._library_problem = None
         return True
 
     # -- the busy loop ----------------------------------------------------------------------------
@@ -413,8 +397,8 @@ class Worker:
         if self.utility.sleep_level:
             self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
             return
-        if self._library_problem is not None:
-            self.health.set_ready(False, self._library_problem)
+        if self.library.problem is not None:
+            self.health.set_ready(False, self.library.problem)
             return
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")
