@@ -5,7 +5,8 @@ hand-over is `XCLAIM <entry> <target> JUSTID` (the target now owns it; its deliv
 unchanged, so the hop is no attempt) plus a *ticket* on the target's stream
 `llmq:aff:{<queue>}:t:<target>` that names it. The entry id, its request id, its idempotency
 marker and its submission record all stay what they were, so a plain XADD producer, `llmq
-result` and the reclaimer see nothing new. Every step is one Lua script in the queue's slot:
+result` and the reclaimer see nothing new. Every step is one function of the llmq library
+(the code below, loaded with the rest by the admin: broker/functions.py), in the queue's slot:
 
 - HAND_OVER (the reader that decided): per entry still pending under it, XCLAIM to the target
   and XADD its ticket, unless the target has no summary (dead, draining, asleep) or its ticket
@@ -19,7 +20,7 @@ result` and the reclaimer see nothing new. Every step is one Lua script in the q
   tickets name that are still its own, dropping tickets of entries that are not, so entries
   waiting for it never lapse into a reclaim (a new attempt).
 
-What the scripts cannot see is covered by what already exists: an entry whose ticket was lost
+What the functions cannot see is covered by what already exists: an entry whose ticket was lost
 is pending under a worker that does not renew it, so it is reclaimed after the lease
 (worker/reclaimer.py); an entry deleted while pending is left to the reclaimer's
 `lost_payload` answer.
@@ -35,7 +36,12 @@ from llmq.broker import replies
 from llmq.broker.keys import GROUP, Keys
 from llmq.broker.replies import StreamEntry
 
-__all__ = ["AffinityHandover", "TakenEntry", "Ticket"]
+__all__ = ["LIBRARY_PART", "AffinityHandover", "TakenEntry", "Ticket"]
+
+HAND_OVER_FUNCTION = "llmq_aff_hand_over"
+TAKE_FUNCTION = "llmq_aff_take"
+RENEW_FUNCTION = "llmq_aff_renew"
+FORGET_FUNCTION = "llmq_aff_forget"
 
 # KEYS: request stream, target's tickets, target's summary
 # ARGV: group, source consumer, target consumer, max backlog, prefix, entry ids...
@@ -117,6 +123,19 @@ return 0
 """
 
 
+def _function(name: str, body: str) -> str:
+    # NOTE: the bodies read KEYS and ARGV, as scripts do: the callback's parameters take those
+    # names.
+    return f"redis.register_function('{name}', function(KEYS, ARGV)\n{body}end)\n"
+
+
+# The hand-over's part of the llmq function library (broker/functions.py appends it): the worker
+# user may FCALL these and run no code of its own.
+LIBRARY_PART = "".join(_function(name, body) for name, body in (
+    (HAND_OVER_FUNCTION, _HAND_OVER), (TAKE_FUNCTION, _TAKE), (RENEW_FUNCTION, _RENEW),
+    (FORGET_FUNCTION, _FORGET)))
+
+
 class Ticket(NamedTuple):
     ticket_id: str
     entry_id: str
@@ -131,30 +150,25 @@ class TakenEntry(NamedTuple):
 
 
 class AffinityHandover:
-    """The scripts for one queue, registered on `client` (other threads pass their own)."""
+    """The functions' calls for one queue; each call names the connection it runs on."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, queue: str) -> None:
+    def __init__(self, keys: Keys, queue: str) -> None:
         self.keys = keys
         self.queue = queue
         self.queue_key = keys.queue(queue)
-        self._hand_over = client.register_script(_HAND_OVER)
-        self._take = client.register_script(_TAKE)
-        self._renew = client.register_script(_RENEW)
-        self._forget = client.register_script(_FORGET)
 
     def hand_over(self, client: redis.Redis, source: str, target: str, prefix: str,
                   entry_ids: list[str], max_backlog: int) -> tuple[list[str], list[str]]:
         """(moved, lost) of `entry_ids`, pending under `source`, handed to `target` for the
         `prefix` its cache holds; the rest stay with `source` (the target is gone or its
         backlog is full)."""
-        reply = self._hand_over(keys=[self.queue_key,
-                                      self.keys.affinity_tickets(self.queue, target),
-                                      self.keys.affinity_summary(self.queue, target)],
-                                args=[GROUP, source, target, max_backlog, prefix, *entry_ids],
-                                client=client)
-        moved, lost = replies.array(reply, "the hand-over script")
-        return (replies.texts(moved, "the hand-over script"),
-                replies.texts(lost, "the hand-over script"))
+        reply = client.fcall(HAND_OVER_FUNCTION, 3, self.queue_key,
+                             self.keys.affinity_tickets(self.queue, target),
+                             self.keys.affinity_summary(self.queue, target),
+                             GROUP, source, target, max_backlog, prefix, *entry_ids)
+        moved, lost = replies.array(reply, "the hand-over function")
+        return (replies.texts(moved, "the hand-over function"),
+                replies.texts(lost, "the hand-over function"))
 
     def tickets(self, client: redis.Redis, owner: str, count: int) -> list[Ticket]:
         """The oldest `count` tickets of `owner` (read only: `take` decides)."""
@@ -179,30 +193,29 @@ class AffinityHandover:
         taken once (whoever deletes it), and only while its entry is still `owner`'s."""
         if not ticket_ids:
             return []
-        reply = self._take(keys=[self.queue_key, self.keys.affinity_tickets(self.queue, owner),
-                                 self.keys.handbacks(self.queue)],
-                           args=[GROUP, owner, taker, *ticket_ids], client=client)
+        reply = client.fcall(TAKE_FUNCTION, 3, self.queue_key,
+                             self.keys.affinity_tickets(self.queue, owner),
+                             self.keys.handbacks(self.queue), GROUP, owner, taker, *ticket_ids)
         taken = []
-        for raw in replies.array(reply, "the take script"):
-            row = replies.array(raw, "the take script")
-            entry_id = replies.text(row[0], "the take script")
-            fields = {replies.text(name, "the take script"): replies.blob(value, "the take script")
+        for raw in replies.array(reply, "the take function"):
+            row = replies.array(raw, "the take function")
+            entry_id = replies.text(row[0], "the take function")
+            fields = {replies.text(name, "the take function"): replies.blob(value, "the take function")
                       for name, value in zip(row[3::2], row[4::2], strict=True)}
             taken.append(TakenEntry(StreamEntry(entry_id, fields),
-                                    replies.integer(row[1], "the take script"),
-                                    int(replies.text(row[2], "the take script") or 0)))
+                                    replies.integer(row[1], "the take function"),
+                                    int(replies.text(row[2], "the take function") or 0)))
         return taken
 
     def renew(self, client: redis.Redis, owner: str) -> int:
         """Keep the leases of the entries waiting in `owner`'s tickets; how many."""
-        return replies.integer(self._renew(
-            keys=[self.queue_key, self.keys.affinity_tickets(self.queue, owner)],
-            args=[GROUP, owner], client=client), "the renew script")
+        return replies.integer(client.fcall(
+            RENEW_FUNCTION, 2, self.queue_key, self.keys.affinity_tickets(self.queue, owner),
+            GROUP, owner), "the renew function")
 
     def forget(self, client: redis.Redis, worker_id: str) -> bool:
         """Drop a worker from the members once it has neither summary nor tickets."""
-        return bool(replies.integer(self._forget(
-            keys=[self.keys.affinity_summary(self.queue, worker_id),
-                  self.keys.affinity_tickets(self.queue, worker_id),
-                  self.keys.affinity_members(self.queue)],
-            args=[worker_id], client=client), "the forget script"))
+        return bool(replies.integer(client.fcall(
+            FORGET_FUNCTION, 3, self.keys.affinity_summary(self.queue, worker_id),
+            self.keys.affinity_tickets(self.queue, worker_id),
+            self.keys.affinity_members(self.queue), worker_id), "the forget function"))

@@ -15,7 +15,9 @@ lets the tenant's producer:
   queued (XPENDING, XINFO GROUPS, HEXISTS on the submission records: no payload, no id);
 
 and nothing else: no other tenant's (nor the shared producer's) results, markers or cancel
-flags, no request payloads, no queue registry, no consumer-group commands, no admin commands.
+flags, no request payloads, no queue registry, no consumer-group commands, no admin commands,
+and no code of its own (no EVAL, SCRIPT or FUNCTION: it calls the llmq library's functions,
+which the admin loads, broker/functions.py).
 What it can still write that others read is checked by whoever reads it:
 
 - a cancel entry naming someone else's id: a worker aborts a request only while its owner's

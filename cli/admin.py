@@ -2,12 +2,12 @@
 
     llmq admin reset-prefix-cache | sleep [--level 2] | wake | profile start|stop | stats
                | load-lora NAME | unload-lora NAME [--worker ID] [--timeout S] [--json]
-    llmq admin load-functions      # the submit function library, on every server (primary)
+    llmq admin load-functions [--check] [--replace]   # the function library, every primary
 
 Each command sends one call (broker/control.py) and prints every worker's answer, one line per
 worker. It exits 1 when a worker answered with an error, or when an expected worker (the one
 named, or every live worker of the queue) did not answer in time. The control keys are
-admin-only (deploy/acl.conf): connect as the admin user.
+admin-only (deploy/acl.conf), and so is loading the function library: connect as the admin user.
 """
 
 from __future__ import annotations
@@ -16,9 +16,16 @@ from typing import Any
 
 import click
 
-from llmq.broker.connection import translate_errors
+from llmq.broker.connection import describe_connection, translate_errors
 from llmq.broker.control import call_workers
-from llmq.broker.functions import LIBRARY_NAME, LIBRARY_VERSION, load_functions
+from llmq.broker.functions import (
+    LIBRARY_NAME,
+    LIBRARY_VERSION,
+    FunctionLibraryMissing,
+    ensure_functions,
+    library_versions,
+    missing_message,
+)
 from llmq.cli.helpers import echo_json, note, open_client
 from llmq.cli.options import Command, connection_kwargs, connection_options
 
@@ -125,14 +132,39 @@ def unload_lora(name: str, worker: str | None, timeout: float, as_json: bool, **
 
 
 @admin.command("load-functions")
+@click.option("--check", is_flag=True,
+              help="Only report each server's version; exit 1 if one is missing or older.")
+@click.option("--replace", is_flag=True,
+              help="Load this llmq's version even where a newer one is loaded (a downgrade).")
 @connection_options
-def load_functions_(**kwargs: Any) -> None:
-    """Load (or replace) the llmq Redis Function library producers submit through.
+def load_functions_(check: bool, replace: bool, **kwargs: Any) -> None:
+    """Load the llmq Redis Function library on every server (each primary of a cluster).
 
-    Workers load it when they start; run this where they may not (a stricter ACL), or after
-    adding primaries to a cluster. It is kept in the RDB and AOF across restarts."""
+    All of llmq's server-side code is in it (submit, retry, ack, lease renewal), so no other
+    llmq user needs FUNCTION LOAD, EVAL or SCRIPT: run this as the admin user at deploy, after
+    an upgrade, and after adding primaries to a cluster. It is loaded where it is missing or
+    older, and kept in the RDB and AOF across restarts."""
     client = open_client(**connection_kwargs(kwargs))
     with translate_errors(client.url):
-        servers = load_functions(client.redis)
-    click.echo(f"loaded library {LIBRARY_NAME!r} version {LIBRARY_VERSION} on {servers} "
-               f"server{'s' if servers != 1 else ''}")
+        if check:
+            found = library_versions(client.redis)
+        else:
+            try:
+                found = ensure_functions(client.redis, replace_newer=replace)
+            except FunctionLibraryMissing:
+                raise click.ClickException(
+                    f"{describe_connection(client.redis)}: this user may not load the function "
+                    "library (NOPERM): connect as the admin user (--redis-url / "
+                    "LLMQ_REDIS_URL with the admin's name and password)") from None
+    for server in found:
+        if server.loaded:
+            before = f"version {server.found}" if server.found else "nothing"
+            click.echo(f"{server.server}: loaded library {LIBRARY_NAME!r} version "
+                       f"{LIBRARY_VERSION} (was {before})")
+        elif server.found >= LIBRARY_VERSION:
+            click.echo(f"{server.server}: version {server.found} (this llmq needs "
+                       f"{LIBRARY_VERSION}): ok")
+        else:
+            click.echo(missing_message(server.server, server.found))
+    if any(s.found < LIBRARY_VERSION and not s.loaded for s in found):
+        raise SystemExit(1)

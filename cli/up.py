@@ -8,6 +8,10 @@ workers drain and exit first, then the server. With `--detach` it returns once t
 and `llmq down` stops it. Every other command finds the server through the run folder
 (`LLMQ_RUN_DIR`, default ~/.local/state/llmq) when no `--redis-url` / `LLMQ_REDIS_URL` is set.
 
+Before the workers start, `llmq up` loads the llmq function library (broker/functions.py) where
+it is missing or older: on its own server it is the admin; with a `--redis-url` whose user may
+not load it, it stops with the one line that names the command to run as the admin.
+
 If a worker exits on its own, `llmq up` stops the rest and exits 1, like foreman: a pool that
 silently lost a worker is worse than one that says so.
 """
@@ -23,10 +27,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import click
+import redis
 
 from llmq.broker.client import Client
 from llmq.broker.connection import redact_url
 from llmq.broker.embedded import EmbeddedServer, default_run_dir
+from llmq.broker.functions import FunctionLibraryMissing, ensure_functions
 from llmq.cli.options import ENGINE_FIELDS, connection_kwargs, connection_options, engine_options
 from llmq.cli.tracing_option import otlp_traces_endpoint_option, traces_url
 
@@ -149,6 +155,8 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             supervisor.log("server", f"{how} server pid {server.pid} at {url} "
                            f"(log: {server.logfile})")
 
+        client = Client(url, prefix=connection["prefix"], queue=connection["queue"])
+        _load_library(supervisor, client)
         pins = iter(layout or [])
         indexes = itertools.count(0)
 
@@ -172,7 +180,6 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             return argv
 
         supervisor.spawn_workers(num_workers, worker_argv, detach=detach)
-        client = Client(url, prefix=connection["prefix"], queue=connection["queue"])
         if not _wait_ready(supervisor, client, ready_timeout, stop):
             exit_code = 130 if stop.is_set() else 1
             return
@@ -205,6 +212,22 @@ def up(num_workers: int, detach: bool, drain_timeout: float, metrics_port: int,
             supervisor.release_foreground()
         if exit_code:
             sys.exit(exit_code)
+
+
+def _load_library(supervisor: Supervisor, client: Client) -> None:
+    """The function library the workers ack through, loaded where missing or older; a
+    ClickException naming the command to run when this URL's user may not load it."""
+    try:
+        loaded = [s.server for s in ensure_functions(client.redis) if s.loaded]
+    except FunctionLibraryMissing as exc:
+        raise click.ClickException(str(exc)) from None
+    except redis.RedisError as exc:
+        # NOTE: the workers wait for Redis, and check the library again when it answers.
+        supervisor.log("server", f"could not check the llmq function library yet ({exc})",
+                       "red")
+        return
+    if loaded:
+        supervisor.log("server", f"loaded the llmq function library on {', '.join(loaded)}")
 
 
 def _wait_ready(supervisor: Supervisor, client: Client, timeout: float,

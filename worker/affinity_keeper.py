@@ -93,7 +93,7 @@ class AffinityKeeper(IOThread):
         self.ttl_ms = max(1, int(ctx.config.heartbeat_timeout * 1000))
         assert ctx.config.renew_interval is not None
         self.renew_interval = ctx.config.renew_interval
-        self.handover = AffinityHandover(self.client, self.keys, ctx.queue)
+        self.handover = AffinityHandover(self.keys, ctx.queue)
         self.summary_key = self.keys.affinity_summary(ctx.queue, self.worker_id)
         self.tickets_key = self.keys.affinity_tickets(ctx.queue, self.worker_id)
         self.members_key = self.keys.affinity_members(ctx.queue)

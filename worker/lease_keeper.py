@@ -6,18 +6,19 @@ Every `heartbeat_interval` (heartbeat_timeout / 5, one second by default):
    `PEXPIRE heartbeat_timeout`, and the registry's `ZADD llmq:workers`. A worker whose hash has
    expired is dead: peers take its requests at once (worker/reclaimer.py). Each beat's outcome
    feeds `Liveness`, which tells the reclaimer whether Redis has been answering steadily.
-2. Every `renew_interval` (about lease_timeout / 3): fence, then renew. One Lua script checks,
-   per in-flight entry, that XPENDING still lists it under this consumer and re-claims only
-   those (XCLAIM to itself, min-idle 0, JUSTID: idle back to 0, delivery count unchanged). An
-   entry it no longer owns was taken by a peer (this worker's heartbeat lapsed, or its lease:
-   a stall, a partition, a paused process): the engine aborts it and nothing more is written for
-   it, so the stale owner stops within one renewal (docs/reliability.md, scenario 14). Check and
-   claim are one atomic script, so the keeper never steals an entry back from the peer that took it.
+2. Every `renew_interval` (about lease_timeout / 3): fence, then renew. One function of the
+   llmq library (`llmq_claim_owned`, broker/functions.py) checks, per in-flight entry, that
+   XPENDING still lists it under this consumer and re-claims only those (XCLAIM to itself,
+   min-idle 0, JUSTID: idle back to 0, delivery count unchanged). An entry it no longer owns
+   was taken by a peer (this worker's heartbeat lapsed, or its lease: a stall, a partition, a
+   paused process): the engine aborts it and nothing more is written for it, so the stale
+   owner stops within one renewal (docs/reliability.md, scenario 14). Check and claim are one
+   atomic call, so the keeper never steals an entry back from the peer that took it.
 
 Beats and renewals share this one light thread and nothing heavy ever runs on it (reclaims,
 which tokenize, are the reclaimer's), so a live worker's heartbeat never lapses behind work.
 
-The same script with a huge IDLE hands entries back on shutdown (`hand_back`): a peer's next
+The same function with a huge IDLE hands entries back on shutdown (`hand_back`): a peer's next
 scan takes them at once. After an engine-fatal error the entries that were in the engine are
 handed back as suspects (an even larger IDLE): each runs alone on its next delivery, so only
 the one that kills the engine reaches `max_deliveries` (worker/reclaimer.py).
@@ -36,6 +37,7 @@ import redis
 
 from llmq.broker import replies
 from llmq.broker.commands import as_fields
+from llmq.broker.functions import CLAIM_OWNED_FUNCTION, is_missing_function, reload_missing
 from llmq.broker.keys import GROUP
 from llmq.broker.work_lanes import WorkLane
 from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
@@ -46,33 +48,6 @@ from llmq.worker.worker_context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1] request stream; ARGV: group, consumer, idle ms, entry ids...
-# Re-claims (with the given IDLE) the entries still pending under this consumer. Returns
-# {lost, orphaned}: lost = pending under another consumer, or acked while the entry still exists
-# (a peer took it over); orphaned = neither pending nor in the stream (the stream and group were
-# lost with a Redis restart without persistence: nobody else can have it).
-_CLAIM_OWNED = """
-local owned, lost, orphaned = {}, {}, {}
-for i = 4, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    owned[#owned + 1] = ARGV[i]
-  elseif p[1] or #redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i]) > 0 then
-    lost[#lost + 1] = ARGV[i]
-  else
-    orphaned[#orphaned + 1] = ARGV[i]
-  end
-end
-if #owned > 0 then
-  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
-  for _, id in ipairs(owned) do args[#args + 1] = id end
-  args[#args + 1] = 'IDLE'
-  args[#args + 1] = ARGV[3]
-  args[#args + 1] = 'JUSTID'
-  redis.call('XCLAIM', unpack(args))
-end
-return {lost, orphaned}
-"""
 # Lua's unpack has a stack limit in the thousands: renew in slices well below it.
 _SLICE = 500
 # Idle set on handed-back entries: far past any lease, yet below the server's clock in ms
@@ -103,7 +78,6 @@ class LeaseKeeper(IOThread):
         self.ensure_group = ensure_group
         self.liveness = Liveness(self.heartbeat_interval, config.heartbeat_timeout)
         self.backoff = Backoff("lease keeper", ctx.state, stop=self.stop_event)
-        self._script = self.client.register_script(_CLAIM_OWNED)
         self._refused: dict[str, str] = {}  # what Redis last refused, per task (logged once)
 
     def _run(self) -> None:
@@ -161,7 +135,7 @@ class LeaseKeeper(IOThread):
             self.table.orphan(orphaned)
             logger.warning("%d in-flight entries vanished with the request stream (Redis lost "
                            "its data?): finishing them without a lease", len(orphaned))
-        # NOTE: an entry acked (and forgotten) by the result writer while the script ran is
+        # NOTE: an entry acked (and forgotten) by the result writer while the function ran is
         # "not pending" too; only entries still in the table were really taken.
         fenced = self.table.fence([e for e in lost if (held := self.table.get(e)) is not None
                                    and not held.terminal])
@@ -214,10 +188,16 @@ class LeaseKeeper(IOThread):
         for stream, stream_ids in self._by_stream(entry_ids, lanes).items():
             for i in range(0, len(stream_ids), _SLICE):
                 ids = stream_ids[i:i + _SLICE]
-                result = self._script(keys=[stream], args=[GROUP, self.worker_id, idle_ms, *ids])
-                lost_reply, orphaned_reply = replies.array(result, "the claim script")
-                lost.extend(replies.texts(lost_reply, "the claim script"))
-                orphaned.extend(replies.texts(orphaned_reply, "the claim script"))
+                try:
+                    result = self.client.fcall(CLAIM_OWNED_FUNCTION, 1, stream,
+                                               GROUP, self.worker_id, idle_ms, *ids)
+                except redis.ResponseError as exc:
+                    if is_missing_function(exc):
+                        raise reload_missing(self.client) from None
+                    raise
+                lost_reply, orphaned_reply = replies.array(result, CLAIM_OWNED_FUNCTION)
+                lost.extend(replies.texts(lost_reply, CLAIM_OWNED_FUNCTION))
+                orphaned.extend(replies.texts(orphaned_reply, CLAIM_OWNED_FUNCTION))
         return lost, orphaned
 
     def _by_stream(self, entry_ids: list[str], lanes: Mapping[str, WorkLane] | None

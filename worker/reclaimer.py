@@ -76,7 +76,7 @@ class Reclaimer(IOThread):
 
     def __init__(self, ctx: WorkerContext, admission: Admission, writer: ResultWriter,
                  liveness: Liveness, *, ensure_group: Callable[[], None],
-                 first_contact: Callable[[], None] = lambda: None) -> None:
+                 first_contact: Callable[[], bool] = lambda: True) -> None:
         super().__init__("llmq-reclaimer", ctx)
         config = ctx.config
         assert config.claim_interval is not None
@@ -84,7 +84,8 @@ class Reclaimer(IOThread):
         self.writer = writer
         self.liveness = liveness
         self.ensure_group = ensure_group
-        self.first_contact: Callable[[], None] | None = first_contact
+        # called every round until it says it is done
+        self.first_contact: Callable[[], bool] | None = first_contact
         self.lease_timeout = config.lease_timeout
         self.lease_ms = int(config.lease_timeout * 1000)
         self.heartbeat_timeout = config.heartbeat_timeout
@@ -132,8 +133,8 @@ class Reclaimer(IOThread):
 
     def _make_first_contact(self) -> None:
         assert self.first_contact is not None
-        self.first_contact()
-        self.first_contact = None
+        if self.first_contact():
+            self.first_contact = None
 
     def _guard(self, work: Callable[[], object]) -> None:
         try:

@@ -19,8 +19,10 @@ attempt and seq); if so, the whole transaction did, and it is not written twice:
 never repeated.
 
 What one transaction holds is a `ResultBatch` (worker/result_batch.py); the acks go through
-`ACK_SCRIPT` (worker/ack_script.py), and a cluster's events through one pipeline per node
-(worker/cluster_pipelines.py).
+the library's `llmq_ack` (worker/ack_script.py), and a cluster's events through one pipeline per
+node (worker/cluster_pipelines.py). When the server lacks the library (flushed, or a restart
+without persistence), the events stay written and only the acks are retried, with backoff, once
+the library is back (loaded again by this worker if its user may, else by the admin).
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from redis.cluster import RedisCluster
 
 from llmq import protocol
 from llmq.broker.commands import queue_events
+from llmq.broker.functions import is_missing_function, reload_missing
 from llmq.broker.keys import GROUP
 from llmq.broker.retry import is_refusal_to_wait_out
 from llmq.broker.work_lanes import WorkLane
 from llmq.protocol import Encoding, Event
 from llmq.protocol.errors import ProtocolError
-from llmq.worker.ack_script import ACK_SCRIPT, ack_calls
+from llmq.worker.ack_script import ack_calls, ack_fcall_args
 from llmq.worker.backoff import TRANSIENT_ERRORS, Backoff
 from llmq.worker.cluster_pipelines import CommandRecorder, send_per_node
 from llmq.worker.engine.outputs import EngineCoreOutput
@@ -71,7 +74,6 @@ class ResultWriter:
         # NOTE: a `redis+cluster://` URL gives the worker RedisCluster connections.
         self.cluster_client = self.client if isinstance(self.client, RedisCluster) else None
         self.cluster = self.cluster_client is not None
-        self._ack_script = self.client.register_script(ACK_SCRIPT)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._give_up_at: float | None = None
         self.backoff = Backoff("result writer", ctx.state, stop=None)
@@ -199,25 +201,31 @@ class ResultWriter:
             if batch.events and not batch.events_written:
                 self._write_events_per_node(self.cluster_client, batch)
             batch.events_written = True
-            # NOTE: one script call per slice, not pipelined: a cluster pipeline takes no
-            # EVALSHA; a slice is up to 500 acks, so there is rarely more than one.
+            # NOTE: one function call per slice, not pipelined: a slice is up to 500 acks, so
+            # there is rarely more than one.
             results = []
             for keys, args in self._ack_calls(batch):
                 try:
-                    results.append(self._ack_script(keys=keys, args=args))
+                    results.append(self.client.fcall(*ack_fcall_args(keys, args)))
                 except redis.ResponseError as exc:
                     if is_refusal_to_wait_out(exc):
                         raise
                     results.append(exc)
         else:
             pipe = self.client.pipeline(transaction=True)
-            self.write_events(pipe, batch)
+            if not batch.events_written:
+                self.write_events(pipe, batch)
             calls = self._ack_calls(batch)
             for keys, args in calls:
-                self._ack_script(keys=keys, args=args, client=pipe)
+                pipe.fcall(*ack_fcall_args(keys, args))
             results = pipe.execute(raise_on_error=False)
             self._log_refused(results[:len(results) - len(calls)], raise_transient=False)
             results = results[len(results) - len(calls):]
+            batch.events_written = True
+        if any(isinstance(r, Exception) and is_missing_function(r) for r in results):
+            # NOTE: FCALL of a missing function fails at EXEC, after the events: they are
+            # written; the retry sends only the acks (raised: written again with backoff).
+            raise reload_missing(self.client)
         for result in results:
             if isinstance(result, Exception):
                 logger.warning("XACK failed (%s): entries stay pending", result)

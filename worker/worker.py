@@ -46,7 +46,6 @@ import redis
 
 from llmq import protocol
 from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
-from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
 from llmq.protocol.errors import StreamExhausted
 from llmq.protocol.records import MAX_LISTED_LORAS
@@ -60,6 +59,7 @@ from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine_client import EngineClient
 from llmq.worker.engine_feeder import EngineFeeder
 from llmq.worker.lease_keeper import LeaseKeeper
+from llmq.worker.library_check import LibraryCheck
 from llmq.worker.reclaimer import Reclaimer
 from llmq.worker.request_spans import RequestSpans
 from llmq.worker.result_writer import ResultWriter
@@ -127,6 +127,12 @@ class Worker:
         self._stats: EngineStats | None = None
         self.stats_log = EngineStatsLog(time.monotonic())
         self._group_seen = False  # a group existed once: recreating it later is news
+        # NOTE: no work is taken until the function library is there (it acks and renews
+        # leases): the first contact with Redis checks it, and opens intake.
+        self.library = LibraryCheck(self.admin)
+        self._library_ready = False
+        self.reader.pause()
+        self.reclaimer.reclaiming = False
         self._engine_failed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -218,8 +224,9 @@ class Worker:
                          name="llmq-pause-reader").start()
 
     def resume_intake(self) -> None:
-        """Read and reclaim again (awake), unless draining: a drain's stop stands."""
-        if not self.draining:
+        """Read and reclaim again (awake), unless draining (a drain's stop stands) or the
+        function library is not there yet."""
+        if not self.draining and self._library_ready:
             self.reclaimer.reclaiming = True
             self.reader.resume()
 
@@ -247,23 +254,20 @@ class Worker:
             logger.log(logging.WARNING if self._group_seen or len(self.table) else logging.INFO,
                        "created consumer group %s on %s", GROUP, self.queue_key)
         self._group_seen = True
-        self._load_functions()
+        self.library.check()
 
-    def _first_contact(self) -> None:
-        """Once Redis answers: refuse to run beside a v1 queue, load the function library."""
+    def _first_contact(self) -> bool:
+        """Once Redis answers: refuse to run beside a v1 queue; take work once the function
+        library is there. True when done; called again every reclaim round until then."""
         if self.admin.exists(self.keys.legacy_queue(self.config.queue)):
             logger.error("%s: stopping", legacy_stream_message(self.keys, self.config.queue))
             self.request_stop()
-            return
-        self._load_functions()
-
-    def _load_functions(self) -> None:
-        """The submit function library, where it is missing or older (producers FCALL it)."""
-        try:
-            ensure_functions(self.admin)
-        except redis.ResponseError as exc:  # NOPERM under a stricter ACL, mostly
-            logger.warning("cannot load the llmq function library (%s): producers' submits "
-                           "fail until an admin runs `llmq admin load-functions`", exc)
+            return True
+        if not self.library.check():
+            return False
+        self._library_ready = True
+        self.resume_intake()
+        return True
 
     # -- the busy loop ----------------------------------------------------------------------------
 
@@ -412,6 +416,9 @@ class Worker:
         down = self.state.down()
         if self.utility.sleep_level:
             self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
+            return
+        if self.library.problem is not None:
+            self.health.set_ready(False, self.library.problem)
             return
         self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
                               if down else "ready")

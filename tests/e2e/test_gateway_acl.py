@@ -28,6 +28,8 @@ def test_every_route_works_as_the_gateway_acl_user(acl_server, tiny_model, tmp_p
     port, _ = acl_server
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
     admin.flushall()
+    # the deploy step: only the admin may load the function library
+    ok(llmq("admin", "load-functions", url=acl_url(port, "admin")))
     gateway = GatewayProcess(acl_url(port, "gateway"), tmp_path,
                              extra=["--admin-tenant", "alice", "--dashboard-interval", "1"])
     try:

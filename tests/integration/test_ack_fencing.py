@@ -1,12 +1,14 @@
-"""The ack only releases entries the worker still owns (docs/reliability.md, scenario 14)."""
+"""The ack (`llmq_ack`) only releases entries the worker still owns (docs/reliability.md,
+scenario 14)."""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
+from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
-from llmq.worker.ack_script import ACK_SCRIPT, ack_script_args
+from llmq.worker.ack_script import ack_fcall_args, ack_script_args
 
 pytestmark = pytest.mark.redis
 
@@ -24,7 +26,11 @@ def test_a_stale_owner_cannot_ack_an_entry_a_peer_reclaimed(redis_server):
     # Given two entries read by worker A, one of which peer B reclaimed while A stalled
     r.xreadgroup(GROUP, "A", {KEY: ">"})
     r.xclaim(KEY, GROUP, "B", 0, [taken])
-    ack_owned = r.register_script(ACK_SCRIPT)
+    ensure_functions(r)
+
+    def ack_owned(keys: list[str], args: list) -> list[str]:
+        return r.fcall(*ack_fcall_args(keys, args))
+
     # When A finishes both and acks them
     refused = ack_owned(keys=KEYS, args=ack_script_args("A", [kept, taken], []))
     # Then only its own entry is acked; the reclaimed one stays pending under B, reported back

@@ -32,7 +32,6 @@ from llmq.broker.embedded import free_port
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP, Keys
 from llmq.protocol import Done, Start, Timings, Usage
-from llmq.worker.lease_keeper import _CLAIM_OWNED
 from tests.fixtures.acl_server import PASSWORDS, ROOT, acl_url
 
 pytestmark = pytest.mark.redis
@@ -100,10 +99,9 @@ ALLOWED = {
         ("XREADGROUP", "GROUP", "workers", "worker-1", "COUNT", "4", "BLOCK", "1000",
          "STREAMS", Q, ">"),
         ("XACK", Q, "workers", "1-0"),
-        ("EVALSHA", SHA, "1", Q, "workers", "worker-1", "0", "1-0"),  # lease renewal script
-        ("EVALSHA", SHA, "3", Q, HB, DLQ, "workers", "worker-1", "1", "1-0"),  # ack script
+        ("FCALL", "llmq_claim_owned", "1", Q, "workers", "worker-1", "0", "1-0"),  # leases
+        ("FCALL", "llmq_ack", "4", Q, HB, DLQ, SUB, "workers", "worker-1", "1", "1-0"),  # acks
         ("EXISTS", "llmq:q:default"), ("XINFO", "STREAM", Q),  # v1 stream? last id reached?
-        ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
         ("XCLAIM", Q, "workers", "worker-1", "0", "1-0", "IDLE", "99999999", "JUSTID"),
         ("XAUTOCLAIM", Q, "workers", "worker-1", "30000", "0-0", "COUNT", "10"),
         ("XPENDING", Q, "workers", "-", "+", "10"),
@@ -113,7 +111,7 @@ ALLOWED = {
         ("XTRIM", Q, "MINID", "1-0"),                              # acked entries (retention)
         ("HINCRBY", HB, "1-0", "1"), ("HMGET", HB, "1-0"),         # hand-back counts
         ("HDEL", HB, "1-0"), ("EXPIRE", HB, "604800"),
-        ("FCALL_RO", "llmq_version", "0"), ("FUNCTION", "LOAD", "#!lua name=llmq\n"),
+        ("FCALL_RO", "llmq_version", "0"),                        # is the library there
         ("HSCAN", SUB, "0"), ("HMGET", SUB, "1-0"), ("HDEL", SUB, "1-0"),  # vanished entries
         ("XADD", R, "MAXLEN", "~", "10000", "*", "json", "{}"),   # events
         ("EXPIRE", R, "86400"), ("EXISTS", R),                     # ... was it answered
@@ -228,6 +226,13 @@ DENIED = {
         ("GET", "session:42"),
         ("XADD", CTL, "*", "json", "{}"),         # calling its peers
         ("XREAD", "STREAMS", CTLR, "0"), ("DEL", CTL),
+        # no code of its own: the admin loads the library (broker/functions.py), it only calls it
+        ("FUNCTION", "LOAD", "#!lua name=llmq\n"),
+        ("FUNCTION", "LOAD", "REPLACE", "#!lua name=x\n"),
+        ("FUNCTION", "DELETE", "llmq"), ("FUNCTION", "FLUSH"), ("FUNCTION", "RESTORE", "x"),
+        ("EVAL", "return 1", "0"), ("EVAL", "return 1", "1", Q), ("EVALSHA", SHA, "1", Q),
+        ("EVAL_RO", "return 1", "0"), ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "EXISTS", SHA),
+        ("FCALL", "llmq_ack", "1", "session:42"),  # a function, on keys outside its own
     ],
     "gateway": [
         ("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("ACL", "LIST"), ("SHUTDOWN",),
@@ -335,7 +340,7 @@ def _answer(worker: redis.Redis, text: str) -> str:
 def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(acl_server, connect):
     port = acl_server[0]
     worker = connect("worker")
-    ensure_functions(worker)  # as a worker does when it starts
+    ensure_functions(connect("admin"))  # as the admin does at deploy
     # Given the broker's own producer client logged in as `producer`
     with Client(acl_url(port, "producer"), queue="default") as client:
         # When it submits (creating the group on first use) and a worker answers
@@ -363,7 +368,7 @@ def test_producer_submits_and_reads_its_result_but_gets_noperm_for_the_rest(acl_
 
 def test_idempotent_submit_runs_under_the_producer_acl(acl_server, connect):
     worker = connect("worker")
-    ensure_functions(worker)
+    ensure_functions(connect("admin"))
     with Client(acl_url(acl_server[0], "producer"), queue="default") as client:
         # Given a request submitted twice with the same id (a retry after a lost reply)
         first = client.submit("Hi", request_id="req-1", max_tokens=4)
@@ -375,8 +380,8 @@ def test_idempotent_submit_runs_under_the_producer_acl(acl_server, connect):
 
 def test_producers_submit_through_the_function_and_run_no_code_of_their_own(connect):
     producer, worker = connect("producer"), connect("worker")
-    # Given the function library, loaded by a worker
-    ensure_functions(worker)
+    # Given the function library, loaded by the admin
+    ensure_functions(connect("admin"))
     # When the producer submits through it, with and without an id
     queued, entry = producer.fcall("llmq_submit", 3, Q, SUB, IDEM, "json", "{}", "60", "req-1")
     again, first = producer.fcall("llmq_submit", 3, Q, SUB, IDEM, "json", "{}", "60", "req-1")
@@ -390,19 +395,6 @@ def test_producers_submit_through_the_function_and_run_no_code_of_their_own(conn
                                                    "'f', function() return 1 end)")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
-
-
-def test_worker_runs_its_lease_script_and_hands_entries_back(connect):
-    admin, worker = connect("admin"), connect("worker")
-    # Given a request the worker holds
-    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
-    entry_id = admin.xadd(Q, {"json": "{}"})
-    worker.xreadgroup(GROUP, "worker-1", {Q: ">"}, count=1)
-    # When the worker's lease script renews it (XPENDING, XRANGE and XCLAIM inside)
-    lost, orphaned = worker.eval(_CLAIM_OWNED, 1, Q, GROUP, "worker-1", "0", entry_id)
-    # Then its ACL allows every command the script runs, and the entry is still its own
-    assert (lost, orphaned) == ([], [])
-    assert worker.xpending(Q, GROUP)["consumers"] == [{"name": "worker-1", "pending": 1}]
 
 
 def test_keda_reads_lag_and_pending_but_not_requests(connect):
