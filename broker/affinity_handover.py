@@ -200,7 +200,7 @@ class AffinityHandover:
         for raw in replies.array(reply, "the take function"):
             row = replies.array(raw, "the take function")
             entry_id = replies.text(row[0], "the take function")
-            fields = {replies.text(name, "the take function"): replies.blob(value, "the take function")
+            fields = {replies.text(name, TAKE_FUNCTION): replies.blob(value, TAKE_FUNCTION)
                       for name, value in zip(row[3::2], row[4::2], strict=True)}
             taken.append(TakenEntry(StreamEntry(entry_id, fields),
                                     replies.integer(row[1], "the take function"),
