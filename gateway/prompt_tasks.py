@@ -97,7 +97,7 @@ class DetokenizeBody(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 async def create_embeddings(request: Request) -> Response:
-    """POST /v1/embeddings: the input's embeddings (mean-pooled, unit length)."""
+    """POST /v1/embeddings: the input's embeddings (pooled as the model says, unit length)."""
     body = _decode(EmbeddingsBody, await request.body())
     if body.dimensions is not None:
         raise bad_request("`dimensions` is not supported: the vectors have the model's width",

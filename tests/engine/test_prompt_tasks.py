@@ -48,12 +48,14 @@ def pairs(tokens: list[int]) -> set[tuple[int, int]]:
 PROMPT_IDS = [100 + (j * 37) % 400 for j in range(40)]
 
 
-def test_an_embedding_is_the_mean_of_the_final_hidden_states_at_unit_length(engine, tiny_model):
-    # Given a prompt of 40 token ids
+def test_an_embedding_is_the_last_final_hidden_state_at_unit_length(engine, tiny_model):
+    # Given a prompt of 40 token ids, and a model that names no pooling (vLLM's default for a
+    # generative model then: the last token, normalised; tests/engine/test_pooling.py has the
+    # others)
     # When it is embedded
     out = run(engine, Request(prompt_token_ids=PROMPT_IDS, task="embed"))
-    # Then the vector has the model's width and unit length, and is the normalised mean of the
-    # model's own final hidden states
+    # Then the vector has the model's width and unit length, and is the model's own final
+    # hidden state at the last position, normalised
     assert out.finish_reason == "stop" and out.usage.prompt_tokens == 40
     assert out.usage.completion_tokens == 0
     vector = torch.tensor(out.embedding)
@@ -62,7 +64,7 @@ def test_an_embedding_is_the_mean_of_the_final_hidden_states_at_unit_length(engi
     model = tiny_model.model
     hidden = model.forward_contiguous(torch.tensor(PROMPT_IDS), 0,
                                       model.make_contiguous_cache(40))
-    expected = torch.nn.functional.normalize(hidden.float().mean(0), dim=0)
+    expected = torch.nn.functional.normalize(hidden.float()[-1], dim=0)
     assert torch.allclose(vector, expected, atol=1e-5)
 
 

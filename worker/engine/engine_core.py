@@ -98,7 +98,7 @@ class EngineCore:
         self._profiler: Any = None  # torch.profiler.profile while `start_profile` records
         # embed / tokenize / detokenize requests, and prompt logprobs: answered from the prompt
         self.prompt_tasks = PromptTasks(lambda: self.runner.model, self.tokenizer,
-                                        max_model_len, clock)
+                                        max_model_len, clock, loaded.arch.pooling)
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d, %d thread(s)",
                     num_kv_blocks, config.block_size, max_model_len, config.threads)
 

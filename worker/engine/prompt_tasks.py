@@ -1,8 +1,9 @@
 """PromptTasks: what the engine answers from a prompt alone, between two steps.
 
-- `task: embed`: one forward pass over the prompt, its final-normed hidden states mean-pooled and
-  normalised to unit length, as vLLM pools a generative model run as an embedding model
-  (`PoolingType.MEAN`, `normalize=True`); cosine similarity is then a dot product.
+- `task: embed`: one forward pass over the prompt, its final-normed hidden states pooled as the
+  model says (the last token's, their mean, or the first token's: model/pooling.py) and
+  normalised to unit length, as vLLM's embed pooler does (`normalize=True`); cosine similarity
+  is then a dot product.
 - `task: tokenize`: the prompt's ids (the gate tokenized it, chat template and all) and each id's
   vocabulary string, as vLLM's /tokenize answers.
 - `task: detokenize`: the text of the given ids, special tokens kept, as vLLM's /detokenize.
@@ -31,6 +32,7 @@ import torch
 from llmq.protocol import Timings, TokenLogprob, Usage
 from llmq.protocol.events import Tokens
 from llmq.protocol.token_text import token_text
+from llmq.worker.engine.model.pooling import CLS, LAST, MEAN, check_pooling
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.sampling_params import SamplingParams
 
@@ -55,11 +57,13 @@ class _Task:
 
 class PromptTasks:
     """`model()` gives the engine's current model (a level-2 sleep drops it); `tokenizer` is the
-    engine's (worker/engine/model/tokenizer.py), None for an engine of token ids only."""
+    engine's (worker/engine/model/tokenizer.py), None for an engine of token ids only; `pooling`
+    the model's (`ModelArchConfig.pooling`: mean | last | cls)."""
 
     def __init__(self, model: Callable[[], LlamaForCausalLM], tokenizer: Any,
-                 max_model_len: int, clock: Callable[[], float]) -> None:
+                 max_model_len: int, clock: Callable[[], float], pooling: str = LAST) -> None:
         self.model = model
+        self.pooling = check_pooling(pooling, "pooling")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.clock = clock
@@ -128,14 +132,20 @@ class PromptTasks:
 
     @torch.inference_mode()
     def embed(self, prompt_token_ids: list[int]) -> list[float]:
-        """The prompt's final hidden states, mean-pooled, at unit length."""
-        total: torch.Tensor | None = None
-        for _, hidden in self._hidden_states(prompt_token_ids):
-            part = hidden.float().sum(dim=0)  # [hidden_size]
-            total = part if total is None else total + part
-        assert total is not None  # the gate refuses an empty prompt
-        mean = total / len(prompt_token_ids)  # [hidden_size]
-        return torch.nn.functional.normalize(mean, dim=0).tolist()
+        """The prompt's final hidden states, pooled, at unit length."""
+        pooled: torch.Tensor | None = None  # [hidden_size]
+        for start, hidden in self._hidden_states(prompt_token_ids):
+            if self.pooling == MEAN:
+                part = hidden.float().sum(dim=0)
+                pooled = part if pooled is None else pooled + part
+            elif self.pooling == CLS and start == 0:
+                pooled = hidden[0].float()
+            elif self.pooling == LAST:
+                pooled = hidden[-1].float()  # the last chunk's last row wins
+        assert pooled is not None  # the gate refuses an empty prompt
+        if self.pooling == MEAN:
+            pooled = pooled / len(prompt_token_ids)
+        return torch.nn.functional.normalize(pooled, dim=0).tolist()
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompt_token_ids: list[int], num: int) -> list[TokenLogprob | None]:

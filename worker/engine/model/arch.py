@@ -16,6 +16,7 @@ from typing import Any
 import gguf
 
 from .families import GGUF_FAMILIES, Family, family
+from .pooling import DEFAULT_POOLING, check_pooling, gguf_pooling
 from .rope import RopeConfig, gguf_rope, hf_rope
 
 logger = logging.getLogger(__name__)
@@ -53,9 +54,11 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in an MoE model
+    pooling: str = DEFAULT_POOLING  # of /v1/embeddings: mean | last | cls (pooling.py)
 
     def __post_init__(self) -> None:
         family(self.architecture)
+        check_pooling(self.pooling, "pooling")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -193,11 +196,14 @@ class ModelArchConfig:
                                             fam.norm_topk_prob)),
             dense_layers=tuple(i for i in range(num_layers) if num_experts
                                and f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
+            pooling=gguf_pooling(_gguf_value(reader, f"{arch}.pooling_type"), arch),
         )
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
-        """Read a Hugging Face config.json (already parsed)."""
+    def from_hf_config(cls, config: dict[str, Any],
+                       pooling: str = DEFAULT_POOLING) -> ModelArchConfig:
+        """Read a Hugging Face config.json (already parsed); `pooling` is the folder's
+        (pooling.hf_pooling: config.json does not say)."""
         fam = family(config.get("model_type"), "model_type", " in config.json")
         _refuse_hf_features(config, fam)
         hidden = int(config["hidden_size"])
@@ -245,6 +251,7 @@ class ModelArchConfig:
             residual_multiplier=_positive(config.get("residual_multiplier")),
             logits_scaling=_positive(config.get("logits_scaling")),
             **_hf_experts(config, fam, num_layers),
+            pooling=pooling,
         )
 
 

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from .arch import ModelArchConfig
 from .gguf_loader import split_fused, to_interleaved
+from .pooling import hf_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ def read_hf_arch(path: str | Path) -> ModelArchConfig:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder: no config.json")
-    return ModelArchConfig.from_hf_config(json.loads(config_path.read_text()))
+    return ModelArchConfig.from_hf_config(json.loads(config_path.read_text()),
+                                          pooling=hf_pooling(path))
 
 
 def iter_hf_weights(path: str | Path, arch: ModelArchConfig
