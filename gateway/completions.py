@@ -34,6 +34,7 @@ from starlette.responses import Response, StreamingResponse
 from llmq.broker.commands import Followed
 from llmq.broker.multiplex import parse_entry_id
 from llmq.broker.transcript import Fold
+from llmq.gateway.echo import EchoPlan
 from llmq.gateway.errors import APIError, bad_request, not_found
 from llmq.gateway.following import (
     admission,
@@ -160,7 +161,7 @@ async def _create(request: Request, endpoint: Endpoint) -> Response:
             media_type="text/event-stream")
     outcome = await unless_client_gone(request, _collect(
         state, endpoint, public_id, request_id, parsed.model, parsed.tool_calls,
-        _echo(parsed.request, parsed.echo)))
+        await _echo_text(state, queue, request_id, parsed), parsed.echo_plan))
     if isinstance(outcome, tuple):
         status, payload = outcome
     else:
@@ -181,9 +182,12 @@ async def _create_many(request: Request, state: GatewayState, queue: str, tenant
     await asyncio.gather(*(state.client.submit(
         request_id=i, queue=queue, stream=parsed.logprobs is not None, **r)
         for i, r in zip(ids, requests, strict=True)))
+    echoes = [await _echo_text(state, queue, i, parsed, r)
+              for i, r in zip(ids, requests, strict=True)]
     answers = await unless_client_gone(request, asyncio.gather(*(
-        _collect(state, COMPLETIONS, public_id, i, parsed.model, echo=_echo(r, parsed.echo))
-        for i, r in zip(ids, requests, strict=True))))
+        _collect(state, COMPLETIONS, public_id, i, parsed.model, echo=echo,
+                 echo_plan=parsed.echo_plan)
+        for i, echo in zip(ids, echoes, strict=True))))
     if not isinstance(answers, list):
         for request_id in ids:
             await state.cancel(request_id, queue)
@@ -193,9 +197,10 @@ async def _create_many(request: Request, state: GatewayState, queue: str, tenant
 
 
 async def _collect(state: GatewayState, endpoint: str, public_id: str, request_id: str,
-                   model: str | None, tool_calls: bool = False, echo: str = ""
-                   ) -> tuple[int, Any]:
-    """(status, body) of a request followed to its end."""
+                   model: str | None, tool_calls: bool = False, echo: str = "",
+                   echo_plan: EchoPlan | None = None) -> tuple[int, Any]:
+    """(status, body) of a request followed to its end; `echo_plan` reshapes it (with the
+    prompt's logprobs, or the prompt alone: gateway/echo.py)."""
     logprobs: dict[int, LogprobsBuilder] = {}  # by choice index
     created, served = 0, model or ""
     try:
@@ -215,10 +220,12 @@ async def _collect(state: GatewayState, endpoint: str, public_id: str, request_i
                     if event.finish_reason == "cancelled":
                         return 409, error_body("the request was cancelled", "server_error",
                                                "cancelled")
-                    return 200, completion_object(
+                    whole = completion_object(
                         endpoint, completion_id(endpoint, public_id), served, created, event,
                         {index: b.result() for index, b in logprobs.items()},
                         tool_calls=tool_calls, echo=echo)
+                    return 200, whole if echo_plan is None else echo_plan.apply(
+                        whole, event, echo)
                 elif isinstance(event, Error):
                     status, kind = error_status(event.code)
                     return status, error_body(event.message, kind, openai_code(event.code))
@@ -353,6 +360,30 @@ def _digest(endpoint: Endpoint, llmq_request: dict[str, Any]) -> str:
 def _echo(llmq_request: dict[str, Any], echo: bool) -> str:
     """The text `echo` puts before a completion: its prompt."""
     return str(llmq_request.get("prompt", "")) if echo else ""
+
+
+async def _echo_text(state: GatewayState, queue: str, request_id: str, parsed: OpenAIRequest,
+                     llmq_request: dict[str, Any] | None = None) -> str:
+    """The text `echo` puts before a completion: its prompt; a token-id prompt's is the
+    worker's detokenization of it (special tokens kept), asked for as a request of its own."""
+    fields = parsed.request if llmq_request is None else llmq_request
+    if not parsed.echo or "prompt_token_ids" not in fields:
+        return _echo(fields, parsed.echo)
+    text_id = f"{request_id}.prompt"
+    model = {"model": fields["model"]} if fields.get("model") else {}
+    try:
+        await state.client.submit(request_id=text_id, queue=queue, stream=False,
+                                  task="detokenize", prompt_token_ids=fields["prompt_token_ids"],
+                                  **model)
+        async with following(state, text_id) as events:
+            async for followed in events:
+                if isinstance(followed.event, Done):
+                    return followed.event.text
+                if isinstance(followed.event, Error):
+                    break
+    except LLMQError:  # NOTE: the completion itself then fails the same way, and says so
+        pass
+    return ""
 
 
 def _truthy(value: str | None) -> bool:

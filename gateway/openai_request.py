@@ -15,7 +15,9 @@ output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*
 `guided`) become the wire's `response_format` or `guided` (gateway/structured_outputs.py).
 `logit_bias` (token ids as strings, OpenAI's shape) becomes the wire's map of ids; vLLM's
 `allowed_token_ids`, `bad_words`, `prompt_logprobs` (not with `stream`, as vLLM refuses it),
-chat's `continue_final_message` and completions' `add_special_tokens` pass as they are. A
+chat's `continue_final_message` and completions' `add_special_tokens` pass as they are (chat
+takes `add_special_tokens: false`, what it does anyway). `echo` with `logprobs` or
+`max_tokens: 0` asks for the prompt's logprobs (gateway/echo.py). A
 field llmq cannot honour (`best_of`, `functions`...) is refused, and so is a field no Struct
 declares: never silently ignored. The whole request is then checked by the worker's own decoder,
 so what passes here runs there, and the bounds (`temperature` <= 2, `n` <= 64...) live in one
@@ -30,7 +32,6 @@ vLLM's entrypoints/openai/protocol.py (`ChatCompletionRequest`, `CompletionReque
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Final, Literal
 
@@ -38,6 +39,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from llmq.broker.commands import build_submission
+from llmq.gateway.body_errors import BodyError, decode_error, path_of
+from llmq.gateway.echo import EchoError, EchoPlan, plan_echo
 from llmq.gateway.structured_outputs import ConstraintError, StructuredOutputs, constraint_of
 from llmq.gateway.tool_calls import ToolCallError, grammar_for
 from llmq.protocol import MAX_LOGPROBS
@@ -59,14 +62,6 @@ _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "pre
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
-class BodyError(Exception):
-    """A body llmq cannot run; `param` names the OpenAI field at fault when known."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass(frozen=True)
 class OpenAIRequest:
     endpoint: Endpoint
@@ -80,6 +75,7 @@ class OpenAIRequest:
     more_prompts: tuple[dict[str, Any], ...] = ()  # completions: the requests of prompts 1...
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     echo: bool = False  # completions: each choice's text begins with its prompt
+    echo_plan: EchoPlan | None = None  # completions: how a whole answer's echo is reshaped
 
 
 # -- the bodies -----------------------------------------------------------------------------------
@@ -229,6 +225,9 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
     add_generation_prompt: bool | None = None  # vLLM's: false, no assistant turn is opened
     continue_final_message: bool | None = None  # vLLM's: the last message is continued
+    # vLLM's (default false): the rendered template is tokenized as it is, as here; true
+    # (BOS again before the template's own) the wire has no way to ask for
+    add_special_tokens: bool | None = None
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
 
@@ -247,6 +246,10 @@ class ChatCompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
             request["add_generation_prompt"] = False
         if self.continue_final_message:
             request["continue_final_message"] = True
+        if self.add_special_tokens:
+            raise BodyError("`add_special_tokens: true` is not supported for chat: the chat "
+                            "template's text is tokenized as it is (vLLM's default, false)",
+                            "add_special_tokens")
         if (logprobs := self.logprobs_count()) is not None:
             request["logprobs"] = logprobs
         return request
@@ -310,12 +313,9 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
         for name, harmless in (("best_of", 1), ("suffix", "")):
             if getattr(self, name) not in (None, harmless):
                 raise BodyError(f"`{name}` is not supported", name)
-        if self.echo and (self.logprobs is not None or not isinstance(self.prompt, str) and not
-                          all(isinstance(one, str) for one in self.prompt)):
-            raise BodyError("`echo` needs text prompts and no `logprobs` (the gateway has the "
-                            "prompt's text, not its tokens' log-probabilities)", "echo")
         request = super().llmq_request()
         request.update(llmq_prompts(self.prompt)[0])
+        request.update(self.echo_plan()[0])
         if self.add_special_tokens is False and "prompt" in request:
             request["add_special_tokens"] = False
         if self.logprobs is not None:
@@ -324,6 +324,17 @@ class CompletionBody(OpenAIBody, kw_only=True, forbid_unknown_fields=True):
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def echo_plan(self) -> tuple[dict[str, Any], EchoPlan | None]:
+        """The wire fields `echo` adds (gateway/echo.py), and how the answer is reshaped."""
+        try:
+            return plan_echo(echo=bool(self.echo), logprobs=self.logprobs,
+                             prompt_logprobs=self.prompt_logprobs, max_tokens=self.max_tokens,
+                             stream=bool(self.stream), token_ids=not isinstance(
+                                 self.prompt, str) and not all(isinstance(one, str)
+                                                               for one in self.prompt))
+        except EchoError as exc:
+            raise BodyError(str(exc), exc.param) from None
 
     def param_of(self, llmq_field: str) -> str:
         return "prompt" if llmq_field.startswith("prompt_token_ids") else llmq_field
@@ -360,7 +371,7 @@ def decode_body(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
     try:
         body = _decoders[endpoint].decode(raw)
     except msgspec.ValidationError as exc:
-        raise _decode_error(str(exc), endpoint) from None
+        raise decode_error(str(exc), endpoint) from None
     except msgspec.DecodeError as exc:
         raise BodyError(f"the body is not valid JSON: {exc}") from None
     return _translate(endpoint, body, batch=False)
@@ -380,7 +391,7 @@ def parse_body(endpoint: str, body: Any, *, batch: bool = False) -> OpenAIReques
     try:
         decoded = msgspec.convert(body, _BODIES[known])
     except msgspec.ValidationError as exc:
-        raise _decode_error(str(exc), known) from None
+        raise decode_error(str(exc), known) from None
     return _translate(known, decoded, batch)
 
 
@@ -405,7 +416,7 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
     try:
         build_submission(request)  # the worker's own decoder
     except InvalidRequest as exc:
-        field = _path_of(str(exc))
+        field = path_of(str(exc))
         raise BodyError(str(exc), None if field is None else body.param_of(field)) from None
     more: list[dict[str, Any]] = []
     if isinstance(body, CompletionBody) and len(prompts := llmq_prompts(body.prompt)) > 1:
@@ -421,30 +432,5 @@ def _translate(endpoint: Endpoint, body: ChatCompletionBody | CompletionBody,
                 raise BodyError(f"prompt[{index}]: {exc}", "prompt") from None
     return OpenAIRequest(endpoint, request, body.model, bool(body.stream), include_usage,
                          body.logprobs_count(), request.get("n", 1), body.reads_tool_calls(),
-                         tuple(more), continuous, bool(getattr(body, "echo", False)))
-
-
-# msgspec's messages for an object's fields; those on the body itself have no `` - at `$...` ``.
-_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?(.*)`)?\Z")
-_MISSING_FIELD = re.compile(r"Object missing required field `([^`]+)`(?: - at `\$\.?(.*)`)?\Z")
-
-
-def _decode_error(message: str, endpoint: Endpoint) -> BodyError:
-    """BodyError for a msgspec message: an unknown or missing field of the body itself in plain
-    words, the rest as msgspec words it (naming the path); `param` names the field."""
-    if match := _UNKNOWN_FIELD.match(message) or _MISSING_FIELD.match(message):
-        field, at = match[1], match[2]
-        if at:  # a field of a nested object, e.g. messages[0].role
-            return BodyError(message, f"{at}.{field}")
-        if match.re is _UNKNOWN_FIELD:
-            return BodyError(f"body field `{field}` is not supported for {endpoint}", field)
-        return BodyError(f"the body needs `{field}` for {endpoint}", field)
-    if message.startswith("Expected `object`") and " - at `$" not in message:
-        return BodyError("the body must be a JSON object")
-    return BodyError(message, _path_of(message))
-
-
-def _path_of(message: str) -> str | None:
-    """The field a msgspec message points at (``... - at `$.messages[0].role```)."""
-    _, found, path = message.rpartition(" - at `$.")
-    return path.removesuffix("`") if found else None
+                         tuple(more), continuous, bool(getattr(body, "echo", False)),
+                         body.echo_plan()[1] if isinstance(body, CompletionBody) else None)
