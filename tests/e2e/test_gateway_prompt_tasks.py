@@ -189,6 +189,89 @@ def test_prompt_logprobs_are_refused_on_a_stream(pool: GatewayProcess) -> None:
     assert response.json()["error"]["param"] == "prompt_logprobs"
 
 
+# -- echo with logprobs (lm-eval's loglikelihood requests) ---------------------------------------
+
+
+def test_echo_with_logprobs_puts_the_prompts_tokens_first(pool: GatewayProcess,
+                                                          client: openai.OpenAI,
+                                                          model: str) -> None:
+    prompt = "The sea is calm"
+    ids = post(pool, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    scored = post(pool, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                            "prompt_logprobs": 2}).json()["choices"][0]
+    # When a completion echoes its prompt with logprobs (the SDK's legacy call)
+    kwargs: dict[str, Any] = dict(model=model, prompt=prompt, max_tokens=3, temperature=0.0,
+                                  logprobs=2)
+    echoed = client.completions.create(echo=True, **kwargs)
+    plain = client.completions.create(**kwargs).choices[0]
+    choice = echoed.choices[0]
+    logprobs = choice.logprobs
+    # Then the text is the prompt and the completion, and the logprobs cover both, the
+    # prompt's first: its first token null, each other the prompt logprob of that token
+    assert choice.text == prompt + plain.text
+    p = len(ids)
+    assert echoed.usage.prompt_tokens == p
+    assert len(logprobs.tokens) == p + echoed.usage.completion_tokens
+    assert "".join(logprobs.tokens[:p]) == prompt
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, p):
+        expected = scored["prompt_logprobs"][position][str(ids[position])]["logprob"]
+        assert logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-4)
+        top = logprobs.top_logprobs[position]
+        assert logprobs.tokens[position] in top and len(top) >= 2
+        assert max(top.values()) >= logprobs.token_logprobs[position]
+    assert logprobs.text_offset[:p] == [len("".join(logprobs.tokens[:i])) for i in range(p)]
+    # And the completion's part is what the same request without echo answers, after the prompt
+    assert logprobs.token_logprobs[p:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert logprobs.text_offset[p:] == [len(prompt) + o for o in plain.logprobs.text_offset]
+    assert "prompt_logprobs" not in (choice.model_extra or {})
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(client: openai.OpenAI,
+                                                         model: str) -> None:
+    whole = client.completions.create(model=model, prompt="The sea is calm", echo=True,
+                                      logprobs=1, max_tokens=0)
+    choice = whole.choices[0]
+    assert choice.text == "The sea is calm" and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == whole.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in choice.logprobs.token_logprobs[1:])
+
+
+def test_token_id_prompts_echo_as_lm_eval_asks(pool: GatewayProcess, client: openai.OpenAI,
+                                               model: str) -> None:
+    # Given two token-id prompts, as lm-eval's local-completions sends its loglikelihood batches
+    prompts = [post(pool, "/tokenize", {"prompt": text}).json()["tokens"]
+               for text in ("The sea is calm", "Stocks fell today")]
+    whole = client.completions.create(model=model, prompt=prompts, echo=True, logprobs=1,
+                                      max_tokens=1, temperature=0.0)
+    # Then each choice's text begins with its prompt's text, and its logprobs give every prompt
+    # token's (the first null) then the one generated token's
+    for choice, ids in zip(sorted(whole.choices, key=lambda c: c.index), prompts, strict=True):
+        text = detokenized(pool, ids)
+        assert choice.text.startswith(text)
+        assert len(choice.logprobs.tokens) == len(ids) + 1
+        assert "".join(choice.logprobs.tokens[:len(ids)]) == text
+        assert choice.logprobs.token_logprobs[0] is None
+        assert all(v <= 0 for v in choice.logprobs.token_logprobs[1:])
+
+
+def test_echo_with_logprobs_is_refused_on_a_stream(pool: GatewayProcess) -> None:
+    response = post(pool, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1,
+                                              "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+
+
+def test_chat_takes_vllms_add_special_tokens_false(pool: GatewayProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert post(pool, "/v1/chat/completions", {**body, "add_special_tokens": False}
+                ).status_code == 200
+    refused = post(pool, "/v1/chat/completions", {**body, "add_special_tokens": True})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "add_special_tokens"
+
+
 # -- continue_final_message -----------------------------------------------------------------------
 
 
