@@ -134,12 +134,13 @@ class PromptTasks:
     def embed(self, prompt_token_ids: list[int]) -> list[float]:
         """The prompt's final hidden states, pooled, at unit length."""
         pooled: torch.Tensor | None = None  # [hidden_size]
-        for start, hidden in self._hidden_states(prompt_token_ids):
+        for _, hidden in self._hidden_states(prompt_token_ids):
             if self.pooling == MEAN:
                 part = hidden.float().sum(dim=0)
                 pooled = part if pooled is None else pooled + part
-            elif self.pooling == CLS and start == 0:
+            elif self.pooling == CLS:
                 pooled = hidden[0].float()
+                break  # under the causal mask the first position sees nothing after it
             elif self.pooling == LAST:
                 pooled = hidden[-1].float()  # the last chunk's last row wins
         assert pooled is not None  # the gate refuses an empty prompt
