@@ -3,8 +3,8 @@
 References: vLLM `model_loader` (one entry point dispatching on the checkpoint format),
 llama.cpp (model and tokenizer from the one GGUF file).
 
-The GGUF reader is opened once and shared with the tokenizer: opening it builds Python
-objects for every token string (~3 s for a 49k vocabulary), more than dequantizing the weights.
+The GGUF header is read once (gguf_reader.py) and shared by the arch config, the weights and
+the tokenizer, which is built on a thread while the weights load (docs/models.md, "Loading").
 """
 
 from __future__ import annotations
