@@ -149,9 +149,15 @@ def test_the_fast_reader_reads_what_gguf_py_reads(tmp_path):
     path = tiny(tmp_path)
     ours, theirs = FastGGUFReader(path), gguf.GGUFReader(path)
     assert list(ours.fields) == list(theirs.fields)
+    arrays = 0
     for name, field in theirs.fields.items():
         assert ours.fields[name].contents() == field.contents(), name
         assert ours.fields[name].types == field.types, name
+        if field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 3:
+            arrays += 1
+            for index in (0, 3, -1, slice(1, 3)):
+                assert ours.fields[name].contents(index) == field.contents(index), name
+    assert arrays >= 2  # the token strings and their types at least
     assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
         (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
     assert all(np.array_equal(a.data, b.data)
