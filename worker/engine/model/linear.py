@@ -186,9 +186,10 @@ class Linear(nn.Module):
             for rows, tensor in self._quantized_rows:
                 self.weight[rows].copy_(tensor.dequantize())
         if cache is not None:
-            mapped = cache.put(f"{name}.dense", {"shape": list(shape)},
-                               {"weight": self.weight.detach().numpy()})
-            self.weight = nn.Parameter(torch.from_numpy(mapped["weight"]), requires_grad=False)
+            # NOTE: written for the next start; this one keeps the copy it has (mapping the
+            # file back would add its pages to the cold start's peak RSS for nothing)
+            cache.put(f"{name}.dense", {"shape": list(shape)},
+                      {"weight": self.weight.detach().numpy()})
 
     def _block_quant(self) -> BlockQuant | None:
         parts = sorted(self._quantized_rows, key=lambda part: part[0].start)
