@@ -7,8 +7,9 @@ llama.cpp's load of the same file in the same run.
 For each model: a cold load (the repack cache, repack_cache.py, cleared first) and a warm one
 (the cache the cold load wrote), each in a fresh process, `--weights native`. "ready" is the
 wall time from the process's start to the model loaded and its KV cache (`--kv-tokens` tokens)
-allocated, imports included: what a worker KEDA has just started waits for. "load" is
-`load_model` alone. RSS is the process's after that ("rss"), and its peak (VmHWM). llama.cpp:
+allocated, imports included: what a worker KEDA has just started waits for; its parts:
+"imports" (the interpreter's start and every import, torch's included), `load_model`, and the
+KV cache's allocation. RSS is the process's after that ("rss"), and its peak (VmHWM). llama.cpp:
 the wall time of `llama-bench -p 0 -n 1 -r 1` on the same file (load, a warmup token and one
 token: an upper bound on its load), in the same run. Prints the issue-20 bar's ratios:
 warm ready / llama.cpp <= 2, rss / (1.3 x file size + KV cache) <= 1. Figures are printed,
@@ -36,6 +37,7 @@ LLAMA_BENCH = PEERS_DIR / "llama-build" / "bin" / "llama-bench"
 _CHILD = r"""
 import json, sys, time
 from llmq.worker.engine.model.loader import load_model
+imports = time.time() - float(sys.argv[4])
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -47,9 +49,12 @@ load_s = time.perf_counter() - t0
 model = loaded.model
 block = 16
 blocks = -(-int(sys.argv[3]) // block)
+t1 = time.perf_counter()
 kv = model.make_kv_caches(blocks, block)
+kv_s = time.perf_counter() - t1
 ready = time.time() - float(sys.argv[4])
-print(json.dumps({"ready_s": ready, "load_s": load_s, "rss": status("VmRSS:"),
+print(json.dumps({"ready_s": ready, "imports_s": imports, "load_s": load_s, "kv_s": kv_s,
+                  "rss": status("VmRSS:"),
                   "peak": status("VmHWM:"),
                   "kv_bytes": blocks * model.kv_cache_bytes_per_block(block)}))
 """
@@ -88,7 +93,11 @@ def main() -> None:
 
     paths = {"default": default_model_path(), "big": BIG_MODEL}
     repack_root = Path(tempfile.mkdtemp(prefix="llmq-bench-repack-"))
-    env = {**os.environ, "LLMQ_REPACK_DIR": str(repack_root)}
+    # NOTE: bytecode is written (the cold run compiles llmq's modules, the warm one reads
+    # them), as an installed llmq has it: PYTHONDONTWRITEBYTECODE would add their compiling
+    # to every start.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+    env["LLMQ_REPACK_DIR"] = str(repack_root)
     try:
         for name in args.models.split(","):
             path = paths.get(name, Path(name))
@@ -104,7 +113,8 @@ def main() -> None:
             llama = llama_cpp_load(path, args.llama_bench)
             for label, r in (("cold", cold), ("warm", warm)):
                 bar = 1.3 * size + r["kv_bytes"]
-                print(f"  {label}: ready {r['ready_s']:.2f} s (load_model {r['load_s']:.2f} s), "
+                print(f"  {label}: ready {r['ready_s']:.2f} s (imports {r['imports_s']:.2f} s, "
+                      f"load_model {r['load_s']:.2f} s, KV {r['kv_s']:.2f} s), "
                       f"rss {mib(r['rss'])} (peak {mib(r['peak'])}), KV {mib(r['kv_bytes'])}, "
                       f"rss / (1.3 x file + KV) = {r['rss'] / bar:.2f}")
             if llama is not None:

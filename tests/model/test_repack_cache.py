@@ -10,7 +10,7 @@ import torch
 
 from llmq.worker.engine.model import block_quant, repack_cache
 from llmq.worker.engine.model.cpu_kernels import QuantMatrix
-from llmq.worker.engine.model.gguf_loader import FastGGUFReader
+from llmq.worker.engine.model.gguf_reader import FastGGUFReader
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
 from tests.fixtures.models import greedy_paged
@@ -116,7 +116,7 @@ def test_a_truncated_entry_is_rebuilt(tmp_path, cache_dir):
 def test_a_half_written_entry_is_not_used(tmp_path, cache_dir):
     # Given a staging folder left by a worker killed mid-write (no rename happened)
     path = tiny(tmp_path)
-    key = repack_cache.cache_key(path)
+    key = repack_cache.cache_key(path, FastGGUFReader(path).fingerprint())
     (cache_dir / f"{key}.tmp-1").mkdir(parents=True)
     # Then the load ignores it and writes the real entry
     run(path)
@@ -149,9 +149,15 @@ def test_the_fast_reader_reads_what_gguf_py_reads(tmp_path):
     path = tiny(tmp_path)
     ours, theirs = FastGGUFReader(path), gguf.GGUFReader(path)
     assert list(ours.fields) == list(theirs.fields)
+    arrays = 0
     for name, field in theirs.fields.items():
         assert ours.fields[name].contents() == field.contents(), name
         assert ours.fields[name].types == field.types, name
+        if field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 3:
+            arrays += 1
+            for index in (0, 3, -1, slice(1, 3)):
+                assert ours.fields[name].contents(index) == field.contents(index), name
+    assert arrays >= 2  # the token strings and their types at least
     assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
         (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
     assert all(np.array_equal(a.data, b.data)

@@ -180,7 +180,7 @@ class ModelArchConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_local=ropes[SLIDING] if fam.swa_pattern else None,
             sliding_window=int(window) if window else None,
-            layer_types=fam.layer_types(num_layers, window),
+            layer_types=_gguf_layer_types(reader, arch, fam, num_layers, window),
             attn_scale=float(scale) if scale else None,
             attn_softcap=float(attn_softcap) if attn_softcap else None,
             final_softcap=float(final_softcap) if final_softcap else None,
@@ -303,6 +303,21 @@ def _refuse_gguf_features(reader: gguf.GGUFReader, arch: str) -> None:
     if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
         raise ValueError(f"unsupported expert gating function {gating} "
                          f"({arch}.expert_gating_func; softmax is supported)")
+
+
+def _gguf_layer_types(reader: gguf.GGUFReader, arch: str, fam: Family, num_layers: int,
+                      window: Any) -> tuple[str, ...]:
+    """Which layers slide: llama.cpp's `attention.sliding_window_pattern`, a bool per layer
+    (Ministral's full layers among sliding ones) or a period, else the family's rule."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = _gguf_value(reader, key)
+    if not isinstance(pattern, list):
+        return fam.layer_types(num_layers, window, int(pattern) if pattern else None)
+    if len(pattern) != num_layers:
+        raise ValueError(f"{key} has {len(pattern)} entries for {num_layers} layers")
+    if not window:
+        return (FULL,) * num_layers
+    return tuple(SLIDING if sliding else FULL for sliding in pattern)
 
 
 def _positive(value: Any) -> float | None:

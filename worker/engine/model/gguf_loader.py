@@ -20,7 +20,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import gguf
 import numpy as np
@@ -139,26 +139,6 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """[out_features, in_features] float32."""
         return torch.from_numpy(gguf.quants.dequantize(self.data, self.qtype).reshape(self.shape))
-
-
-class FastGGUFReader(gguf.GGUFReader):
-    """gguf-py's reader, reading its header through a plain ndarray view of the file's map.
-
-    NOTE: the header of a 128k-vocabulary file is ~250k small reads (one per token string,
-    score and type); through `np.memmap` each slice runs memmap's Python `__getitem__` and
-    `__array_finalize__`, ~70% of the reader's 5 s. A plain view of the same map gives the same
-    arrays (tensor data still views of the mapped file) without that per-slice cost."""
-
-    def _get(self, offset: int, dtype: Any, count: int = 1,
-             override_order: Literal["I", "S", "<"] | None = None) -> np.ndarray:
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        count = int(count)
-        dt = np.dtype(dtype)
-        arr = plain[offset:offset + dt.itemsize * count].view(dtype=dt)[:count]
-        return arr.view(arr.dtype.newbyteorder(
-            self.byte_order if override_order is None else override_order))
 
 
 def check_tensor_types(reader: gguf.GGUFReader) -> None:

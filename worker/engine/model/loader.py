@@ -3,8 +3,8 @@
 References: vLLM `model_loader` (one entry point dispatching on the checkpoint format),
 llama.cpp (model and tokenizer from the one GGUF file).
 
-The GGUF reader is opened once and shared with the tokenizer: opening it builds Python
-objects for every token string (~3 s for a 49k vocabulary), more than dequantizing the weights.
+The GGUF header is read once (gguf_reader.py) and shared by the arch config, the weights and
+the tokenizer, which is built on a thread while the weights load (docs/models.md, "Loading").
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .arch import ModelArchConfig
-from .gguf_loader import FastGGUFReader, check_tensor_types, iter_gguf_weights
+from .gguf_loader import check_tensor_types, iter_gguf_weights
+from .gguf_reader import FastGGUFReader
 from .hf_loader import iter_hf_weights, read_hf_arch
 from .llama import DTYPES, WEIGHTS, LlamaForCausalLM, default_weights
 from .repack_cache import RepackCache
@@ -54,11 +56,17 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
         reader = FastGGUFReader(path)
         arch = ModelArchConfig.from_gguf(reader)
         check_tensor_types(reader)  # before the slow parts, so a bad file fails fast
-        model = LlamaForCausalLM(arch, dtype, weights)
-        native = weights == "native"
-        model.load_weights(iter_gguf_weights(reader, arch, keep_quantized=native),
-                           RepackCache.for_model(path) if native else None)
-        tokenizer = Tokenizer.from_gguf(reader)
+        # NOTE: the tokenizer is built beside the weights: its Python loops hold the GIL, the
+        # weights' repacking (oneDNN, the forms' decoding) mostly does not, and on a warm
+        # start the two take about as long.
+        with ThreadPoolExecutor(1, thread_name_prefix="llmq-tokenizer") as pool:
+            building = pool.submit(Tokenizer.from_gguf, reader)
+            model = LlamaForCausalLM(arch, dtype, weights)
+            native = weights == "native"
+            model.load_weights(
+                iter_gguf_weights(reader, arch, keep_quantized=native),
+                RepackCache.for_model(path, reader.fingerprint()) if native else None)
+            tokenizer = building.result()
     elif path.is_dir():
         arch = read_hf_arch(path)
         model = LlamaForCausalLM(arch, dtype, weights)

@@ -5,14 +5,18 @@ References: llama.cpp (weights used from the mmapped file as stored), the compil
 build cache (cpu_kernels.py `build_library`: a key of every input, written by rename).
 
 An entry is a folder `<LLMQ_REPACK_DIR or ~/.cache/llmq/repacked>/<key>/`, the key a hash of
-the model file (path, size, mtime), the CPU (the kernels' layout may follow it) and the code
-that builds the forms (any change to those modules gives another key). It holds one `.npy` per
-array and `manifest.json` (each array's byte size and each form's shapes), written last.
-A cold load fills `<key>.tmp-<pid>/` and renames it into place, so a worker starting beside it
-never sees half an entry; an entry whose files do not match its manifest (truncated, missing)
-is deleted and rebuilt. Arrays come back as copy-on-write memory maps (`np.load(mmap_mode=
-"c")`): a warm start reads only the pages a step touches, and the page cache is shared
-between workers of the same model on one machine.
+the model file (path, size, mtime, and a fingerprint of its content: the GGUF's header and a
+few KiB of every tensor, gguf_reader.py `FastGGUFReader.fingerprint`, so a file replaced by
+another of the same size and mtime is not taken for it), the CPU (the kernels' layout may
+follow it) and the code that builds the forms (any change to those modules gives another key).
+It holds one `.npy` per array and `manifest.json` (each array's byte size and a CRC of three
+4 KiB samples of it, each form's shapes), written last. A cold load fills `<key>.tmp-<pid>/`
+and renames it into place, so a worker starting beside it never sees half an entry; an entry
+whose files do not match its manifest (truncated, missing, zeroed by a crash before the disk
+had the data, a garbage array header) is deleted with one warning and rebuilt.
+Arrays come back as copy-on-write memory maps (`np.load(mmap_mode="c")`): a warm start reads
+only the pages a step touches, and the page cache is shared between workers of the same model
+on one machine.
 
 `LLMQ_REPACK_DIR=off` turns the cache off (forms are built in memory every start).
 """
@@ -24,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +42,8 @@ ENV = "LLMQ_REPACK_DIR"
 MANIFEST = "manifest.json"
 # The modules whose code decides the bytes of a cached form.
 _CODE = ("block_quant.py", "int8_matrix.py", "cpu_kernels.py", "linear.py", "gguf_loader.py",
-         "repack_cache.py")
+         "gguf_reader.py", "repack_cache.py")
+_SAMPLE = 4096  # bytes of each of a file's three checked samples
 
 
 def default_root() -> Path | None:
@@ -54,13 +60,13 @@ def _file_tag(model_path: Path) -> str:
     return hashlib.sha256(f"{model_path.resolve()}\0{_cpu_model()}".encode()).hexdigest()[:8]
 
 
-def cache_key(model_path: Path) -> str:
-    """Another file, another version of it, another CPU or another build code: another key,
-    `<file tag>-<hash of the rest>`."""
+def cache_key(model_path: Path, fingerprint: str = "") -> str:
+    """Another file, another version of it (size, mtime, `fingerprint` of its content),
+    another CPU or another build code: another key, `<file tag>-<hash of the rest>`."""
     stat = model_path.stat()
     digest = hashlib.sha256()
     for part in (str(model_path.resolve()), str(stat.st_size), str(stat.st_mtime_ns),
-                 _cpu_model()):
+                 fingerprint, _cpu_model()):
         digest.update(part.encode() + b"\0")
     here = Path(__file__).parent
     for name in _CODE:
@@ -81,9 +87,9 @@ class RepackCache:
         self.warm = self._open()
 
     @classmethod
-    def for_model(cls, model_path: Path) -> RepackCache | None:
+    def for_model(cls, model_path: Path, fingerprint: str = "") -> RepackCache | None:
         root = default_root()
-        return None if root is None else cls(root, cache_key(model_path))
+        return None if root is None else cls(root, cache_key(model_path, fingerprint))
 
     def _open(self) -> bool:
         """Read a complete entry's manifest; delete an entry that does not match it."""
@@ -93,9 +99,11 @@ class RepackCache:
         try:
             entries = json.loads(manifest.read_text())
             for name, entry in entries.items():
-                for part, size in entry["files"].items():
-                    if (self.path / f"{name}.{part}.npy").stat().st_size != size:
-                        raise ValueError(f"{name}.{part}.npy is not {size} bytes")
+                for part, expected in entry["files"].items():
+                    found = _file_check(self.path / f"{name}.{part}.npy")
+                    if found != expected:
+                        raise ValueError(f"{name}.{part}.npy is {found}, the manifest says "
+                                         f"{expected}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("repack cache entry %s is damaged (%s): rebuilding it", self.path, exc)
             shutil.rmtree(self.path, ignore_errors=True)
@@ -134,7 +142,7 @@ class RepackCache:
             for part, array in arrays.items():
                 target = self._staging / f"{name}.{part}.npy"
                 np.save(target, np.ascontiguousarray(array))
-                files[part] = target.stat().st_size
+                files[part] = _file_check(target)
             self._new[name] = {"meta": meta, "files": files}
             # NOTE: the maps stay valid when the folder is renamed (they hold the inodes)
             return {part: np.load(self._staging / f"{name}.{part}.npy", mmap_mode="c")
@@ -175,3 +183,17 @@ class RepackCache:
         self._staging = None
         self._new = {}
         self.warm = True  # stop staging further forms
+
+
+def _file_check(path: Path) -> dict[str, Any]:
+    """What the manifest records of an array file: its size and a CRC of 4 KiB at its start
+    (the `.npy` header with it), middle and end. Cheap (three reads per file), and it catches
+    what a crash or a full disk leaves: a file cut short, or one of the right size whose data
+    never reached the disk (zeros)."""
+    size = path.stat().st_size
+    crc = 0
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+            f.seek(offset)
+            crc = zlib.crc32(f.read(_SAMPLE), crc)
+    return {"bytes": size, "crc": crc}

@@ -81,12 +81,18 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _CHAR_TO_BYTE = _byte_level_alphabet()
+# NOTE: one `str.translate` per token (each stand-in to the latin-1 character of its byte) is
+# ~5x faster than a lookup per character, a tenth of a second of every start for a 128k
+# vocabulary. A character outside the alphabet must fail the latin-1 encoding: those above 255
+# do; those below (controls, space) are sent to U+0100, which does too.
+_TO_LATIN1 = {**{code: "\u0100" for code in range(256)},
+              **{ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()}}
 
 
 def byte_level_token_bytes(token: str) -> bytes:
     try:
-        return bytes([_CHAR_TO_BYTE[c] for c in token])
-    except KeyError:
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
         # NOTE: tokenizers' ByteLevel decoder does the same: a token with a character outside
         # the byte alphabet (added tokens written as raw text) stands for its own UTF-8 bytes.
         return token.encode("utf-8")
