@@ -172,11 +172,10 @@ class AffinityHandover:
 
     def tickets(self, client: redis.Redis, owner: str, count: int) -> list[Ticket]:
         """The oldest `count` tickets of `owner` (read only: `take` decides)."""
-        pipe = client.pipeline(transaction=False)
-        pipe.time()
-        pipe.xrange(self.keys.affinity_tickets(self.queue, owner), count=count)
-        now, raw = pipe.execute()
-        now_ms = replies.server_time_ms(now)
+        # NOTE: two round trips, not one pipeline: a cluster client refuses TIME in a pipeline
+        # (it has no key to route by); any node's clock does for a delay of a second.
+        now_ms = replies.server_time_ms(client.time())
+        raw = client.xrange(self.keys.affinity_tickets(self.queue, owner), count=count)
         out = []
         for ticket_id, fields in replies.entries(raw, "XRANGE"):
             entry_id = fields.get("entry")

@@ -50,6 +50,11 @@ LONG_TIMEOUTS = {
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if stale := sorted(p for p in LONG_TIMEOUTS if not (config.rootpath / p).is_file()):
         raise pytest.UsageError(f"LONG_TIMEOUTS names missing test modules: {stale}")
+    # NOTE: the long modules first (a stable sort keeps each module's own order): `make test`
+    # hands whole modules to its pytest processes in this order, and a soak started last would
+    # run alone at the end while the other processes sit idle.
+    items.sort(key=lambda item: -LONG_TIMEOUTS.get(
+        item.path.relative_to(config.rootpath).as_posix(), 0))
     for item in items:
         if any(name in REAL_MODEL_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -17,6 +17,8 @@ import openai
 import pytest
 import redis
 
+from llmq.broker.keys import Keys
+from llmq.broker.work_lanes import work_lane
 from tests.e2e.gateway_harness import KEYS, GatewayProcess, gateway_pool
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -301,11 +303,12 @@ def test_the_speculative_opt_out_reaches_the_worker(valkey_server, pool: Gateway
     response = post(pool, "/v1/completions", {"prompt": "Hi", "max_tokens": 2,
                                               "speculative": False})
     assert response.status_code == 200, response.text
-    # Then the request the gateway queued carries the opt-out
+    # Then the request the gateway queued (on alice's interactive lane) carries the opt-out
+    lane = work_lane(Keys(), "default", "interactive", "alice")
     r = redis.Redis.from_url(valkey_server.url)
     try:
         queued = [json.loads(fields[b"json"]) for _, fields in
-                  r.xrevrange("llmq:q:{default}", count=50)]
+                  r.xrevrange(lane.stream, count=50)]
     finally:
         r.close()
     mine = [q for q in queued if q.get("id") == f"alice:{response.headers['x-request-id']}"]
