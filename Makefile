@@ -53,15 +53,17 @@ cxx:
 	  || echo "no C++ compiler: the engine runs torch ops instead of its CPU kernels (slower)"; }
 
 # llama.cpp's own HF -> GGUF converter, from the llama-cpp-python sdist on PyPI: the model tests
-# write each family's GGUF with it (tests/fixtures/tiny_hf.py). Without it they skip (fail in CI).
+# write each family's GGUF with it (tests/fixtures/tiny_hf.py), and LoRA adapters with its LoRA converter
+# (tests/fixtures/tiny_lora.py). Without them those tests skip (fail in CI).
 LLAMA_CPP := $(VENV)/llama.cpp
 LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
 llama-cpp-converter: $(STAMP)
-	@test -f $(LLAMA_CPP)/convert_hf_to_gguf.py || { tmp=$$(mktemp -d) \
+	@test -f $(LLAMA_CPP)/convert_lora_to_gguf.py || { tmp=$$(mktemp -d) \
 	  && $(BIN)/python -m pip download -q --no-deps --no-binary :all: \
 	     llama-cpp-python==0.3.36 -d $$tmp \
 	  && mkdir -p $(LLAMA_CPP) && tar xzf $$tmp/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP) \
 	     --strip-components=3 $(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
+	     $(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_lora_to_gguf.py \
 	     $(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py \
 	  ; rm -rf $$tmp; }
 

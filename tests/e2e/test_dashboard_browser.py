@@ -152,13 +152,14 @@ def test_both_workers_show_and_the_queue_falls_while_a_file_job_runs(
                                             "ignore_eos": True}) + "\n" for i in range(60)))
     job = llmq_process("submit", "-f", str(requests), "-o", str(tmp_path / "out.jsonl"),
                        "--no-progress", env=subprocess_env(url))
-    # Then the queue's waiting count seen on the page rises, then falls to zero
+    # Then the waiting count of the queue's batch lane (where file jobs run: broker/work_lanes.py)
+    # seen on the page rises, then falls to zero
     seen: list[int] = []
     busy: set[str] = set()
     tokens_per_s: list[float] = []
 
     def drained() -> bool:
-        waiting = text_of(browser, '#queues tr[data-queue="default"] .lag')
+        waiting = text_of(browser, '#lanes tr[data-queue="default"][data-lane="batch"] .lag')
         if waiting is not None and waiting.isdigit() and (seen or int(waiting)):
             if not seen or int(waiting) != seen[-1]:
                 seen.append(int(waiting))
