@@ -38,22 +38,8 @@ pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
-def connect(acl_server):
-    port, _ = acl_server
-    clients = []
-
-    def make(user: str) -> redis.Redis:
-        client = redis.Redis(port=port, username=user, password=PASSWORDS[user],
-                             decode_responses=True)
-        clients.append(client)
-        return client
-
-    yield make
-    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
-    admin.flushall()
-    admin.close()
-    for client in clients:
-        client.close()
+def connect(acl_users):
+    return acl_users
 
 
 # (command, arguments) llmq issues, by the user that issues it: the broker's Client (producer),

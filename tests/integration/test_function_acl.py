@@ -24,23 +24,11 @@ Q, HB, DLQ, SUB = ("llmq:q:{default}", "llmq:hb:{default}", "llmq:dlq:{default}"
 
 
 @pytest.fixture
-def connect(acl_server):
-    port, _ = acl_server
-    clients = []
-
-    def make(user: str) -> redis.Redis:
-        client = redis.Redis(port=port, username=user, password=PASSWORDS[user],
-                             decode_responses=True)
-        clients.append(client)
-        return client
-
-    yield make
-    admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
-    admin.flushall()
-    admin.function_flush()
-    admin.close()
-    for client in clients:
-        client.close()
+def connect(acl_users, acl_server):
+    yield acl_users
+    # NOTE: and the library, which these tests load and break on purpose
+    with redis.Redis(port=acl_server[0], username="admin", password=PASSWORDS["admin"]) as admin:
+        admin.function_flush()
 
 
 def test_worker_runs_its_lease_and_ack_functions(connect):
