@@ -210,9 +210,11 @@ def test_cancel_before_a_worker_reads_it(redis_server, redis_client, tiny_model)
 
 def test_cancel_mid_stream_stops_within_a_step_and_frees_kv(redis_server, redis_client,
                                                              tiny_model) -> None:
-    # Given a long generation streaming slowly (30 ms per step)
+    # Given a long generation streaming slowly (100 ms per step: a step outlasts the cancel's
+    # way through the listener's read and the owner check even on a loaded machine, which a
+    # 30 ms step did not when three test processes shared two cores)
     with Client(redis_server.url) as client, InProcessWorker(
-            redis_server.url, tiny_model, fault="slow_step:30") as w:
+            redis_server.url, tiny_model, fault="slow_step:100") as w:
         client.submit("Hi", request_id="to-cancel", max_tokens=500, ignore_eos=True,
                       temperature=0)
         wait_for(lambda: len(deltas_of(read_events(redis_client, "to-cancel"))) >= 3, 30,
