@@ -22,6 +22,7 @@ commands with `llmq.broker.commands`, and follow a result stream with its `Resul
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -389,3 +390,16 @@ class Client(ClientBase):
             return int(pipe.execute()[0])
 
         return self.call(purge)
+
+
+# rq's own Redis, when it is not llmq's (gateway/batch_store.py reads it too)
+RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
+
+
+def client_for_rq_job(rq_connection: redis.Redis, *, prefix: str, queue: str) -> Client:
+    """The llmq client of a job rq runs (a batch, a dataset job): with rq on a Redis of its own
+    (RQ_URL_VAR), llmq's traffic goes to LLMQ_REDIS_URL (a cluster, say); otherwise both share
+    rq's connection."""
+    if os.environ.get(RQ_URL_VAR, "").strip():
+        return Client(prefix=prefix, queue=queue)
+    return Client(connection=rq_connection, prefix=prefix, queue=queue)

@@ -45,7 +45,6 @@ names in `input_key`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from typing import Any
@@ -53,11 +52,10 @@ from typing import Any
 import msgspec
 
 from llmq.broker.batch_records import BatchRecords
-from llmq.broker.client import Client
+from llmq.broker.client import Client, client_for_rq_job
 from llmq.broker.exchange import send
 from llmq.broker.ordered_run import OrderedRun, RunEnd, Settled, Submit
 from llmq.broker.transcript import Transcript
-from llmq.gateway.batch_store import RQ_URL_VAR
 from llmq.gateway.openai_batch import (
     INVALID_JSON,
     BatchLine,
@@ -93,11 +91,7 @@ def run_batch(batch_id: str, prefix: str, queue: str, max_in_flight: int, ttl: i
 
     job = get_current_job()
     assert job is not None, "run_batch runs inside an rq job"
-    # NOTE: with rq on a Redis of its own (LLMQ_RQ_REDIS_URL), llmq's traffic goes to
-    # LLMQ_REDIS_URL (a cluster, say); otherwise both share rq's connection.
-    separate = bool(os.environ.get(RQ_URL_VAR, "").strip())
-    client = (Client(prefix=prefix, queue=queue) if separate
-              else Client(connection=job.connection, prefix=prefix, queue=queue))
+    client = client_for_rq_job(job.connection, prefix=prefix, queue=queue)
     try:
         return BatchRun(client, batch_id, job, max_in_flight=max_in_flight, ttl=ttl,
                         tenant=tenant, input_key=input_key, deadline=deadline).run()

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from llmq.broker.batch_records import BatchRecords
-from llmq.broker.client import Client
+from llmq.broker.client import RQ_URL_VAR, Client
 from llmq.broker.connection import connect, is_cluster
 from llmq.broker.exchange import send
 from llmq.broker.redis_url import RedisURL
@@ -34,7 +34,6 @@ from llmq.protocol.errors import BrokerUnavailable, LLMQError
 __all__ = ["BATCH_QUEUE", "FINAL_STATUSES", "RETRY_INTERVALS", "RQ_URL_VAR", "BatchStore",
            "batch_status", "batch_summary", "new_batch_worker", "rq_connection"]
 
-RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
 
 BATCH_QUEUE = "llmq-batch"  # the rq queue `llmq batch-worker` serves
 FINAL_STATUSES = ("completed", "cancelled", "failed", "expired")

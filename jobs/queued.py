@@ -23,7 +23,6 @@ Progress goes to the rq job's meta in the batches' names (`status`, `total`, `co
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -32,7 +31,7 @@ from typing import Any
 import redis
 
 from llmq.broker.batch_records import BatchRecords
-from llmq.broker.client import Client
+from llmq.broker.client import Client, client_for_rq_job
 from llmq.broker.exchange import send
 from llmq.jobs.pipeline import DatasetJob, JobStopped
 from llmq.jobs.progress import DatasetProgress
@@ -49,7 +48,6 @@ LEASE_MS = 15_000  # the lease lapses this long after its last renewal (a batch'
 _RENEW_S = 3.0
 _META_INTERVAL = 1.0  # s between saves of the rq job's meta
 # NOTE: gateway/batch_store.py's RQ_URL_VAR; llmq.jobs does not import the gateway.
-_RQ_URL_VAR = "LLMQ_RQ_REDIS_URL"
 
 
 class LeaseKeeper:
@@ -109,11 +107,7 @@ def run_dataset_job(job_id: str, job: dict[str, Any], base_dir: str, prefix: str
 
     rq_job = get_current_job()
     assert rq_job is not None, "run_dataset_job runs inside an rq job"
-    # NOTE: with rq on a Redis of its own, llmq's traffic goes to LLMQ_REDIS_URL (a cluster,
-    # say); otherwise both share rq's connection.
-    separate = bool(os.environ.get(_RQ_URL_VAR, "").strip())
-    client = (Client(prefix=prefix, queue=queue) if separate
-              else Client(connection=rq_job.connection, prefix=prefix, queue=queue))
+    client = client_for_rq_job(rq_job.connection, prefix=prefix, queue=queue)
     try:
         lease = LeaseKeeper(client, job_id)
         try:
