@@ -37,6 +37,12 @@ def ok(result: Result) -> Result:
     return result
 
 
+def printed(result: Result) -> str:
+    """Exactly what the command wrote to stdout. click's `Result.stdout` turns "\\r\\n" into
+    "\\n", and a model's text may end in "\\r" just before the line the CLI adds."""
+    return result.stdout_bytes.decode()
+
+
 def one_error_line(result: Result, exit_code: int = 1) -> str:
     """The single `Error: ...` line a failing command printed (and nothing like a traceback)."""
     assert result.exit_code == exit_code, (result.exit_code, result.output, result.exception)

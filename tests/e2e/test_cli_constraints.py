@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cli_harness import llmq, ok
+from tests.e2e.cli_harness import llmq, ok, printed
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -48,14 +48,14 @@ def test_n_completions_are_each_printed_and_logprobs_reach_the_request(url: str,
                                                                        stream: list[str]
                                                                        ) -> None:
     request_id = f"c-n{len(stream)}"
-    printed = ok(llmq("submit", "Hi", "--id", request_id, "-n", "3", "--logprobs", "2",
-                      "--max-tokens", "4", "--ignore-eos", *stream, url=url)).stdout
+    shown = printed(ok(llmq("submit", "Hi", "--id", request_id, "-n", "3", "--logprobs",
+                                "2", "--max-tokens", "4", "--ignore-eos", *stream, url=url)))
     done = done_event(url, request_id)
     texts = [c["text"] for c in done["choices"]]
     assert [c["index"] for c in done["choices"]] == [0, 1, 2]
     expected = f"{texts[0]}\n--- choice 1 ---\n{texts[1]}\n--- choice 2 ---\n{texts[2]}\n"
-    assert printed == expected
-    assert ok(llmq("result", request_id, url=url)).stdout == expected
+    assert shown == expected
+    assert printed(ok(llmq("result", request_id, url=url))) == expected
 
 
 def test_two_constraint_flags_are_refused_before_anything_is_sent(url: str) -> None:

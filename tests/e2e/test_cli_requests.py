@@ -24,7 +24,7 @@ from llmq.protocol import (
     encode_dead_letter,
     encode_event,
 )
-from tests.e2e.cli_harness import llmq, ok, one_error_line
+from tests.e2e.cli_harness import llmq, ok, one_error_line, printed
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -49,7 +49,7 @@ def test_a_prompt_streams_its_answer_to_stdout(url: str) -> None:
     # Then stdout is exactly the answer (plus a newline), as its done event has it
     done = done_event(url, "t-stream")
     assert done["type"] == "done" and done["finish_reason"] == "length"
-    assert result.stdout == done["text"] + "\n"
+    assert printed(result) == done["text"] + "\n"
     assert done["usage"]["completion_tokens"] == 12
     assert result.stderr == ""  # a worker serves the queue: nothing to warn about
 
@@ -64,7 +64,7 @@ def test_chat_messages_stdin_and_no_stream_each_get_an_answer(url: str, how: str
             "no-stream": ["Tell me", "--no-stream"]}[how]
     result = ok(llmq("submit", *args, "--id", request_id, "--max-tokens", "6", "--ignore-eos",
                      url=url, input="A prompt from stdin" if how == "stdin" else None))
-    assert result.stdout == done_event(url, request_id)["text"] + "\n"
+    assert printed(result) == done_event(url, request_id)["text"] + "\n"
 
 
 def test_json_prints_one_event_per_line(url: str) -> None:
@@ -79,9 +79,9 @@ def test_no_wait_prints_the_id_and_result_follow_gets_the_answer(url: str) -> No
                          url=url)).stdout.strip()
     assert request_id == "t-later"
     followed = ok(llmq("result", "t-later", "--follow", "--timeout", "30", url=url))
-    assert followed.stdout == done_event(url, "t-later")["text"] + "\n"
+    assert printed(followed) == done_event(url, "t-later")["text"] + "\n"
     # And without --follow a finished request shows the same answer
-    assert ok(llmq("result", "t-later", url=url)).stdout == followed.stdout
+    assert printed(ok(llmq("result", "t-later", url=url))) == printed(followed)
 
 
 @pytest.mark.parametrize("args, exit_code, names", [
