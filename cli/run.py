@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -37,6 +37,8 @@ from llmq.cli.run_queue import (
 )
 
 if TYPE_CHECKING:
+    from llmq.jobs.pipeline import DatasetJob
+    from llmq.jobs.published import ProgressPublisher
     from llmq.jobs.spec import JobSpec
 
 _PLAIN_INTERVAL = 10.0  # s between progress lines when stderr is not a terminal
@@ -187,11 +189,7 @@ def _run_here(client: Any, spec: JobSpec, progress: bool | None) -> None:
     try:
         job.run()
     except JobStopped:
-        status.done()
-        publisher.final(job.progress, "cancelled", "cancelled; rerun to resume")
-        note(f"cancelled (`llmq run cancel`): {job.progress.num_done} rows written; rerun the "
-             "same command to resume")
-        sys.exit(1)
+        _stopped(status, publisher, job, "cancelled", "cancelled (`llmq run cancel`)", "", 1)
     except SpecError as exc:
         publisher.final(job.progress, "failed", str(exc))
         raise click.ClickException(str(exc)) from None
@@ -199,11 +197,8 @@ def _run_here(client: Any, spec: JobSpec, progress: bool | None) -> None:
         publisher.final(job.progress, "failed", str(exc))
         raise click.FileError(exc.filename or spec.output, exc.strerror) from None
     except KeyboardInterrupt:
-        status.done()
-        publisher.final(job.progress, "interrupted", "interrupted; rerun to resume")
-        note(f"interrupted: {job.progress.num_done} rows written; rerun the same command to "
-             "resume (queued requests are not queued again)")
-        sys.exit(130)
+        _stopped(status, publisher, job, "interrupted", "interrupted",
+                 " (queued requests are not queued again)", 130)
     status.done()
     if job.finished_before:
         message = f"{spec.output} is already complete (remove it to run the job again)"
@@ -212,6 +207,16 @@ def _run_here(client: Any, spec: JobSpec, progress: bool | None) -> None:
                                        job.writer.num_errors)
     publisher.final(job.progress, "completed", message)
     note(message)
+
+
+def _stopped(status: _StatusLine, publisher: ProgressPublisher, job: DatasetJob, state: str,
+             said: str, detail: str, exit_code: int) -> NoReturn:
+    """A job stopped before its end: record it as resumable, say so, and exit."""
+    status.done()
+    publisher.final(job.progress, state, f"{state}; rerun to resume")
+    note(f"{said}: {job.progress.num_done} rows written; rerun the same command to resume"
+         f"{detail}")
+    sys.exit(exit_code)
 
 
 def _job_mapping(job_file: str | None, dataset: str | None, map_items: tuple[str, ...],

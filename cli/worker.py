@@ -123,7 +123,8 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
         raise click.BadParameter(str(e)) from None
 
     from llmq.worker.engine.engine_core import EngineCore
-    from llmq.worker.worker import Worker, start_observability
+    from llmq.worker.worker import Worker
+    from llmq.worker.worker_status import start_observability
 
     # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr: the first thing to look
     # at when a worker seems stuck.

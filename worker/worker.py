@@ -48,7 +48,6 @@ from llmq import protocol
 from llmq.broker.commands import group_created, legacy_stream_message, queue_group_creation
 from llmq.broker.keys import GROUP
 from llmq.protocol.errors import StreamExhausted
-from llmq.protocol.records import MAX_LISTED_LORAS
 from llmq.worker.admission import Admission
 from llmq.worker.affinity_keeper import AffinityKeeper
 from llmq.worker.backoff import TRANSIENT_ERRORS
@@ -63,14 +62,13 @@ from llmq.worker.library_check import LibraryCheck
 from llmq.worker.reclaimer import Reclaimer
 from llmq.worker.request_spans import RequestSpans
 from llmq.worker.result_writer import ResultWriter
-from llmq.worker.stats_log import EngineStatsLog
 from llmq.worker.stream_reader import StreamReader
 from llmq.worker.utility_calls import UtilityCalls
 from llmq.worker.worker_config import WorkerConfig
 from llmq.worker.worker_context import WorkerContext
+from llmq.worker.worker_status import WorkerStatus, start_observability
 
 if TYPE_CHECKING:
-    from llmq.worker.engine.engine_core import EngineStats
     from llmq.worker.health_server import HealthServer
     from llmq.worker.metrics import WorkerMetrics
 
@@ -117,15 +115,11 @@ class Worker:
                                     worker_id=config.worker_id, model_name=model_name)
         self.feeder = EngineFeeder(engine, ctx.table, ctx.inbox, self.writer, self.utility,
                                    answer=self._answer)
-        self.started_ms = int(time.time() * 1000)
+        self.status = WorkerStatus(ctx, engine, self.metrics, self.health)
         self.draining = False
         self._drain_deadline = 0.0
         self._signals = 0
         self._stop_requested = False
-        self._num_generated = 0
-        self._rate = (time.monotonic(), 0)
-        self._stats: EngineStats | None = None
-        self.stats_log = EngineStatsLog(time.monotonic())
         self._group_seen = False  # a group existed once: recreating it later is news
         # NOTE: no work is taken until the function library is there (it acks and renews
         # leases): the first contact with Redis checks it, and opens intake.
@@ -338,7 +332,7 @@ class Worker:
         # NOTE: a child of an n > 1 request is `<entry id>#<index>`; its entry has started.
         self.table.mark_started([output.request_id.partition("#")[0] for output in outputs
                                  if output.new_token_ids])
-        self._num_generated += num_tokens
+        self.status.num_generated += num_tokens
         self.writer.put_step(outputs)
         if self.metrics is not None:
             self.metrics.observe_step(elapsed, num_tokens)
@@ -400,65 +394,10 @@ class Worker:
 
     def _publish_stats(self) -> None:
         """Snapshot engine state for the heartbeat thread; beat and refresh readiness."""
-        self._stats = self.engine.stats()
-        if self.affinity is not None:
-            self.affinity.note_cache(self.engine.prefix_landmarks())
-        self.stats_log.observe(time.monotonic(), self._stats, self._num_generated,
-                               self.ctx.counters.requests_total)
-        if self.health is None or self.metrics is None:
-            return
-        self.health.beat()
-        s = self._stats
-        self.metrics.set_engine_state(s.num_running, s.num_waiting, s.kv_cache_usage,
-                                      s.prefix_cache_hit_rate, s.num_preemptions)
-        self.metrics.set_spec_decode(s.spec_num_drafts, s.spec_num_draft_tokens,
-                                     s.spec_num_accepted_tokens)
-        down = self.state.down()
-        if self.utility.sleep_level:
-            self.health.set_ready(False, f"sleeping (level {self.utility.sleep_level})")
-            return
-        if self.library.problem is not None:
-            self.health.set_ready(False, self.library.problem)
-            return
-        self.health.set_ready(not down, "Redis unreachable from " + ", ".join(down)
-                              if down else "ready")
+        sleeping = self.utility.sleep_level
+        self.status.publish(self.affinity, f"sleeping (level {sleeping})" if sleeping
+                            else self.library.problem)
 
     def _heartbeat_fields(self) -> dict[str, str]:
         """Called by the lease keeper every renewal."""
-        now = time.monotonic()
-        last_t, last_n = self._rate
-        generated = self._num_generated
-        rate = (generated - last_n) / (now - last_t) if now > last_t else 0.0
-        self._rate = (now, generated)
-        s = self._stats
-        heartbeat = protocol.WorkerHeartbeat(
-            worker_id=self.config.worker_id, queue=self.config.queue, model=self.model_name,
-            pid=os.getpid(), host=os.uname().nodename, started_ms=self.started_ms,
-            heartbeat_ms=int(time.time() * 1000),
-            running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
-            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, tokens_per_s=round(rate, 2),
-            draining=int(self.draining),
-            prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4) if s else 0.0,
-            generated_tokens_total=generated, sleeping=self.utility.sleep_level,
-            preemptions_total=s.num_preemptions if s else 0,
-            speculative_method=self.engine.config.speculative_method or "",
-            spec_acceptance_rate=round(s.spec_acceptance_rate, 4) if s else 0.0)
-        if (loras := self.engine.loras) is not None:
-            heartbeat.loras_loaded = ",".join(loras.loaded())
-            heartbeat.loras_available = ",".join(loras.available()[:MAX_LISTED_LORAS])
-        return protocol.encode_heartbeat(self.ctx.counters.fill(heartbeat))
-
-
-def start_observability(metrics_port: int, model_name: str, queue_name: str
-                        ) -> tuple[WorkerMetrics | None, HealthServer | None]:
-    """(WorkerMetrics, HealthServer) serving /metrics /healthz /readyz, or (None, None) when
-    `metrics_port` is 0. Not ready until the busy loop says so."""
-    if not metrics_port:
-        return None, None
-    from llmq.worker.health_server import HealthServer
-    from llmq.worker.metrics import WorkerMetrics
-
-    metrics = WorkerMetrics(model_name or "default", queue_name)
-    health = HealthServer(metrics_port, metrics)
-    health.set_ready(False, "loading model")
-    return metrics, health
+        return self.status.heartbeat_fields(self.draining, self.utility.sleep_level)

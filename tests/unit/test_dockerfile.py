@@ -2,7 +2,7 @@
 
 No Docker engine runs here, so the image is not built in the tests; these read the Dockerfile
 for what the deployments depend on: the entrypoint, the stop signal, a numeric non-root user,
-the metrics port, CPU-only torch at the package's pin and the model baked in.
+the metrics port, CPU-only torch at the package's pin, the tracing extra and the model baked in.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ def test_torch_comes_from_the_cpu_index_at_the_packages_pin():
     assert torch_runs, "torch must be installed on its own, before the package"
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_runs[0]
     assert re.search(rf"(?<![\w.-]){re.escape(pin)}(?![\w.])", torch_runs[0]), pin
+
+
+def test_the_package_is_installed_with_the_tracing_extra():
+    # `--otlp-traces-endpoint` and the OTEL_* variables need the `otel` extra's packages.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "otel" in pyproject["project"]["optional-dependencies"]
+    runs = [args for stage in stages() for instruction, args in stage if instruction == "RUN"]
+    assert any(re.fullmatch(r"pip install '?/src\[otel\]'?", r) for r in runs), runs
 
 
 def test_the_default_model_is_baked_into_the_model_dir(final):
