@@ -49,6 +49,7 @@ import redis
 
 from llmq.broker import replies
 from llmq.broker.affinity_handover import LIBRARY_PART as AFFINITY_FUNCTIONS
+from llmq.broker.consumer_cleanup import LIBRARY_PART as CLEANUP_FUNCTIONS
 from llmq.broker.work_lanes import COUNT_FIELD, LANE_SEQ_BASE, LAST_FIELD, MAX_LANE_NUMBER
 from llmq.protocol.errors import BrokerError, LLMQError, StreamExhausted
 
@@ -64,7 +65,7 @@ LIBRARY_NAME = "llmq"
 # NOTE: up with every change of the code below: loaders replace older versions, and workers
 # refuse to run on an older one. Keep every function's arguments and replies as they were (add,
 # do not change): workers of the previous release run on the new library during a rollout.
-LIBRARY_VERSION = 4
+LIBRARY_VERSION = 5
 SUBMIT_FUNCTION = "llmq_submit"
 SUBMIT_LANE_FUNCTION = "llmq_submit_lane"
 RETRY_FUNCTION = "llmq_retry"
@@ -281,7 +282,7 @@ local function claim_owned(keys, args)
 end
 redis.register_function{{function_name='{CLAIM_OWNED_FUNCTION}', callback=claim_owned,
                          flags={{'allow-oom'}}}}
-""" + AFFINITY_FUNCTIONS  # cache affinity's hand-over, tickets and renewals
+""" + AFFINITY_FUNCTIONS + CLEANUP_FUNCTIONS  # affinity's hand-over; the consumer cleanup
 
 
 class FunctionLibraryMissing(BrokerError):

@@ -48,6 +48,7 @@ from redis.typing import StreamIdT
 
 from llmq import protocol
 from llmq.broker import replies
+from llmq.broker.consumer_cleanup import drop_idle_consumer
 from llmq.broker.keys import GROUP, is_valid_name
 from llmq.broker.replies import PendingEntry
 from llmq.broker.retention import trim_acked_requests
@@ -373,7 +374,9 @@ class Reclaimer(IOThread):
         beats = pipe.execute() if idle else []
         for consumer, beat in zip(idle, beats, strict=True):
             if consumer.idle_ms > CONSUMER_CLEANUP_IDLE_MS or not replies.integer(beat, "EXISTS"):
-                # NOTE: harmless even if that worker lives: XREADGROUP recreates its consumer.
-                self.client.xgroup_delconsumer(stream, GROUP, consumer.name)
-                logger.info("removed idle consumer %s (no heartbeat, nothing pending)",
-                            consumer.name)
+                # NOTE: checked and deleted in one step on the server: a paused worker that
+                # wakes and reads an entry in between must not lose it with its consumer
+                # (broker/consumer_cleanup.py). A live one's next read recreates the consumer.
+                if drop_idle_consumer(self.client, stream, consumer.name):
+                    logger.info("removed idle consumer %s (no heartbeat, nothing pending)",
+                                consumer.name)

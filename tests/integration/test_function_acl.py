@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from llmq.broker.consumer_cleanup import drop_idle_consumer
 from llmq.broker.functions import ensure_functions
 from llmq.broker.keys import GROUP
 from tests.fixtures.acl_server import PASSWORDS
@@ -99,3 +100,22 @@ def test_producers_cannot_ack_or_steal_a_workers_entry_through_its_functions(con
     (pending,) = worker.xpending_range(Q, GROUP, min="-", max="+", count=10)
     assert (pending["message_id"], pending["consumer"]) == (entry_id, "worker-1")
     assert pending["time_since_delivered"] < 10**9
+
+
+def test_a_gone_workers_consumer_is_deleted_only_while_it_holds_nothing(connect):
+    admin, worker = connect("admin"), connect("worker")
+    ensure_functions(admin)
+    worker.xgroup_create(Q, GROUP, id="0", mkstream=True)
+    entry_id = admin.xadd(Q, {"json": "{}"})
+    # Given a worker that lost its heartbeat while paused, then woke and read an entry after a
+    # peer's cleanup had listed its consumer as holding nothing
+    worker.xreadgroup(GROUP, "paused-w", {Q: ">"}, count=1)
+    # When the peer deletes that consumer (the worker user's own rights)
+    assert drop_idle_consumer(worker, Q, "paused-w") is False
+    # Then it is kept with the entry, which stays pending (a delete would have dropped it from
+    # the group for good, unread and never reclaimed)
+    assert worker.xpending(Q, GROUP)["consumers"] == [{"name": "paused-w", "pending": 1}]
+    # And once it holds nothing it goes
+    worker.xack(Q, GROUP, entry_id)
+    assert drop_idle_consumer(worker, Q, "paused-w") is True
+    assert worker.xinfo_consumers(Q, GROUP) == []
