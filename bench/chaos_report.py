@@ -20,6 +20,7 @@ class ChaosReport:
     max_attempt: int = 0
     superseded_terminals: int = 0  # terminal events of lower attempts (allowed, dropped)
     lost_in_window: int = 0
+    deltas_lost_in_window: int = 0  # streamed deltas Redis lost with its AOF suffix
     lost_outside_window: int = 0
     latencies: list[float] = field(default_factory=list)  # s from accept to final terminal
     pending_at_end: int = 0
@@ -47,7 +48,9 @@ class ChaosReport:
             ("rerun (final attempt > 1)", f"{self.rerun} (highest attempt {self.max_attempt})"),
             ("superseded terminal events", str(self.superseded_terminals)),
             ("latency accept -> answer", f"p50 {pct(0.5)}, p99 {pct(0.99)}, max {pct(1.0)}"),
-            ("lost in the AOF window", f"{self.lost_in_window} (resubmitted, finished)"),
+            ("lost in the AOF window", f"{self.lost_in_window} (resubmitted, finished, or "
+                                       f"answered lost_payload); deltas "
+                                       f"{self.deltas_lost_in_window} (the done text has them)"),
             ("lost outside it", str(self.lost_outside_window)),
             ("pending at the end", str(self.pending_at_end)),
             *([("batches (each custom_id once)", ", ".join(

@@ -19,7 +19,7 @@ from llmq.broker.keys import GROUP, Keys
 from llmq.broker.ordered_run import OrderedRun, RunEnd, Settled, Submit
 from llmq.broker.transcript import Transcript
 from llmq.protocol import Done, Start, Timings, Usage
-from tests.integration.test_producer import write_events
+from tests.integration.producer_harness import write_events
 
 pytestmark = pytest.mark.redis
 

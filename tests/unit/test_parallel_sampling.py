@@ -1,7 +1,7 @@
 """Parallel sampling (n > 1) in the scheduler: the prompt's full blocks are computed once and
 shared by reference, every completion ends with its own indexed output, aborts reach them all.
 
-Driven by test_scheduler's fake runner, whose "KV cache" is read back through the block tables:
+Driven by scheduler_harness's fake runner, whose "KV cache" is read back through the block tables:
 a shared block overwritten by one child would change its siblings' tokens."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from llmq.protocol.errors import RequestRejected
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.request import Request
-from tests.unit.test_scheduler import VOCAB, Engine, run_alone
+from tests.unit.scheduler_harness import VOCAB, Engine, run_alone
 
 
 def per_child(request_id: str, num_outputs: int, context: list[int]) -> int:

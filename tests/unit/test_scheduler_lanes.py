@@ -1,12 +1,12 @@
 """Scheduler and lanes (worker/engine/scheduler.py): batch requests wait behind interactive ones,
 sit steps out while one waits to start, and are the ones preempted for it. No torch, no Redis:
-the fake runner of tests/unit/test_scheduler.py."""
+the fake runner of tests/unit/scheduler_harness.py."""
 
 from __future__ import annotations
 
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
-from tests.unit.test_scheduler import EOS, Engine
+from tests.unit.scheduler_harness import EOS, Engine
 
 
 def add(engine: Engine, name: str, prompt: list[int], *, batch: bool, max_tokens: int = 8
