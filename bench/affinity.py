@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/affinity.py                   # the issue-27 bars, default model
     .venv/bin/python bench/affinity.py --prefixes 8 --per-prefix 8 --skip-single   # quicker
+    .venv/bin/python bench/affinity.py --lane batch      # the same on the batch lane
 
 Workload (issue 27): P distinct shared prefixes of 1,024 tokens, R requests each with a 32-token
 suffix of its own and 64 output tokens (greedy, ignore_eos), submitted shuffled in one
-`submit_many`. Each scenario runs on a fresh `llmq up --detach` pool (its own run folder and
-server), LLMQ_AFFINITY=1 or 0 in the workers' environment:
+`submit_many` (on the queue's own stream, or with `--lane batch` on the batch lane, where file
+jobs, the Batch API and dataset jobs submit). Each scenario runs on a fresh `llmq up --detach`
+pool (its own run folder and server), LLMQ_AFFINITY=1 or 0 in the workers' environment:
 
     single     1 worker with the pool's whole KV cache (2 x --kv-blocks): the hit rate a pool
                should approach, one cache holding every prefix
@@ -83,13 +85,15 @@ class Outcome:
                 f"[{workers}]{f'  ERRORS {self.errors}' if self.errors else ''}")
 
 
-def workload(num_prefixes: int, per_prefix: int, seed: int) -> list[dict[str, object]]:
+def workload(num_prefixes: int, per_prefix: int, seed: int,
+             lane: str | None = None) -> list[dict[str, object]]:
     rng = random.Random(seed)
     # NOTE: ids well inside the vocabulary, distinct from the first token on, so no two
     # prefixes share a block.
     prefixes = [[rng.randrange(1000, 40000) for _ in range(1024)] for _ in range(num_prefixes)]
     requests = [{"prompt_token_ids": prefix + [rng.randrange(1000, 40000) for _ in range(32)],
-                 "max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+                 "max_tokens": 64, "temperature": 0.0, "ignore_eos": True,
+                 **({"lane": lane} if lane else {})}
                 for prefix in prefixes for _ in range(per_prefix)]
     rng.shuffle(requests)
     return requests
@@ -165,12 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--skip-single", action="store_true")
     parser.add_argument("--skip-one-prefix", action="store_true")
+    parser.add_argument("--lane", choices=["interactive", "batch"], default=None,
+                        help="the requests' lane (default: none, the queue's own stream)")
     args = parser.parse_args(argv)
-    mixed = workload(args.prefixes, args.per_prefix, args.seed)
-    one = workload(1, args.prefixes * args.per_prefix, args.seed)
+    mixed = workload(args.prefixes, args.per_prefix, args.seed, args.lane)
+    one = workload(1, args.prefixes * args.per_prefix, args.seed, args.lane)
     print(f"{len(mixed)} requests: {args.prefixes} prefixes x {args.per_prefix}, 1,024 + 32 "
-          f"prompt tokens, 64 out; KV {args.kv_blocks or 'default'} blocks per worker",
-          flush=True)
+          f"prompt tokens, 64 out; KV {args.kv_blocks or 'default'} blocks per worker; "
+          f"lane {args.lane or 'none (the queue stream)'}", flush=True)
     outcomes: dict[str, Outcome] = {}
     kv = args.kv_blocks
     plan = [("off", mixed, 2, False, kv), ("on", mixed, 2, True, kv)]

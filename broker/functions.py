@@ -65,6 +65,9 @@ LIBRARY_NAME = "llmq"
 # NOTE: up with every change of the code below: loaders replace older versions, and workers
 # refuse to run on an older one. Keep every function's arguments and replies as they were (add,
 # do not change): workers of the previous release run on the new library during a rollout.
+# 5: the affinity functions hand over, take and renew entries of the lane stream their first key
+# names, not only the queue's own (broker/affinity_handover.py); llmq_drop_idle_consumer
+# (broker/consumer_cleanup.py).
 LIBRARY_VERSION = 5
 SUBMIT_FUNCTION = "llmq_submit"
 SUBMIT_LANE_FUNCTION = "llmq_submit_lane"

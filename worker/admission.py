@@ -24,7 +24,7 @@ validates off the busy loop. Per entry, in order:
 5. tokenize and check against the model (InputProcessor): `error{code}` without running;
 6. with cache affinity on, a first delivery whose prefix a peer's cache holds deeper than this
    worker's is handed to that peer instead (worker/affinity_keeper.py): no event, no ack, the
-   entry pending under the peer now;
+   entry pending under the peer now, on the stream it was read from (the queue's or its lane's);
 7. `start` event (attempt, worker, prompt_tokens), then hand the request to the busy loop.
 
 Steps 2-5 end the entry with one terminal event and an XACK, written by the result writer.
@@ -70,6 +70,7 @@ class _Diverted(NamedTuple):
     waited_ms: int
     route: Route
     batch: bool
+    lane: WorkLane | None  # the lane stream it is on (None: the queue's own)
 
 
 class Admission:
@@ -222,14 +223,14 @@ class Admission:
         # plain XADD may still say `"lane": "batch"`, which the engine then preempts first.
         lane = entry.lane if entry.lane is not None and not entry.lane.is_queue_stream else None
         batch = lane.priority_class == BATCH if lane is not None else request.lane == BATCH
-        # NOTE: only entries of the queue's own stream: the hand-over scripts move entries
-        # within that stream (broker/affinity_handover.py); lane streams are not handed over yet.
+        # NOTE: an entry is handed over within the stream it is on (broker/affinity_handover.py)
+        # and taken with its lane.
         if diverted is not None and entry.attempt == 1 and not entry.solo \
-                and (entry.lane is None or entry.lane.is_queue_stream) \
                 and self.affinity is not None \
-                and (route := self.affinity.router.target(processed.prompt_token_ids)):
+                and (route := self.affinity.router.target(processed.prompt_token_ids,
+                                                          on_lane=lane is not None)):
             diverted[entry.entry_id] = _Diverted(entry, processed, now_ms, waited_ms, route,
-                                                 batch)
+                                                 batch, lane)
             return None
         return self._start(entry, processed, now_ms, waited_ms, batch)
 
@@ -258,10 +259,10 @@ class Admission:
         assert self.affinity is not None
         # NOTE: out of the table first: a renewal racing the hand-over must not find an entry
         # we still hold pending under the peer and fence it.
-        by_route: dict[Route, list[str]] = {}
+        by_route: dict[tuple[Route, WorkLane | None], list[str]] = {}
         for entry_id, d in diverted.items():
             self.table.pop(entry_id)
-            by_route.setdefault(d.route, []).append(entry_id)
+            by_route.setdefault((d.route, d.lane), []).append(entry_id)
         gone = self.affinity.hand_over(client, by_route, backoff)
         return [self._start(d.entry, d.processed, d.now_ms, d.waited_ms, d.batch)
                 for entry_id, d in diverted.items()

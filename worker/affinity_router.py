@@ -8,7 +8,9 @@ the depth of its deepest landmark that worker holds; the request goes to the pee
 deepest match when that match is deeper than this worker's own and worth a hop (at least
 `min_tokens`), among peers whose ticket backlog is below `max_backlog`. Ties keep the request
 here, so a prefix that two workers hold stays where it is read: affinity only concentrates work
-that would otherwise be computed twice, and load spreads as it did without it.
+that would otherwise be computed twice, and load spreads as it did without it. An entry of a
+lane stream goes only to a peer that takes lane tickets (all of this release; one of an older
+release, still running during a rollout, would leave them waiting until the lease ran out).
 
 Pure Python over ints (no Redis, no engine): the keeper thread feeds it, admission asks it.
 """
@@ -44,6 +46,7 @@ class PeerCache:
     worker_id: str
     landmarks: frozenset[int]  # short hashes of the landmark blocks its cache holds
     backlog: int = 0  # entries handed to it that it has not taken yet
+    takes_lanes: bool = False  # it takes tickets of lane streams' entries too
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ class AffinityRouter:
     _claims: dict[int, float] = field(default_factory=dict)  # landmark -> when claimed
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def target(self, token_ids: Sequence[int]) -> Route | None:
-        """The peer this prompt should run on, or None to run it here."""
+    def target(self, token_ids: Sequence[int], on_lane: bool = False) -> Route | None:
+        """The peer this prompt should run on, or None to run it here (`on_lane`: its entry is
+        on a lane stream, not the queue's own)."""
         marks = prompt_landmarks(token_ids, self.block_size)
         if not marks or marks[-1][0] * self.block_size < self.min_tokens:
             return None
@@ -74,7 +78,7 @@ class AffinityRouter:
         best: Route | None = None
         best_depth, best_backlog = own, 0
         for peer in pool.peers:
-            if peer.backlog >= self.max_backlog:
+            if peer.backlog >= self.max_backlog or (on_lane and not peer.takes_lanes):
                 continue
             depth, landmark = _deepest(marks, peer.landmarks.__contains__)
             if depth * self.block_size < self.min_tokens:

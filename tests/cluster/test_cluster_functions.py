@@ -47,3 +47,36 @@ def test_load_functions_puts_the_library_on_every_primary(cluster: ClusterServer
         assert again.output.count("loaded library") == 1
     finally:
         rc.close()
+
+
+def test_a_tenants_lane_entry_is_handed_over_and_taken_on_a_cluster(cluster: ClusterServers):
+    """The hand-over functions' keys (a tenant's lane stream, a worker's tickets and summary,
+    the hand-back counts) all hash to the queue's slot: one FCALL each, on its primary."""
+    from llmq.broker import Client
+    from llmq.broker.affinity_handover import AffinityHandover
+    from llmq.broker.functions import ensure_functions
+    from llmq.broker.keys import GROUP, Keys
+    from llmq.broker.work_lanes import BATCH, work_lane
+
+    keys = Keys()
+    lane = work_lane(keys, "default", BATCH, "acme")
+    rc = cluster.client()
+    try:
+        ensure_functions(rc)
+        # Given tenant acme's batch request, read by wb, and wa's summary
+        with Client(cluster.url) as client:
+            (request_id,) = client.submit_many([{"prompt": "Hi", "id": "acme:1",
+                                                 "lane": "batch"}])
+        ((_, ((entry_id, _),)),) = rc.xreadgroup(GROUP, "wb", {lane.stream: ">"}, count=1)
+        rc.set(keys.affinity_summary("default", "wa"), b"\x01" * 8, px=5000)
+        handover = AffinityHandover(keys, "default")
+        # When wb hands it to wa, wa renews it and wb takes it back
+        entry = entry_id.decode()
+        assert handover.hand_over(rc, "wb", "wa", "01" * 8, [entry], 16, lane) == ([entry], [])
+        assert handover.renew(rc, "wa") == 1
+        (taken,) = handover.take(rc, "wa", "wb", handover.tickets(rc, "wa", 8))
+        # Then it is wb's again, on acme's lane stream, as the same delivery
+        assert (taken.entry.entry_id, taken.attempt, taken.lane) == (entry, 1, lane)
+        assert request_id == "acme:1"
+    finally:
+        rc.close()

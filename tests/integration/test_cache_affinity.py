@@ -6,7 +6,9 @@ request with that prefix. With affinity, `wb` hands it to `wa` (worker/affinity_
 the entry stays in the request stream, pending under `wa` now, and runs there once `wa` has
 room; or, when `wa` stays busy past the steal delay, the idle `wb` takes it back. Either way it
 runs once: one `start`, attempt 1, one terminal event. When `wa` dies holding such entries, `wb`
-takes them and every request is answered exactly once.
+takes them and every request is answered exactly once. Entries of lane streams (the batch lane
+of file jobs and the Batch API, a tenant's lanes) are handed over within their own stream and
+acked there by whoever runs them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from click.testing import CliRunner
 
 from llmq import protocol
 from llmq.broker import Client
+from llmq.broker.keys import GROUP
+from llmq.broker.work_lanes import BATCH, INTERACTIVE, WorkLane, work_lane
 from llmq.cli.status import status
 from tests.integration.worker_harness import (
     KEYS,
@@ -45,11 +49,20 @@ def prompt(suffix: int, max_tokens: int = 4) -> dict[str, object]:
 
 BUSY = {"prompt_token_ids": [3, 4, 5, 6], "max_tokens": 150, "temperature": 0,
         "ignore_eos": True}
+# The batch lane (`llmq submit -f`, the Batch API, dataset jobs) and tenant acme's lanes.
+BATCH_LANE = work_lane(KEYS, "default", BATCH)
+ACME_INTERACTIVE = work_lane(KEYS, "default", INTERACTIVE, "acme")
+ACME_BATCH = work_lane(KEYS, "default", BATCH, "acme")
 
 
 def submit(client: Client, request: dict[str, object]) -> str:
     (request_id,) = client.submit_many([request])
     return request_id
+
+
+def settled(r: redis.Redis, lane: WorkLane) -> bool:
+    """Nothing of `lane` is pending or unacked: every entry was acked on its own stream."""
+    return r.xpending(lane.stream, GROUP)["pending"] == 0 and r.hlen(lane.submissions) == 0
 
 
 def starts(r: redis.Redis, request_id: str) -> list[protocol.Start]:
@@ -123,6 +136,39 @@ def test_a_request_read_by_one_worker_runs_where_its_prefix_is_cached(
             wa.stop()
 
 
+def test_lane_entries_are_handed_over_within_their_own_streams(
+        redis_server, redis_client, tiny_model) -> None:
+    with Client(redis_server.url) as client:
+        # Given wa holds the prefix and is busy, and wb (idle, prefix not cached) reads next
+        wa, busy = holder_busy(redis_server.url, redis_client, tiny_model, client,
+                               affinity_steal_delay=120)
+        wb = reader_seeing(redis_server.url, tiny_model, affinity_steal_delay=120)
+        try:
+            # When a batch request (as a file job queues it) and tenant acme's request with
+            # that prefix arrive, each on its lane stream
+            batch = submit(client, {**prompt(3), "lane": "batch"})
+            tenant = submit(client, {**prompt(4), "id": "acme:aff-4"})
+            finals = [wait_terminal(redis_client, rid, timeout=90) for rid in (batch, tenant)]
+            # Then wb handed both over, and each ran once, on wa, as attempt 1, from its cache
+            assert wb.worker.affinity is not None and wb.worker.affinity.num_handed == 2
+            for request_id, final in zip((batch, tenant), finals, strict=True):
+                assert isinstance(final, protocol.Done), final
+                assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
+                    [("wa", 1)]
+                assert len(terminals(redis_client, request_id)) == 1
+                assert final.usage.cached_prompt_tokens >= len(PREFIX)
+            # And wa acked each on its own lane stream: nothing pending or unanswered there
+            for lane in (BATCH_LANE, ACME_INTERACTIVE):
+                wait_for(lambda lane=lane: settled(redis_client, lane), 30,
+                         f"{lane.label} to settle")
+            assert redis_client.xlen(KEYS.affinity_tickets("default", "wa")) == 0
+            assert redis_client.xlen(KEYS.dlq("default")) == 0
+        finally:
+            wb.stop()
+            wa.stop()
+        assert terminals(redis_client, busy)
+
+
 def test_an_idle_worker_takes_a_handed_request_after_the_steal_delay(
         redis_server, redis_client, tiny_model) -> None:
     with Client(redis_server.url) as client:
@@ -151,6 +197,32 @@ def test_an_idle_worker_takes_a_handed_request_after_the_steal_delay(
         assert terminals(redis_client, busy)
 
 
+def test_an_idle_worker_takes_a_handed_lane_request_after_the_steal_delay(
+        redis_server, redis_client, tiny_model) -> None:
+    with Client(redis_server.url) as client:
+        # Given wa holds the prefix and stays busy, and wb steals after 1 s
+        wa, busy = holder_busy(redis_server.url, redis_client, tiny_model, client)
+        wb = reader_seeing(redis_server.url, tiny_model, affinity_steal_delay=1.0)
+        try:
+            # When tenant acme's batch request with that prefix arrives and wb hands it to wa
+            request_id = submit(client, {**prompt(5), "id": "acme:aff-5", "lane": "batch"})
+            final = wait_terminal(redis_client, request_id, timeout=60)
+            # Then wb took it back from wa's tickets: it ran once, on wb, as attempt 1, while wa
+            # was still on its long request
+            assert isinstance(final, protocol.Done)
+            assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
+                [("wb", 1)]
+            assert len(terminals(redis_client, request_id)) == 1
+            assert wb.worker.affinity is not None
+            assert wb.worker.affinity.num_handed == 1 and wb.worker.affinity.num_stolen == 1
+            # And wb acked it on acme's batch lane
+            wait_for(lambda: settled(redis_client, ACME_BATCH), 30, "acme's batch lane to settle")
+        finally:
+            wb.stop()
+            wa.stop()
+        assert terminals(redis_client, busy)
+
+
 @pytest.mark.slow
 def test_entries_handed_to_a_worker_that_dies_are_run_once_by_its_peer(
         redis_server, redis_client, tiny_model, tiny_model_path: Path, tmp_path: Path) -> None:
@@ -166,9 +238,13 @@ def test_entries_handed_to_a_worker_that_dies_are_run_once_by_its_peer(
             busy = submit(client, {**BUSY, "max_tokens": 120})
             wait_for(lambda: starts(redis_client, busy), 30, "the busy request on wa")
             wb = reader_seeing(redis_server.url, tiny_model, affinity_steal_delay=120)
-            # And five requests with the prefix, which wb reads and hands to wa
+            # And five requests with the prefix, two on the queue's stream, two on the batch
+            # lane, one on tenant acme's batch lane, which wb reads and hands to wa
             tickets = KEYS.affinity_tickets("default", "wa")
-            ids = [submit(client, prompt(10 + i)) for i in range(5)]
+            lanes: list[dict[str, object]] = [{}, {"lane": "batch"}, {},
+                                              {"lane": "batch", "id": "acme:dead-3"},
+                                              {"lane": "batch"}]
+            ids = [submit(client, {**prompt(10 + i), **lane}) for i, lane in enumerate(lanes)]
             wait_for(lambda: redis_client.xlen(tickets) == 5, 30, "five tickets for wa")
         # When wa is killed with them waiting (and the busy one running)
         wa.signal(signal.SIGKILL)
@@ -185,6 +261,9 @@ def test_entries_handed_to_a_worker_that_dies_are_run_once_by_its_peer(
         assert wait_terminal(redis_client, busy, timeout=90).attempt == 2
         # And nothing is left pending, ticketed or dead-lettered
         wait_for(lambda: num_pending(redis_client) == 0, 30, "no pending entries")
+        for lane in (BATCH_LANE, ACME_BATCH):
+            wait_for(lambda lane=lane: settled(redis_client, lane), 30,
+                     f"{lane.label} to settle")
         assert redis_client.xlen(tickets) == 0
         assert redis_client.xlen(KEYS.dlq("default")) == 0
     finally:

@@ -82,17 +82,25 @@ def test_worker_serves_reclaims_cancels_and_stops_as_the_worker_user(acl_server,
 
 def test_the_worker_user_may_hand_entries_over_and_take_them(acl_server) -> None:
     """Cache affinity's commands (broker/affinity_handover.py, worker/affinity_keeper.py) as
-    the `worker` user: a summary, a hand-over, the owner's renewal, a peer's take."""
+    the `worker` user: a summary, hand-overs on the queue's stream and on a tenant's lane
+    stream, the owner's renewal, a peer's take."""
+    from llmq.broker import replies
     from llmq.broker.affinity_handover import AffinityHandover
+    from llmq.broker.work_lanes import BATCH, work_lane
 
     port, _ = acl_server
     admin = redis.Redis(port=port, username="admin", password=PASSWORDS["admin"])
     admin.flushall()
     ensure_functions(admin)  # as at deploy: the hand-over's functions are in the library
-    with redis.Redis.from_url(acl_url(port, "worker")) as worker:
+    lane = work_lane(KEYS, "default", BATCH, "acme")
+    with redis.Redis.from_url(acl_url(port, "worker")) as worker, \
+            Client(acl_url(port, "admin")) as submitter:
         worker.xgroup_create(QUEUE_KEY, GROUP, "0", mkstream=True)
         entry_id = admin.xadd(QUEUE_KEY, {"json": b'{"prompt": "Hi"}'}).decode()
-        worker.xreadgroup(GROUP, "wb", {QUEUE_KEY: ">"}, count=1)
+        (lane_request,) = submitter.submit_many([{"prompt": "Hi", "id": "acme:1",
+                                                 "lane": "batch"}])
+        worker.xreadgroup(GROUP, "wb", {QUEUE_KEY: ">", lane.stream: ">"}, count=1)
+        (lane_entry,) = [e.decode() for e in admin.hkeys(lane.submissions)]
         # Given wa's summary, published the way its keeper does
         pipe = worker.pipeline(transaction=False)
         pipe.set(KEYS.affinity_summary("default", "wa"), b"\x01" * 8, px=5000)
@@ -103,15 +111,32 @@ def test_the_worker_user_may_hand_entries_over_and_take_them(acl_server) -> None
         pipe.xlen(KEYS.affinity_tickets("default", "wa"))
         pipe.execute()
         handover = AffinityHandover(KEYS, "default")
-        # When wb hands the entry to wa, wa renews it, and wb takes it back from the ticket
+        # When wb hands both entries to wa, wa renews them, and wb takes them back
         assert handover.hand_over(worker, "wb", "wa", "01" * 8, [entry_id], 16) == ([entry_id],
                                                                                    [])
-        assert handover.renew(worker, "wa") == 1
+        assert handover.hand_over(worker, "wb", "wa", "01" * 8, [lane_entry], 16,
+                                  lane) == ([lane_entry], [])
+        assert handover.renew(worker, "wa") == 2
         worker.xread({KEYS.affinity_tickets("default", "wa"): "0-0"}, count=1, block=10)
-        (ticket,) = handover.tickets(worker, "wa", 8)
-        (taken,) = handover.take(worker, "wa", "wb", [ticket.ticket_id])
-        # Then every command was the worker user's to send, and the entry is wb's again
-        assert taken.entry.entry_id == entry_id and taken.attempt == 1
+        tickets = handover.tickets(worker, "wa", 8)
+        assert [t.lane for t in tickets] == ["", "batch:acme"]
+        # And a worker of the previous release (library version 4's calls name the queue's
+        # stream for every ticket) neither takes nor drops the lane's ticket
+        assert worker.fcall("llmq_aff_take", 3, QUEUE_KEY, KEYS.affinity_tickets("default", "wa"),
+                            KEYS.handbacks("default"), GROUP, "wa", "wb",
+                            tickets[1].ticket_id) == []
+        assert worker.fcall("llmq_aff_renew", 2, QUEUE_KEY,
+                            KEYS.affinity_tickets("default", "wa"), GROUP, "wa") == 1
+        assert [t.ticket_id for t in handover.tickets(worker, "wa", 8)] == \
+            [t.ticket_id for t in tickets]
+        taken = handover.take(worker, "wa", "wb", tickets)
+        # Then every command was the worker user's to send, and each entry is wb's again, on
+        # its own stream
+        assert [(t.entry.entry_id, t.attempt, t.lane) for t in taken] == [
+            (entry_id, 1, handover.queue_lane), (lane_entry, 1, lane)]
+        assert [(c.name, c.pending) for c in replies.consumers(
+            worker.xinfo_consumers(lane.stream, GROUP)) if c.pending] == [("wb", 1)]
+        assert lane_request == "acme:1"
         worker.delete(KEYS.affinity_summary("default", "wa"))
         assert handover.forget(worker, "wa")
 

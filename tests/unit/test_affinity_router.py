@@ -8,8 +8,16 @@ that beats this worker's own cache by a hop's worth of tokens.
 
 from __future__ import annotations
 
-from llmq.broker.affinity_handover import Ticket
-from llmq.worker.affinity_keeper import choose_tickets, pack_landmarks, unpack_landmarks
+from llmq.broker.affinity_handover import AffinityHandover, Ticket
+from llmq.broker.keys import Keys
+from llmq.worker.affinity_keeper import (
+    LANES_MARK,
+    choose_tickets,
+    fit_rooms,
+    pack_landmarks,
+    read_summary,
+    unpack_landmarks,
+)
 from llmq.worker.affinity_router import AffinityRouter, PeerCache
 from llmq.worker.engine.kv_cache_manager import KVCacheManager
 from llmq.worker.engine.prefix_landmarks import landmark_depths, prompt_landmarks
@@ -108,3 +116,31 @@ def test_an_idle_worker_steals_one_prefix_whole():
     # Given it holds c already: c's, which hit its cache
     assert [t.entry_id for t in choose_tickets(ripe, 8, lambda p: p == "c")] == ["e3", "e6"]
     assert choose_tickets([], 4, lambda p: True) == []
+
+
+def test_lane_entries_go_only_to_peers_that_take_lane_tickets():
+    router = AffinityRouter(BLOCK, min_tokens=64)
+    marks = sorted(cached_landmarks(prompt(0)))
+    # Given b's summary from this release (with the mark) and c's from the one before
+    b = read_summary("b", pack_landmarks([*marks, LANES_MARK]), 0)
+    c = read_summary("c", pack_landmarks(marks), 0)
+    assert b.takes_lanes and not c.takes_lanes
+    assert b.landmarks == c.landmarks == frozenset(marks)
+    # Then a queue-stream entry may go to either, a lane entry only to b
+    router.update([], [c])
+    assert router.target(prompt(1)) is not None
+    assert router.target(prompt(1), on_lane=True) is None
+    router.update([], [c, b])
+    route = router.target(prompt(1), on_lane=True)
+    assert route is not None and route.worker_id == "b"
+
+
+def test_batch_lane_tickets_are_taken_only_into_batch_room():
+    lanes = AffinityHandover(Keys(), "default").lane
+    tickets = [Ticket(f"{i}-0", f"e{i}", "p", 0, lane)
+               for i, lane in enumerate(["batch", "", "batch:acme", "interactive:acme", ""])]
+    # Given room for three, of which none for batch work: the interactive ones, in order
+    assert [t.entry_id for t in fit_rooms(tickets, lanes, 3, 0)] == ["e1", "e3", "e4"]
+    # Given room for one batch entry: the first batch ticket too
+    assert [t.entry_id for t in fit_rooms(tickets, lanes, 3, 1)] == ["e0", "e1", "e3"]
+    assert [t.entry_id for t in fit_rooms(tickets, lanes, 8, 8)] == [f"e{i}" for i in range(5)]
