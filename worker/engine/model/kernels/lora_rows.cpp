@@ -35,7 +35,7 @@ struct LoraProj {
 };
 struct LoraSegment {
     int64_t start, end;  // the rows [start, end) of x and y
-    const LoraProj* table;  // the adapter's projections, by index (lora_batch.py)
+    const LoraProj* table;  // the adapter's projections, by adapter.py `projection_index`
     int64_t table_len;
 };
 
