@@ -10,13 +10,13 @@ of every sequence's blocks into a contiguous buffer in every layer (attention.py
 here each K/V row is read once, where the block table says it is.
 
 The C++ lives in kernels/ beside this module (package data: layer_kernels.cpp and the
-vec16.h it includes, int8_rows.cpp for Int8Matrix). It is compiled on first use from where it
-lies, so a compiler error names the real file and line, into ~/.cache/llmq/kernels
-(LLMQ_KERNEL_DIR), keyed by a hash of every source file, the compiler, the flags and the CPU
-model, and loaded with ctypes (no torch headers, no ninja): ~13 s at -O3 on one core, once per
-machine and source version, shared by every process. Where there is no compiler (slim images)
-or LLMQ_CPU_KERNELS=0, `load()` returns None and the engine runs the torch path: same results
-to float32 rounding.
+vec16.h it includes, int8_rows.cpp for Int8Matrix, lora_rows.cpp for LoRA adapters). It is
+compiled on first use from where it lies, so a compiler error names the real file and line,
+into ~/.cache/llmq/kernels (LLMQ_KERNEL_DIR), keyed by a hash of every source file, the
+compiler, the flags and the CPU model, and loaded with ctypes (no torch headers, no ninja):
+~13 s at -O3 on one core, once per machine and source version, shared by every process.
+Where there is no compiler (slim images) or LLMQ_CPU_KERNELS=0, `load()` returns None and the
+engine runs the torch path: same results to float32 rounding.
 """
 
 from __future__ import annotations
@@ -127,6 +127,31 @@ class DecoderLayer(ctypes.Structure):
                 ("cache", ctypes.c_void_p)]
 
 
+class LoraBlock(ctypes.Structure):
+    """One part of a fused LoRA projection (kernels/lora_rows.cpp `LoraBlock`): its B
+    [rank, cols] and where it reads xa and writes y."""
+
+    _fields_ = [("b", ctypes.c_void_p), ("rank_offset", ctypes.c_int64),
+                ("rank", ctypes.c_int64), ("col_start", ctypes.c_int64), ("cols", ctypes.c_int64)]
+
+
+class LoraProj(ctypes.Structure):
+    """One adapter's pair for one projection (kernels/lora_rows.cpp `LoraProj`); a null `a`:
+    the adapter leaves that projection alone."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("in_features", ctypes.c_int64),
+                ("rank_padded", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+                ("blocks", LoraBlock * 3)]
+
+
+class LoraSegment(ctypes.Structure):
+    """Rows [start, end) of a step under one adapter (kernels/lora_rows.cpp `LoraSegment`):
+    `table` points at the adapter's LoraProj array of `table_len` projections."""
+
+    _fields_ = [("start", ctypes.c_int64), ("end", ctypes.c_int64), ("table", ctypes.c_void_p),
+                ("table_len", ctypes.c_int64)]
+
+
 class QuantMatrix:
     """A BlockQuant laid out for `CpuKernels.quant_matmul`: tiles of 16 rows (zero-padded),
     each [in / 2, 16] bytes of 4-bit q (byte r of entry p: column 2p of row r in the low
@@ -209,6 +234,7 @@ class CpuKernels:
                                        [ptr, i64, i64, i64, ptr, ptr])
         self._dequantize_rows_x2 = _bind(library.llmq_dequantize_rows_x2,
                                          [ptr, i64, i64, ptr, ptr, ptr, ptr, i64])
+        self._lora_add = _bind(library.llmq_lora_add, [ptr, i32, i64, ptr, i32, i64, ptr, i64, i64])
 
     @classmethod
     def load(cls) -> CpuKernels | None:
@@ -286,6 +312,16 @@ class CpuKernels:
             self._dequantize_rows_x2(acc.data_ptr(), n, w.out_features, scales.data_ptr(),
                                      w.scale.data_ptr(), bias, y[start].data_ptr(), y.stride(0))
         return y
+
+    def lora_add(self, x: torch.Tensor, y: torch.Tensor,
+                 segments: ctypes.Array[LoraSegment], projection: int) -> None:
+        """y[rows] += x[rows] A B (in place) for every segment whose adapter's table has
+        `projection`. x [rows, in], y [rows, out]: float32 or bfloat16, contiguous rows."""
+        if x.stride(1) != 1 or y.stride(1) != 1 or not {x.dtype, y.dtype} <= _FLOAT:
+            raise ValueError(f"lora_add: x and y need float32/bfloat16 contiguous rows, got "
+                             f"{x.dtype} {x.stride()} and {y.dtype} {y.stride()}")
+        self._lora_add(x.data_ptr(), _is_bf16(x), x.stride(0), y.data_ptr(), _is_bf16(y),
+                       y.stride(0), segments, len(segments), projection)
 
     def decode_layers(self, layers: ctypes.Array[DecoderLayer], h: torch.Tensor,
                       intermediate_size: int, final_norm: torch.Tensor, eps: float, num_heads: int,
@@ -373,4 +409,5 @@ def _check(*tensors: torch.Tensor | None) -> None:
                              f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
+_FLOAT = {torch.float32, torch.bfloat16}
 _INDEX_OR_FLOAT = (torch.float32, torch.bfloat16, torch.int64)

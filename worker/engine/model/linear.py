@@ -238,8 +238,8 @@ class Linear(nn.Module):
         cast where they need another). With LoRA rows in the step, each adds its adapter's
         low-rank product to the base output (whichever form computed it)."""
         y = self._base_forward(x)
-        if self.lora_slot is not None and self.lora_slot.batch is not None:
-            self.lora_slot.batch.add_(self.lora_key, x, y)
+        if self.lora_slot is not None:
+            self.lora_slot.add_(self.lora_key, x, y)
         return y
 
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:

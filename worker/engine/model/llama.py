@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
                                and arch.residual_multiplier is None)
         # LoRA: every dense decoder projection adds the step's adapters' products
         # (worker/engine/lora/lora_batch.py); the LM head and MoE experts take none.
-        self.lora_slot = LoraSlot()
+        self.lora_slot = LoraSlot(self.kernels)
         for i, layer in enumerate(self._layers):
             named = [("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj)]
             if isinstance(layer.mlp, LlamaMLP):
