@@ -140,7 +140,7 @@ class Scheduler:
         preempted = False
 
         # Running requests: one decode token each, or the next chunk of their prompt; batch
-        # ones as lane_priority allows (none while an interactive request waits to start).
+        # ones as lane_priority allows (none while an interactive request is starting).
         lanes = lane_priority.LaneStep(self.waiting, self.running, self.config)
         for victim in lanes.seat_victims:
             self._preempt(victim)  # a seat for it (nothing is scheduled yet)
