@@ -68,7 +68,7 @@ engine_options = _apply([
                  type=click.IntRange(min=1), default=1024, show_default=True,
                  help="Tokens per step (prefill chunks + decodes)."),
     click.option("--max-batch-prefill-tokens", envvar="LLMQ_MAX_BATCH_PREFILL_TOKENS",
-                 type=click.IntRange(min=1), default=256, show_default=True,
+                 type=click.IntRange(min=1), default=128, show_default=True,
                  help="Prompt tokens of batch-lane requests per step: smaller keeps the step an "
                       "interactive request arrives during short, larger runs batch prefill "
                       "in fewer, longer steps."),

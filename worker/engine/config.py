@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens per step (prefill chunks + decodes)
     # Prompt tokens of batch-lane requests per step: bounds the step an interactive request
     # arrives during (worker/engine/lane_priority.py; the trade-off: docs/performance.md).
-    max_batch_prefill_tokens: int = 256
+    max_batch_prefill_tokens: int = 128
     scheduling_policy: str = "fcfs"
     max_num_preemptions: int = 8  # a request preempted more often fails with code "preempted"
     # Speculative decoding (worker/engine/spec_decode/): None is off; "ngram" is prompt lookup.
