@@ -67,6 +67,11 @@ engine_options = _apply([
     click.option("--max-num-batched-tokens", envvar="LLMQ_MAX_NUM_BATCHED_TOKENS",
                  type=click.IntRange(min=1), default=1024, show_default=True,
                  help="Tokens per step (prefill chunks + decodes)."),
+    click.option("--max-batch-prefill-tokens", envvar="LLMQ_MAX_BATCH_PREFILL_TOKENS",
+                 type=click.IntRange(min=1), default=128, show_default=True,
+                 help="Prompt tokens of batch-lane requests per step: smaller keeps the step an "
+                      "interactive request arrives during short, larger runs batch prefill "
+                      "in fewer, longer steps."),
     click.option("--max-model-len", envvar="LLMQ_MAX_MODEL_LEN", type=click.IntRange(min=2),
                  default=None, help="Context length (default: the model's, capped at 8192)."),
     click.option("--block-size", envvar="LLMQ_BLOCK_SIZE", type=click.IntRange(min=1),
@@ -104,7 +109,8 @@ engine_options = _apply([
 ])
 
 ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "block_size", "kv_cache_memory_bytes", "scheduling_policy",
+                 "max_batch_prefill_tokens", "max_model_len", "block_size",
+                 "kv_cache_memory_bytes", "scheduling_policy",
                  "speculative_method", "num_speculative_tokens", "prompt_lookup_max",
                  "prompt_lookup_min", "lora_dir", "max_loras", "max_lora_rank")
 

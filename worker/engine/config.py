@@ -32,6 +32,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 1024  # tokens per step (prefill chunks + decodes)
+    # Prompt tokens of batch-lane requests per step: bounds the step an interactive request
+    # arrives during (worker/engine/lane_priority.py; the trade-off: docs/performance.md).
+    max_batch_prefill_tokens: int = 128
     scheduling_policy: str = "fcfs"
     max_num_preemptions: int = 8  # a request preempted more often fails with code "preempted"
     # Speculative decoding (worker/engine/spec_decode/): None is off; "ngram" is prompt lookup.
@@ -55,7 +58,8 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}")
         for name in ("threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes", "max_loras", "max_lora_rank"):
+                     "max_batch_prefill_tokens", "kv_cache_memory_bytes", "max_loras",
+                     "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

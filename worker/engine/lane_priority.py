@@ -1,16 +1,27 @@
-"""Batch yields to interactive: where a request waits, and which running one gives way.
+"""Batch yields to interactive: where a request waits, and what each step gives each lane.
 
-The scheduler's side of lanes (broker/work_lanes.py): a request from a batch lane
-(`Request.batch`) waits behind every interactive request, and when an interactive request waits
-to start the scheduler takes seats and KV blocks from the last running batch request. Pure
-functions over the scheduler's lists.
+The scheduler's side of lanes (broker/work_lanes.py). A request from a batch lane
+(`Request.batch`) waits behind every interactive request. Each step (`LaneStep`):
+
+- while an interactive request waits to start or is still computing its prompt, the step is
+  interactive work only: batch requests sit it out, keeping their seats and KV blocks, and
+  none starts. Its first token then comes after one step about as short as on an idle engine,
+  whatever batch work is running;
+- a seat it lacks is taken from the last running batch request (preempted), and so are KV
+  blocks (`batch_victim`);
+- batch prompt tokens (prefill chunks, new batch requests) are at most
+  `max_batch_prefill_tokens` a step, so the step an interactive request arrives during is
+  short too; batch decode rows and interactive prompts keep the whole step budget.
+
+Requests without a lane are all interactive: none of this changes what they do.
 """
 
 from __future__ import annotations
 
+from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.request import Request
 
-__all__ = ["batch_victim", "first_interactive", "seat_victims", "waiting_index"]
+__all__ = ["LaneStep", "batch_victim", "waiting_index"]
 
 
 def waiting_index(waiting: list[Request], request: Request, front: bool) -> int:
@@ -23,12 +34,45 @@ def waiting_index(waiting: list[Request], request: Request, front: bool) -> int:
     return 0 if front else first_batch
 
 
-def first_interactive(waiting: list[Request]) -> Request | None:
-    return next((r for r in waiting if not r.batch), None)
+def batch_victim(running: list[Request]) -> Request | None:
+    """The running batch request to give way: the last (least important) one."""
+    return next((r for r in reversed(running) if r.batch), None)
 
 
-def seat_victims(interactive: Request | None, running: list[Request], max_num_seqs: int
-                 ) -> list[Request]:
+class LaneStep:
+    """The lane rules of one `Scheduler.schedule()`, made before anything is scheduled."""
+
+    def __init__(self, waiting: list[Request], running: list[Request], config: EngineConfig
+                 ) -> None:
+        first = next((r for r in waiting if not r.batch), None)
+        # NOTE: "computing its prompt" includes a resumed (preempted) request recomputing its
+        # output so far: its stream stalls until then, as a first token would.
+        self.interactive_only = first is not None or any(
+            not r.batch and r.num_tokens_to_compute - r.num_computed_tokens > 1 for r in running)
+        self.seat_victims = _seat_victims(first, running, config.max_num_seqs)
+        self.batch_prefill_left = config.max_batch_prefill_tokens
+
+    def starts(self, request: Request) -> bool:
+        """Whether the waiting `request` may start this step."""
+        return not request.batch or (not self.interactive_only and self.batch_prefill_left > 0)
+
+    def num_tokens(self, request: Request, remaining: int, budget: int) -> int:
+        """Tokens `request` computes this step (0: it sits the step out), of the `remaining` it
+        needs before its next sample, within the step's `budget`; counted as scheduled."""
+        num = min(remaining, budget)
+        if not request.batch:
+            return num
+        if self.interactive_only:
+            return 0
+        if remaining <= 1:  # a decode row
+            return num
+        num = min(num, self.batch_prefill_left)
+        self.batch_prefill_left -= num
+        return num
+
+
+def _seat_victims(interactive: Request | None, running: list[Request], max_num_seqs: int
+                  ) -> list[Request]:
     """The running batch requests (last first) to preempt so `interactive` gets a seat."""
     if interactive is None:
         return []
@@ -41,8 +85,3 @@ def seat_victims(interactive: Request | None, running: list[Request], max_num_se
             victims.append(request)
             over -= request.num_seqs
     return victims
-
-
-def batch_victim(running: list[Request]) -> Request | None:
-    """The running batch request to give way: the last (least important) one."""
-    return next((r for r in reversed(running) if r.batch), None)

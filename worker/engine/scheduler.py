@@ -9,8 +9,8 @@ is `schedule()` -> model runner -> `update_from_output()`; both ends are plain d
   chunks), then waiting ones, so a long prompt is prefilled in chunks alongside decodes.
 - Order: `running` is kept sorted by the policy (fcfs: arrival; priority: lower value, then
   arrival), so the request preempted when blocks run out, the last one, is always the least
-  important and never one already scheduled in this step. Batch-lane requests yield to
-  interactive ones: waiting, seats, KV blocks, steps (worker/engine/lane_priority.py).
+  important and never one already scheduled in this step. Batch requests yield to interactive
+  ones: waiting, seats, KV blocks, steps, prompt tokens (worker/engine/lane_priority.py).
 - Preemption is by recompute: the victim's blocks are freed (full ones stay in the prefix cache)
   and it goes back to the front of the waiting queue, keeping its output tokens and text.
 - Requests finished outside `update_from_output` (aborts, the preemption cap) leave a terminal
@@ -139,18 +139,17 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
-        # Running requests: one decode token each, or the next chunk of their prompt.
-        # NOTE: not batch ones while an interactive request waits: its time to first token is
-        # then about an idle engine's, whatever the batch running beside it.
-        hold_batch = (interactive := lane_priority.first_interactive(self.waiting)) is not None
-        seats = self.config.max_num_seqs
-        for victim in lane_priority.seat_victims(interactive, self.running, seats):
+        # Running requests: one decode token each, or the next chunk of their prompt; batch
+        # ones as lane_priority allows (none while an interactive request is starting).
+        lanes = lane_priority.LaneStep(self.waiting, self.running, self.config)
+        for victim in lanes.seat_victims:
             self._preempt(victim)  # a seat for it (nothing is scheduled yet)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_to_compute - request.num_computed_tokens, budget)
-            if num_new <= 0 or (hold_batch and request.batch):
+            num_new = lanes.num_tokens(
+                request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
+            if num_new <= 0:
                 i += 1
                 continue
             draft = self.speculator.propose(request, budget, self.max_model_len) \
@@ -187,12 +186,13 @@ class Scheduler:
         # only preempt again next step.
         num_seqs = sum(r.num_seqs for r in self.running)
         while (not preempted and self.waiting and budget > 0
-               and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs):
+               and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs
+               and lanes.starts(self.waiting[0])):
             request = self.waiting[0]
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             # NOTE: a parent whose prefix is all cached has nothing to compute: it forks now.
             num_hit = min(num_hit, request.num_tokens_to_compute)
-            num_new = min(request.num_tokens_to_compute - num_hit, budget)
+            num_new = lanes.num_tokens(request, request.num_tokens_to_compute - num_hit, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None and not request.batch \
                     and (giver := lane_priority.batch_victim(self.running)):
