@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
-from tests.unit.test_parallel_sampling import ParallelEngine, per_child, solo_tokens
 from tests.unit.scheduler_harness import EOS, Engine, run_alone
+from tests.unit.test_parallel_sampling import ParallelEngine, per_child, solo_tokens
 
 
 def add(engine: Engine, name: str, prompt: list[int], *, batch: bool, max_tokens: int = 8,
