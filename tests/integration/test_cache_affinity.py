@@ -73,6 +73,12 @@ def terminals(r: redis.Redis, request_id: str) -> list[protocol.Event]:
     return [e for e in read_events(r, request_id) if protocol.is_terminal(e)]
 
 
+def assert_ran_once_on(r: redis.Redis, request_id: str, worker_id: str) -> None:
+    """The request started once, on `worker_id`, as attempt 1, and has one terminal event."""
+    assert [(s.worker, s.attempt) for s in starts(r, request_id)] == [(worker_id, 1)]
+    assert len(terminals(r, request_id)) == 1
+
+
 def hit_rates(url: str) -> tuple[float | None, dict[str, float | None]]:
     """`llmq status --json`'s pool-wide and per-worker prefix-cache hit rates."""
     shown = CliRunner().invoke(status, ["--redis-url", url, "--json"])
@@ -118,9 +124,7 @@ def test_a_request_read_by_one_worker_runs_where_its_prefix_is_cached(
             final = wait_terminal(redis_client, request_id, timeout=60)
             # Then wb handed it over, and it ran once, on wa, as attempt 1, after the busy one
             assert isinstance(final, protocol.Done)
-            assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
-                [("wa", 1)]
-            assert len(terminals(redis_client, request_id)) == 1
+            assert_ran_once_on(redis_client, request_id, "wa")
             assert wb.worker.affinity is not None and wb.worker.affinity.num_handed == 1
             assert terminals(redis_client, busy)
             # And the prefix was served from wa's cache
@@ -153,9 +157,7 @@ def test_lane_entries_are_handed_over_within_their_own_streams(
             assert wb.worker.affinity is not None and wb.worker.affinity.num_handed == 2
             for request_id, final in zip((batch, tenant), finals, strict=True):
                 assert isinstance(final, protocol.Done), final
-                assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
-                    [("wa", 1)]
-                assert len(terminals(redis_client, request_id)) == 1
+                assert_ran_once_on(redis_client, request_id, "wa")
                 assert final.usage.cached_prompt_tokens >= len(PREFIX)
             # And wa acked each on its own lane stream: nothing pending or unanswered there
             for lane in (BATCH_LANE, ACME_INTERACTIVE):
@@ -183,9 +185,7 @@ def test_an_idle_worker_takes_a_handed_request_after_the_steal_delay(
             # Then wb took it back once it had waited: it ran once, on wb, as attempt 1, while
             # wa was still on its long request
             assert isinstance(final, protocol.Done)
-            assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
-                [("wb", 1)]
-            assert len(terminals(redis_client, request_id)) == 1
+            assert_ran_once_on(redis_client, request_id, "wb")
             assert wb.worker.affinity is not None
             assert wb.worker.affinity.num_handed == 1 and wb.worker.affinity.num_stolen == 1
             start_ms = int(redis_client.xrange(KEYS.result(request_id))[0][0].decode()
@@ -210,9 +210,7 @@ def test_an_idle_worker_takes_a_handed_lane_request_after_the_steal_delay(
             # Then wb took it back from wa's tickets: it ran once, on wb, as attempt 1, while wa
             # was still on its long request
             assert isinstance(final, protocol.Done)
-            assert [(s.worker, s.attempt) for s in starts(redis_client, request_id)] == \
-                [("wb", 1)]
-            assert len(terminals(redis_client, request_id)) == 1
+            assert_ran_once_on(redis_client, request_id, "wb")
             assert wb.worker.affinity is not None
             assert wb.worker.affinity.num_handed == 1 and wb.worker.affinity.num_stolen == 1
             # And wb acked it on acme's batch lane
