@@ -45,6 +45,7 @@ import redis
 
 from llmq.broker import replies
 from llmq.broker.keys import GROUP, Keys
+from llmq.broker.library_part import script_function
 from llmq.broker.replies import StreamEntry
 from llmq.broker.work_lanes import WorkLane, lane_from_name, work_lane
 
@@ -159,15 +160,9 @@ return 0
 """
 
 
-def _function(name: str, body: str) -> str:
-    # NOTE: the bodies read KEYS and ARGV, as scripts do: the callback's parameters take those
-    # names.
-    return f"redis.register_function('{name}', function(KEYS, ARGV)\n{body}end)\n"
-
-
 # The hand-over's part of the llmq function library (broker/functions.py appends it): the worker
 # user may FCALL these and run no code of its own.
-LIBRARY_PART = _LANE_HELPERS + "".join(_function(name, body) for name, body in (
+LIBRARY_PART = _LANE_HELPERS + "".join(script_function(name, body) for name, body in (
     (HAND_OVER_FUNCTION, _HAND_OVER), (TAKE_FUNCTION, _TAKE), (RENEW_FUNCTION, _RENEW),
     (FORGET_FUNCTION, _FORGET)))
 

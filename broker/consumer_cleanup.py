@@ -16,6 +16,7 @@ from typing import Any
 
 from llmq.broker import replies
 from llmq.broker.keys import GROUP
+from llmq.broker.library_part import script_function
 
 __all__ = ["DROP_IDLE_CONSUMER_FUNCTION", "LIBRARY_PART", "drop_idle_consumer"]
 
@@ -30,8 +31,7 @@ return 1
 """
 
 # The cleanup's part of the llmq function library (broker/functions.py appends it).
-LIBRARY_PART = (f"redis.register_function('{DROP_IDLE_CONSUMER_FUNCTION}', "
-                f"function(KEYS, ARGV)\n{_DROP_IDLE_CONSUMER}end)\n")
+LIBRARY_PART = script_function(DROP_IDLE_CONSUMER_FUNCTION, _DROP_IDLE_CONSUMER)
 
 
 def drop_idle_consumer(client: Any, stream: str, consumer: str) -> bool:
