@@ -37,8 +37,10 @@ class EngineConfig:
     max_batch_prefill_tokens: int = 128
     scheduling_policy: str = "fcfs"
     max_num_preemptions: int = 8  # a request preempted more often fails with code "preempted"
-    # Speculative decoding (worker/engine/spec_decode/): None is off; "ngram" is prompt lookup.
+    # Speculative decoding (worker/engine/spec_decode/): None is off; "ngram" is prompt lookup,
+    # "draft" a smaller model of the same tokenizer, `draft_model` (a .gguf or a HF folder).
     speculative_method: str | None = None
+    draft_model: str | None = None
     num_speculative_tokens: int = 4  # the most draft tokens verified per step
     prompt_lookup_max: int = 3  # the longest n-gram a draft is looked up by
     prompt_lookup_min: int = 2  # the shortest
@@ -71,6 +73,12 @@ class EngineConfig:
         speculative = self.speculative_config
         if speculative is not None and (problem := speculative.problem()):
             raise ValueError(problem)
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method 'draft' needs a draft_model (--draft-model: "
+                             "a .gguf file or a Hugging Face folder)")
+        if self.draft_model and self.speculative_method != "draft":
+            raise ValueError(f"draft_model {self.draft_model!r} is only used with "
+                             f"speculative_method 'draft', got {self.speculative_method!r}")
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:

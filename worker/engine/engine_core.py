@@ -31,6 +31,7 @@ from llmq.worker.engine.structured_output import StructuredOutputManager
 if TYPE_CHECKING:
     from llmq.worker.engine.lora.lora_manager import LoraManager
     from llmq.worker.engine.model.loader import LoadedModel
+    from llmq.worker.engine.spec_decode.draft_speculator import DraftModelSpeculator
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 draft: LoadedModel | None = None) -> None:
+        """`loaded` / `draft`: the model and the draft model already loaded (tests share
+        them); by default `config.model` and `config.draft_model` are loaded here."""
         # Imported here so `llmq.worker.engine.engine_core` stays cheap to import for type users.
         from llmq.worker.engine.lora.lora_manager import LoraManager
         from llmq.worker.engine.model.default_model import ensure_default_model
@@ -87,7 +91,17 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, config.threads,
                                   eos_token_ids=self.tokenizer.eos_token_ids,
                                   structured_output=self.structured_output)
+        # A draft model's speculator (None for prompt lookup or none): it drafts before each
+        # step's scheduling (worker/engine/spec_decode/draft_speculator.py).
+        self.draft_speculator: DraftModelSpeculator | None = None
+        if config.speculative_method == "draft":
+            from llmq.worker.engine.spec_decode.draft_speculator import build_draft_speculator
+
+            self.draft_speculator = build_draft_speculator(self.config, loaded, num_kv_blocks,
+                                                           draft)
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
+        if self.draft_speculator is not None:  # in place of the prompt-lookup one it made
+            self.scheduler.speculator = self.draft_speculator
         # LoRA adapters, loaded by the gate on first use (None: no adapter directory)
         self.loras: LoraManager | None = None
         if config.lora_dir:
@@ -145,9 +159,13 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.draft_speculator is not None:  # a draft model's drafts, batched
+            self.draft_speculator.prepare(self.scheduler.running, self.max_model_len)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.draft_speculator is not None:  # finished requests' draft KV goes now
+            self.draft_speculator.proposer.retain({r.request_id for r in self.scheduler.running})
         outputs += self.prompt_tasks.step()
         self.prompt_tasks.attach(outputs)
         if self.tokenizer is not None:
@@ -177,6 +195,8 @@ class EngineCore:
             raise RuntimeError("requests are still in the engine: abort them first")
         # NOTE: the cached prefixes point into the KV cache that is about to go.
         self.reset_prefix_cache()
+        if self.draft_speculator is not None:
+            self.draft_speculator.proposer.sleep()
         return self.runner.sleep(level)
 
     def wake_up(self) -> None:
@@ -189,6 +209,8 @@ class EngineCore:
             self.runner.wake_up(loaded.model)
         else:
             self.runner.wake_up()
+        if self.draft_speculator is not None:
+            self.draft_speculator.proposer.wake_up()
 
     def start_profile(self) -> None:
         """Record torch operator timings of every step until `stop_profile`."""

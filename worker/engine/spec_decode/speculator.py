@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from llmq.worker.engine.kv_cache_manager import KVCacheManager
     from llmq.worker.engine.request import Request
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")  # draft: a smaller model (draft_model.py)
 
 
 @dataclass
@@ -86,26 +86,35 @@ class Speculator:
     def propose(self, request: Request, budget: int, max_model_len: int) -> list[int]:
         """Draft tokens to verify after the request's last token this step (maybe none), within
         a step budget of `budget` tokens (the decode's own included)."""
+        max_drafts = self.draft_room(request, budget, max_model_len)
+        if max_drafts <= 0:
+            return []
+        state = self.state_of(request)
+        k = min(state.draft_length.next_k(), max_drafts)
+        if k <= 0:
+            return []
+        return self.draft(request, state, k)
+
+    def draft_room(self, request: Request, budget: int, max_model_len: int) -> int:
+        """The most draft tokens the request may verify this step: 0 where it must not draft."""
         params = request.sampling_params
         if (not params.speculative or params.structured_output is not None
                 or request.num_output_tokens < params.min_tokens or request.fork_at is not None
                 or request.num_computed_tokens != request.num_tokens - 1):
-            return []
+            return 0
         # A draft of d tokens yields up to d + 1: never past max_tokens or the context.
-        max_drafts = min(budget - 1, params.max_tokens - request.num_output_tokens - 1,
-                         max_model_len - request.num_tokens - 1)
-        if max_drafts <= 0:
-            return []
+        return min(budget - 1, params.max_tokens - request.num_output_tokens - 1,
+                   max_model_len - request.num_tokens - 1)
+
+    def state_of(self, request: Request) -> RequestSpecState:
+        """The request's drafting state, made on its first draft."""
         state: RequestSpecState | None = request.spec_state
         if state is None:
             cfg = self.config
             state = request.spec_state = RequestSpecState(
                 NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max),
                 DraftLength(cfg.num_speculative_tokens))
-        k = min(state.draft_length.next_k(), max_drafts)
-        if k <= 0:
-            return []
-        return self.draft(request, state, k)
+        return state
 
     def draft(self, request: Request, state: RequestSpecState, k: int) -> list[int]:
         """Up to k draft tokens: the proposer (tests substitute their own here)."""
