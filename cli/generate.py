@@ -44,7 +44,10 @@ def generate(prompt: str | None, chat: str | None, file: TextIO | None, output: 
             msgspec.json.encode({**body, **sampling_kwargs(kwargs)}), "json")
     except ValueError as e:  # InvalidRequest included
         raise click.BadParameter(str(e)) from None
-    engine = EngineCore(config)
+    try:
+        engine = EngineCore(config)
+    except ValueError as e:  # a model or draft model that cannot be served
+        raise click.ClickException(str(e)) from None
     if file is not None:
         from llmq.cli.generate_file import run_file
         run_file(engine, file, output)

@@ -82,9 +82,13 @@ engine_options = _apply([
     click.option("--scheduling-policy", envvar="LLMQ_SCHEDULING_POLICY",
                  type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True),
     click.option("--speculative-method", envvar="LLMQ_SPECULATIVE_METHOD",
-                 type=click.Choice(["ngram"]), default=None,
+                 type=click.Choice(["ngram", "draft"]), default=None,
                  help="Speculative decoding: ngram is prompt lookup (drafts copied from the "
-                      "prompt and output so far). Default: off."),
+                      "prompt and output so far), draft a smaller model of the same tokenizer "
+                      "(--draft-model). Default: off."),
+    click.option("--draft-model", envvar="LLMQ_DRAFT_MODEL", default=None,
+                 help="draft: the draft model, a .gguf file or a Hugging Face folder sharing "
+                      "the model's vocabulary (e.g. SmolLM2-135M for a larger SmolLM2)."),
     click.option("--num-speculative-tokens", envvar="LLMQ_NUM_SPECULATIVE_TOKENS",
                  type=click.IntRange(1, 32), default=4, show_default=True,
                  help="The most draft tokens verified per step (each request adapts its own "
@@ -111,8 +115,8 @@ engine_options = _apply([
 ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_num_batched_tokens",
                  "max_batch_prefill_tokens", "max_model_len", "block_size",
                  "kv_cache_memory_bytes", "scheduling_policy",
-                 "speculative_method", "num_speculative_tokens", "prompt_lookup_max",
-                 "prompt_lookup_min", "lora_dir", "max_loras", "max_lora_rank")
+                 "speculative_method", "draft_model", "num_speculative_tokens",
+                 "prompt_lookup_max", "prompt_lookup_min", "lora_dir", "max_loras", "max_lora_rank")
 
 
 def engine_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

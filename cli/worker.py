@@ -138,7 +138,10 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     except MetricsPortInUse as e:
         raise click.ClickException(e.strerror or str(e)) from None
     start_tracing("llmq-worker", otlp_traces_endpoint)
-    engine = EngineCore(engine_config)
+    try:
+        engine = EngineCore(engine_config)
+    except ValueError as e:  # a model or draft model that cannot be served (docs/models.md)
+        raise click.ClickException(str(e)) from None
     code = Worker(config, engine, model_name=model_name, observability=observability).run()
     # NOTE: everything is written and handed back by now; the interpreter's own teardown of
     # torch and the model (about a second) would only push the exit past the drain budget.

@@ -252,3 +252,26 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_both(tiny_model, tiny_m
 def test_draft_flags_are_checked(fields, error):
     with pytest.raises(ValueError, match=error):
         EngineConfig(**fields)
+
+
+@pytest.mark.model
+def test_the_default_model_drafting_for_itself_keeps_every_token(default_model_f32,
+                                                                 default_model_path):
+    # Given three chat prompts and their greedy answers on SmolLM2-135M-Instruct
+    questions = ["Write a story about a cat.", "List the planets of the solar system.",
+                 "Explain photosynthesis."]
+    tok = default_model_f32.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in questions]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = plain_outputs(default_model_f32, default_model_path, prompts, params)
+    # When they run together, the model drafting for itself from its own KV cache
+    engine = make_engine(default_model_f32, default_model_path, default_model_f32,
+                         default_model_path)
+    outs = engine.generate(prompts, params)
+    # Then the answers are the same and (float32 rounding aside) every draft token is kept
+    assert [o.new_token_ids for o in outs] == expected
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 30
+    assert stats.spec_acceptance_rate > 0.95
+    assert_draft_cache_empty(engine)

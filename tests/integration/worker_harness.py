@@ -181,7 +181,7 @@ class InProcessWorker:
                  max_num_seqs: int = 64, num_kv_blocks: int = 64, lease: float = LEASE,
                  renew: float = RENEW, heartbeat: float = HEARTBEAT,
                  max_deliveries: int = MAX_DELIVERIES, speculative_method: str | None = None,
-                 **config: Any) -> None:
+                 draft: Any = None, **config: Any) -> None:
         from llmq.worker.engine.config import EngineConfig
         from llmq.worker.engine.engine_core import EngineCore
         from llmq.worker.worker import Worker
@@ -191,8 +191,9 @@ class InProcessWorker:
         self.engine = EngineCore(EngineConfig(model="tiny", dtype="float32",
                                               max_num_seqs=max_num_seqs,
                                               num_kv_blocks=num_kv_blocks,
-                                              speculative_method=speculative_method),
-                                 loaded=loaded)
+                                              speculative_method=speculative_method,
+                                              draft_model="tiny-draft" if draft else None),
+                                 loaded=loaded, draft=draft)
         self.worker = Worker(
             WorkerConfig(redis_url=url, worker_id=worker_id, lease_timeout=lease,
                          renew_interval=renew, heartbeat_timeout=heartbeat,

@@ -57,7 +57,7 @@ def check_same_vocabulary(target_name: str, target_tokens: list[bytes], draft_na
         detail = (f"token {first} is {draft_tokens[first]!r} in the draft, "
                   f"{target_tokens[first]!r} in the target")
     raise ValueError(f"draft model {draft_name} does not share the vocabulary of the target "
-                     f"model {target_name} ({detail}): a draft model must use the target's "
+                     f"model, {target_name} ({detail}): a draft model must use the target's "
                      f"tokenizer")
 
 

@@ -64,7 +64,8 @@ def build_draft_speculator(config: EngineConfig, target: LoadedModel, num_kv_blo
         draft = load_model(config.draft_model, config.dtype, config.weights)
         logger.info("loaded draft model %s in %.1f s", config.draft_model,
                     time.perf_counter() - started)
-    check_same_vocabulary(config.model or "(the default model)", target.tokenizer.token_bytes,
+    check_same_vocabulary(config.model or "SmolLM2-135M-Instruct (the default model)",
+                          target.tokenizer.token_bytes,
                           config.draft_model, draft.tokenizer.token_bytes)
     # NOTE: the target's block count (prefix sharing aside, the same tokens are cached) plus
     # one block per running request for the draft positions past its tokens.
