@@ -128,6 +128,24 @@ def test_preemption_and_prefix_cache_hits_in_the_middle_of_drafting(
     assert_draft_cache_empty(engine)
 
 
+def test_requests_the_draft_cache_cannot_hold_decode_without_drafts(tiny_model,
+                                                                    tiny_model_path):
+    # Given a draft cache of 6 blocks of 4 tokens (its sizing never allows that few: trimmed
+    # here) for 8 requests of ~30 tokens each
+    prompts = prompts_of(8)
+    expected = plain_outputs(tiny_model, tiny_model_path, prompts, GREEDY, block_size=4)
+    engine = make_engine(tiny_model, tiny_model_path, tiny_model, tiny_model_path,
+                         block_size=4)
+    proposer = proposer_of(engine)
+    del proposer.free_blocks[:-6]
+    # When they run together
+    outs = engine.generate(prompts, GREEDY)
+    # Then the ones that found room drafted, the others did not, and nothing changed
+    assert [o.new_token_ids for o in outs] == expected
+    assert engine.stats().spec_num_accepted_tokens > 0
+    assert not proposer.seqs and proposer.num_free_blocks == 6
+
+
 def test_long_prompts_are_caught_up_in_chunks(tiny_model, tiny_model_path):
     # Given prompts longer than a step's token budget (chunked prefill, and the draft's
     # catch-up of a prompt in pieces)

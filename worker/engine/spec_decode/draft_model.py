@@ -75,6 +75,9 @@ class DraftSequence:
 
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # The leading tokens copied from the request (not drafted): a request's tokens only ever
+    # grow, so these stay right and only the drafted ones after them need comparing.
+    num_confirmed: int = 0
 
 
 @dataclass
@@ -165,6 +168,7 @@ class DraftModelProposer:
                 tables.append(d.seq.block_ids)
             last_rows.append(len(input_ids) - 1)
             d.seq.token_ids.extend(d.chunk)
+            d.seq.num_confirmed = len(d.seq.token_ids)
         next_tokens = self._forward_argmax(input_ids, query_lens, seq_lens, tables, last_rows)
         for d, token in zip(drafting, next_tokens, strict=True):
             if d.k > 0:
@@ -189,18 +193,26 @@ class DraftModelProposer:
 
     def _catch_up_chunks(self, wanted: list[tuple[Request, int]]) -> list[_Drafting]:
         """Each request's tokens the draft cache lacks (at least its last one, whose logits
-        give the first draft token), within the pass's token budget and the free blocks."""
-        budget = self.token_budget
-        drafting: list[_Drafting] = []
+        give the first draft token), within the pass's token budget and the free blocks.
+        Shortest first: a prompt being caught up never keeps the running ones from drafting."""
+        lacking: list[tuple[Request, DraftSequence, int, int]] = []
         for request, k in wanted:
-            if budget <= 0:
-                break
             seq = self.seqs.setdefault(request.request_id, DraftSequence())
             tokens = request.all_token_ids
-            start = min(common_prefix_len(seq.token_ids, tokens), len(tokens) - 1)
+            confirmed = seq.num_confirmed
+            start = min(confirmed + common_prefix_len(seq.token_ids[confirmed:],
+                                                      tokens[confirmed:]), len(tokens) - 1)
             del seq.token_ids[start:]  # the rest was a rejected draft (or recomputed anyway)
-            chunk = tokens[start:start + budget]
-            if start + len(chunk) < len(tokens):
+            seq.num_confirmed = min(confirmed, start)
+            lacking.append((request, seq, start, k))
+        lacking.sort(key=lambda item: item[0].num_tokens - item[2])
+        budget = self.token_budget
+        drafting: list[_Drafting] = []
+        for request, seq, start, k in lacking:
+            if budget <= 0:
+                break
+            chunk = request.all_token_ids[start:start + budget]
+            if start + len(chunk) < request.num_tokens:
                 k = 0  # a prompt caught up in pieces: it drafts once all of it is in
             if not self._reserve(seq, start + len(chunk) + max(k - 1, 0)):
                 continue
