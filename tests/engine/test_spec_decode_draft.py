@@ -146,6 +146,30 @@ def test_requests_the_draft_cache_cannot_hold_decode_without_drafts(tiny_model,
     assert not proposer.seqs and proposer.num_free_blocks == 6
 
 
+@pytest.mark.parametrize("stop", ["max_tokens", "stop_token_ids", "stop"])
+def test_stops_inside_an_accepted_draft_are_honoured(tiny_model, tiny_model_path, stop):
+    # Given requests whose stop condition falls inside a run of accepted draft tokens
+    prompts = prompts_of(4)
+    references = plain_outputs(tiny_model, tiny_model_path, prompts, GREEDY)
+    plain = make_engine(tiny_model, tiny_model_path)
+    params = []
+    for reference in references:
+        fields: dict = {"max_tokens": 7} if stop == "max_tokens" else \
+            {"stop_token_ids": (reference[9],)} if stop == "stop_token_ids" else \
+            {"stop": (plain.tokenizer.decode(reference[6:8]),)}
+        params.append(SamplingParams(**{**{"max_tokens": 24, "temperature": 0.0,
+                                           "ignore_eos": True}, **fields}))
+    expected = plain.generate(prompts, params)
+    # When they run with the model drafting for itself
+    engine = make_engine(tiny_model, tiny_model_path, tiny_model, tiny_model_path)
+    outs = engine.generate(prompts, params)
+    # Then they stop where the plain runs did, with the same text
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in expected]
+    assert [o.text for o in outs] == [o.text for o in expected]
+    assert engine.stats().spec_num_accepted_tokens > 0
+    assert_draft_cache_empty(engine)
+
+
 def test_long_prompts_are_caught_up_in_chunks(tiny_model, tiny_model_path):
     # Given prompts longer than a step's token budget (chunked prefill, and the draft's
     # catch-up of a prompt in pieces)
@@ -213,6 +237,21 @@ def test_an_aborted_request_frees_its_draft_cache(tiny_model, tiny_model_path):
     while engine.has_unfinished_requests():
         engine.step()
     assert_draft_cache_empty(engine)
+
+
+def test_the_draft_cache_sleeps_and_wakes_with_the_engine(tiny_model, tiny_model_path):
+    # Given an engine drafting with a model, after one request
+    prompts = prompts_of(3)
+    expected = plain_outputs(tiny_model, tiny_model_path, prompts, GREEDY)
+    engine = make_engine(tiny_model, tiny_model_path, tiny_model, tiny_model_path)
+    engine.generate(prompts[:1], GREEDY)
+    # When it sleeps (its KV caches freed, the draft's too) and wakes up
+    engine.sleep(1)
+    assert proposer_of(engine).kv_caches == []
+    engine.wake_up()
+    # Then it drafts as before
+    assert [o.new_token_ids for o in engine.generate(prompts, GREEDY)] == expected
+    assert engine.stats().spec_acceptance_rate == 1.0
 
 
 def test_sampled_tokens_follow_the_target_distribution(tiny_model, tiny_model_path,
