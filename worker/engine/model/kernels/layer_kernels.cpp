@@ -319,46 +319,58 @@ inline v16 widen_int8(const uint8_t* p) {
 // q[r][2p + 1] (high nibble); BITS 8: [K][16] int8. scales, offsets: [groups][16] per tile.
 // x [M, K] float32 (rows x_stride apart), xsum [M, groups] its sums per group; y [M, N]
 // float32 (rows y_stride apart). All arithmetic in float32.
+//
+// Every row is summed in the same order whatever M is, so a row's products are the same bits
+// alone or beside 7 others (a speculative verification's rows equal the decodes they stand
+// for; tests/model/test_block_quant.py): within a group, P = 4 partial sums (entry p into
+// p % 4, in increasing p), added 0 + 1 + 2 + 3, then scaled into the row's total. Only how
+// many of the partial sums run at once (C) depends on M: all 4 while the M * 4 accumulators
+// fit in registers (short FMA chains for a lone decode), fewer for more rows (M chains then).
 template <int M, int BITS>
 void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
                 const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
                 int64_t y_stride, int64_t rows) {
-    constexpr int P = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // partial sums: shorter FMA chains
+    constexpr int P = 4;
+    constexpr int C = M <= 4 ? 4 : (M <= 6 ? 2 : 1);
     const int64_t groups = K / group;
     v16 acc[M] = {};
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group;
-        v16 t[M][P] = {};
-        // NOTE: the partial-sum index is a compile-time constant (an unrolled inner loop), so
-        // t stays in registers. Groups are even and at least 16 wide: P always divides.
-        if (BITS == 4) {
-            for (int64_t p0 = 0; p0 < group / 2; p0 += P) {
+        v16 sum[M];
+        // NOTE: the partial-sum indices are compile-time constants (unrolled loops), so t
+        // stays in registers. quant_mm takes groups of a multiple of 8: P divides group / 2.
 #pragma GCC unroll 4
-                for (int i = 0; i < P; ++i) {
-                    const int64_t p = p0 + i;
-                    v16 lo, hi;
-                    unpack_nibbles(q + (k0 / 2 + p) * 16, lo, hi);
-                    for (int m = 0; m < M; ++m) {
-                        const float* xm = x + m * x_stride + k0 + 2 * p;
-                        t[m][i] += lo * xm[0] + hi * xm[1];
+        for (int i0 = 0; i0 < P; i0 += C) {
+            v16 t[M][C] = {};
+            if (BITS == 4) {
+                for (int64_t p0 = 0; p0 < group / 2; p0 += P) {
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; ++c) {
+                        const int64_t p = p0 + i0 + c;
+                        v16 lo, hi;
+                        unpack_nibbles(q + (k0 / 2 + p) * 16, lo, hi);
+                        for (int m = 0; m < M; ++m) {
+                            const float* xm = x + m * x_stride + k0 + 2 * p;
+                            t[m][c] += lo * xm[0] + hi * xm[1];
+                        }
+                    }
+                }
+            } else {
+                for (int64_t j0 = 0; j0 < group; j0 += P) {
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; ++c) {
+                        const int64_t j = j0 + i0 + c;
+                        const v16 w = widen_int8(q + (k0 + j) * 16);
+                        for (int m = 0; m < M; ++m) t[m][c] += w * x[m * x_stride + k0 + j];
                     }
                 }
             }
-        } else {
-            for (int64_t j0 = 0; j0 < group; j0 += P) {
 #pragma GCC unroll 4
-                for (int i = 0; i < P; ++i) {
-                    const v16 w = widen_int8(q + (k0 + j0 + i) * 16);
-                    for (int m = 0; m < M; ++m) t[m][i] += w * x[m * x_stride + k0 + j0 + i];
-                }
-            }
+            for (int c = 0; c < C; ++c)
+                for (int m = 0; m < M; ++m) sum[m] = i0 + c == 0 ? t[m][c] : sum[m] + t[m][c];
         }
         const v16 sc = load16(scales + g * 16), off = load16(offsets + g * 16);
-        for (int m = 0; m < M; ++m) {
-            v16 sum = t[m][0];
-            for (int i = 1; i < P; ++i) sum += t[m][i];
-            acc[m] += sum * sc + off * xsum[m * groups + g];
-        }
+        for (int m = 0; m < M; ++m) acc[m] += sum[m] * sc + off * xsum[m * groups + g];
     }
     for (int m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = acc[m][r];
