@@ -294,9 +294,12 @@ void rope_store(const X* qkv, int64_t qkv_stride, int64_t tokens, int64_t heads,
 // vector-extension bytes one byte at a time.
 #ifdef __AVX512F__
 inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+    // vpermps reads the low 4 bits of each index: a nibble picks its own value out of
+    // 0.0 .. 15.0, one shuffle instead of a mask and a conversion
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    lo = (v16)_mm512_permutexvar_ps(v, values);
+    hi = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
 }
 inline v16 widen_int8(const uint8_t* p) {
     return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -322,16 +325,20 @@ inline v16 widen_int8(const uint8_t* p) {
 //
 // Every row is summed in the same order whatever M is, so a row's products are the same bits
 // alone or beside 7 others (a speculative verification's rows equal the decodes they stand
-// for; tests/model/test_block_quant.py): within a group, P = 4 partial sums (entry p into
-// p % 4, in increasing p), added 0 + 1 + 2 + 3, then scaled into the row's total. Only how
-// many of the partial sums run at once (C) depends on M: all 4 while the M * 4 accumulators
-// fit in registers (short FMA chains for a lone decode), fewer for more rows (M chains then).
+// for; tests/model/test_block_quant.py). Within a group, P = 4 partial sums (entry p into
+// p % 4, in increasing p), each of BITS 4 two chains (low nibbles, high nibbles: one FMA per
+// weight and no adds in the loop, the inner loop's cost once a verification makes it
+// compute-bound), added (lo0 + hi0) + (lo1 + hi1) + ... left to right, then scaled into the
+// row's total. Only how many partial sums run at once (C) depends on M: all while their
+// accumulators fit in the 32 registers (short FMA chains for a lone decode), fewer for more
+// rows (then the M rows' own chains are plenty).
 template <int M, int BITS>
 void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
                 const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
                 int64_t y_stride, int64_t rows) {
     constexpr int P = 4;
-    constexpr int C = M <= 4 ? 4 : (M <= 6 ? 2 : 1);
+    constexpr int C = BITS == 4 ? (M <= 2 ? 4 : (M <= 4 ? 2 : 1))
+                                : (M <= 4 ? 4 : (M <= 6 ? 2 : 1));
     const int64_t groups = K / group;
     v16 acc[M] = {};
     for (int64_t g = 0; g < groups; ++g) {
@@ -341,7 +348,7 @@ void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8
         // stays in registers. quant_mm takes groups of a multiple of 8: P divides group / 2.
 #pragma GCC unroll 4
         for (int i0 = 0; i0 < P; i0 += C) {
-            v16 t[M][C] = {};
+            v16 t[M][C][2] = {};
             if (BITS == 4) {
                 for (int64_t p0 = 0; p0 < group / 2; p0 += P) {
 #pragma GCC unroll 4
@@ -351,7 +358,8 @@ void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8
                         unpack_nibbles(q + (k0 / 2 + p) * 16, lo, hi);
                         for (int m = 0; m < M; ++m) {
                             const float* xm = x + m * x_stride + k0 + 2 * p;
-                            t[m][c] += lo * xm[0] + hi * xm[1];
+                            t[m][c][0] += lo * xm[0];
+                            t[m][c][1] += hi * xm[1];
                         }
                     }
                 }
@@ -361,13 +369,16 @@ void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8
                     for (int c = 0; c < C; ++c) {
                         const int64_t j = j0 + i0 + c;
                         const v16 w = widen_int8(q + (k0 + j) * 16);
-                        for (int m = 0; m < M; ++m) t[m][c] += w * x[m * x_stride + k0 + j];
+                        for (int m = 0; m < M; ++m) t[m][c][0] += w * x[m * x_stride + k0 + j];
                     }
                 }
             }
 #pragma GCC unroll 4
             for (int c = 0; c < C; ++c)
-                for (int m = 0; m < M; ++m) sum[m] = i0 + c == 0 ? t[m][c] : sum[m] + t[m][c];
+                for (int m = 0; m < M; ++m) {
+                    const v16 part = BITS == 4 ? t[m][c][0] + t[m][c][1] : t[m][c][0];
+                    sum[m] = i0 + c == 0 ? part : sum[m] + part;
+                }
         }
         const v16 sc = load16(scales + g * 16), off = load16(offsets + g * 16);
         for (int m = 0; m < M; ++m) acc[m] += sum[m] * sc + off * xsum[m * groups + g];
