@@ -335,14 +335,24 @@ inline v16 widen_int8(const uint8_t* p) {
 template <int M, int BITS>
 void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
                 const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
-                int64_t y_stride, int64_t rows) {
+                int64_t y_stride, int64_t rows, const uint8_t* q_next, const float* scales_next,
+                const float* offsets_next) {
     constexpr int P = 4;
     constexpr int C = BITS == 4 ? (M <= 2 ? 4 : (M <= 4 ? 2 : 1))
                                 : (M <= 4 ? 4 : (M <= 6 ? 2 : 1));
-    const int64_t groups = K / group;
+    const int64_t groups = K / group, group_bytes = (BITS == 4 ? group / 2 : group) * 16;
     v16 acc[M] = {};
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group;
+        if (q_next) {
+            // NOTE: the next tile's group, asked for while this one computes: the hardware
+            // prefetcher alone left the weights' streaming and the arithmetic one after the
+            // other (measured on SmolLM2: a decode step 10.3 -> 7.3 ms, a 5-row one 17.6 -> 14.1)
+            const uint8_t* next = q_next + g * group_bytes;
+            for (int64_t b = 0; b < group_bytes; b += 64) __builtin_prefetch(next + b);
+            __builtin_prefetch(scales_next + g * 16);
+            __builtin_prefetch(offsets_next + g * 16);
+        }
         v16 sum[M];
         // NOTE: the partial-sum indices are compile-time constants (unrolled loops), so t
         // stays in registers. quant_mm takes groups of a multiple of 8: P divides group / 2.
@@ -393,10 +403,14 @@ void quant_matmul(const float* x, int64_t x_stride, const float* xsum, const uin
                   int64_t group, float* y, int64_t y_stride) {
     const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16;
     const int64_t tile_scales = K / group * 16;
-    for (int64_t n = 0; n < N; n += 16)
-        quant_tile<M, BITS>(x, x_stride, xsum, q + n / 16 * tile_bytes,
-                            scales + n / 16 * tile_scales, offsets + n / 16 * tile_scales,
-                            K, group, y + n, y_stride, N - n < 16 ? N - n : 16);
+    for (int64_t n = 0; n < N; n += 16) {
+        const int64_t t = n / 16;
+        const bool next = n + 16 < N;
+        quant_tile<M, BITS>(x, x_stride, xsum, q + t * tile_bytes, scales + t * tile_scales,
+                            offsets + t * tile_scales, K, group, y + n, y_stride,
+                            N - n < 16 ? N - n : 16, next ? q + (t + 1) * tile_bytes : nullptr,
+                            scales + (t + 1) * tile_scales, offsets + (t + 1) * tile_scales);
+    }
 }
 
 template <int BITS, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
