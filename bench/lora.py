@@ -1,7 +1,7 @@
 """LoRA adapters in one batch: tokens/s of a batch mixing adapters against the base model alone,
 same run, and the time a not-yet-loaded adapter takes to load.
 
-    flock /tmp/llmq-heavy.lock .venv/bin/python bench/lora.py
+    flock /tmp/bench.lock .venv/bin/python bench/lora.py
     .venv/bin/python bench/lora.py --requests 16 --max-tokens 16 --repeats 1
 
 The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF on `--weights native`, one thread)

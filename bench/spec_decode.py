@@ -1,7 +1,7 @@
 """Speculative decoding, single stream: llmq with and without prompt lookup, and llama.cpp's
 `llama-lookup`, on the same prompts in the same run.
 
-    flock /tmp/llmq-heavy.lock .venv/bin/python bench/spec_decode.py
+    flock /tmp/bench.lock .venv/bin/python bench/spec_decode.py
     .venv/bin/python bench/spec_decode.py --repeats 1 --max-tokens 128 --skip-llama
 
 Two workloads of chat prompts for the default model (SmolLM2-135M-Instruct, its Q4_1 GGUF for

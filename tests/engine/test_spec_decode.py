@@ -15,6 +15,7 @@ import pytest
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
+from llmq.worker.engine.model.loader import load_model
 from llmq.worker.engine.sampling_params import SamplingParams
 from tests.engine.spec_oracle import use_oracle
 
@@ -233,6 +234,34 @@ def test_logprobs_come_for_every_accepted_token(tiny_model, tiny_model_path):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
+def test_native_quantized_verification_computes_the_decodes_logits_bit_for_bit(tiny_model_path):
+    # Given the tiny model on its GGUF blocks (the compiled quantized kernels, as the default
+    # model runs in a worker), and greedy requests asking for logprobs
+    loaded = load_model(tiny_model_path, "bfloat16")
+    prompts = prompts_of(3)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def engine(speculative: bool) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(tiny_model_path), dtype="bfloat16",
+                                       speculative_method="ngram" if speculative else None),
+                          loaded=loaded)
+
+    expected = [streamed_logprobs(engine(False), p, params) for p in prompts]
+    # When each runs with speculation, drafts of up to 7 tokens (verifications of up to 8
+    # rows) from its plain run, every ninth draft token wrong
+    speculating = engine(True)
+    speculator = use_oracle(speculating, {tuple(p): [lp.token_id for lp in e]
+                                          for p, e in zip(prompts, expected, strict=True)},
+                            corrupt_every=9, k=7)
+    got = [streamed_logprobs(speculating, p, params) for p in prompts]
+    # Then every verified row's logits were the lone decode's to the bit: the same tokens,
+    # logprobs and top logprobs exactly (a near tie cannot go the other way)
+    stats = speculator.stats
+    assert stats.accepted_per_position[6] > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert got == expected
+
+
 def test_a_request_that_opts_out_never_drafts(tiny_model, tiny_model_path):
     # Given a speculating engine
     prompts = prompts_of(3)
@@ -290,6 +319,37 @@ def test_prompt_lookup_on_the_real_model_keeps_greedy_output_and_accepts_copies(
     # answers accepted a good part of their drafts
     assert outs == expected
     assert all(rate >= 0.4 and drafted >= 10 for rate, drafted in rates[:2]), rates
+
+
+LIGHTHOUSE_PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a "
+                     "bottle.")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("cpu_kernels")
+def test_prompt_lookup_on_the_native_default_model_keeps_a_long_story_exact(default_model_path):
+    # Given the default model as a worker runs it (Q4_1 blocks on the quantized kernels), and
+    # bench/spec_decode.py's story whose plain greedy run meets a near tie at token 190 (top
+    # two logits 0.004 apart): verification rows once computed it 0.009 the other way
+    loaded = load_model(default_model_path, "bfloat16")
+    prompt = loaded.tokenizer.encode(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        f"Face<|im_end|>\n<|im_start|>user\n{LIGHTHOUSE_PROMPT}<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    params = SamplingParams(max_tokens=200, temperature=0.0)
+
+    def engine(speculative: bool) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(default_model_path),
+                                       speculative_method="ngram" if speculative else None),
+                          loaded=loaded)
+
+    (expected,) = engine(False).generate([prompt], params)
+    # When it runs alone with prompt-lookup speculation
+    (got,) = engine(True).generate([prompt], params)
+    # Then the story is token for token the same
+    assert len(expected.new_token_ids) == 200
+    assert got.new_token_ids == expected.new_token_ids
 
 
 def test_parallel_sampling_children_speculate_and_draw_the_same_tokens(

@@ -94,6 +94,24 @@ def test_the_compiled_kernel_multiplies_in_float32(tmp_path, qtype, out_features
         torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5 * float(w.abs().max()))
 
 
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, qtype):
+    # Given a quantized matrix and 8 rows of activations, each multiplied alone (a decode)
+    tensor = write_and_read(tmp_path, qtype, (40, 512), seed=4)
+    matrix = QuantMatrix(BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape))
+    kernels = CpuKernels.load()
+    x = torch.randn(CpuKernels.MAX_QUANT_ROWS, 512, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([kernels.quant_matmul(row[None], matrix) for row in x])
+    for rows in range(2, CpuKernels.MAX_QUANT_ROWS + 1):
+        # When the first `rows` of them are multiplied in one call (a speculative
+        # verification's rows, a batch of decodes)
+        y = kernels.quant_matmul(x[:rows], matrix)
+        # Then every row is exactly what it is alone: greedy decoding cannot depend on which
+        # rows share a step (tests/engine/test_spec_decode.py)
+        assert torch.equal(y, alone[:rows]), rows
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_torch_int4_kernel_runs_the_types_that_map_onto_it(tmp_path, qtype):
     # Given a quantized matrix

@@ -20,12 +20,19 @@ Because each row draws exactly what the ordinary sampler would draw there (for a
 request, the same uniform: it depends on the number of output tokens only), the outputs are
 not only equal in distribution: greedy and seeded requests produce the same tokens with and
 without speculation, as far as the model computes a position's logits the same whatever rows
-share its step. That is what batching already asks of it, and it holds to float32 rounding
-(~1e-5 on the logits). NOTE: the quantized kernels (model/kernels/layer_kernels.cpp
-`quant_tile`) pick their partial sums by row count for speed, so on `--weights native` a
-verification row differs from a lone decode by up to ~0.03 in a logit, and a near-tie can go
-the other way (seen once in 400 story tokens): the same happens to a request decoded in a batch
-of 3 or more without speculation.
+share its step. How far that holds:
+- `--weights native` (the default model's path), steps of up to `QUANT_MAX_ROWS` (8) rows:
+  the quantized kernels sum every row in one order whatever the row count
+  (model/kernels/layer_kernels.cpp `quant_tile`), decode attention and the norms are per row,
+  so a verification row is bit for bit the decode it stands for (the single stream with
+  k <= 7; tests/engine/test_spec_decode.py).
+- Not across that bound: above 8 rows the decoder's projections run the int8 form (each row
+  quantized to int8 first, linear.py) and the LM head oneDNN's float32 GEMM, another
+  rounding than the quantized kernels'. A step of several drafting requests (or k >= 8) can
+  cross it where the same requests decoding without drafts would not, and a near tie can then
+  go the other way; without speculation, a request decoded beside 8 others moves the same way.
+- float32 weights (`fp32`): oneDNN's GEMMs agree across row counts to float32 rounding
+  (~1e-5 on the logits), not to the bit.
 """
 
 from __future__ import annotations
