@@ -180,28 +180,26 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, result)
 
     def _step_beside(self, paused: PausedStep) -> list[EngineCoreOutput]:
+        """With a step paused: a step of the interactive requests starting beside it, while
+        any is, and then the rest of it; or, if it cannot resume, a new step in its place."""
         self._paused = None
         scheduler = self.scheduler
-        if not paused.intact(scheduler.requests):
-            # NOTE: a request of it was preempted or aborted meanwhile, its blocks maybe
-            # someone else's now: dropped, which is exact (step_interrupt.py), and rescheduled.
-            paused.forward.drop()
-            self.step_interrupt.num_dropped += 1
-            return self._run(scheduler.schedule(), pausable=True)
         outputs: list[EngineCoreOutput] = []
-        if lane_priority.interactive_starting(scheduler.waiting, scheduler.running,
-                                              paused.request_ids):
+        if paused.intact(scheduler.requests) and lane_priority.interactive_starting(
+                scheduler.waiting, scheduler.running, paused.request_ids):
             beside = scheduler.schedule(paused.request_ids)
-            self._paused = paused  # kept across this step: nothing in it is the paused one's
+            self._paused = paused  # kept across this step: none of its requests is in it
             outputs = self._run(beside, pausable=False)
             if beside.total_num_scheduled_tokens:
                 return outputs
-            # NOTE: nothing could start beside it (no room yet): it resumes now, or nothing would
-            self._paused = None
-            if not paused.intact(scheduler.requests):
-                paused.forward.drop()
-                self.step_interrupt.num_dropped += 1
-                return outputs
+            self._paused = None  # NOTE: nothing could run beside it (no room yet): it goes on
+        if not paused.intact(scheduler.requests):
+            # NOTE: a request of it was preempted or aborted meanwhile, its blocks maybe
+            # someone else's now: it is dropped, which is exact (step_interrupt.py), and its
+            # other requests are scheduled again.
+            paused.forward.drop()
+            self.step_interrupt.num_dropped += 1
+            return outputs + self._run(scheduler.schedule(), pausable=True)
         return outputs + self._run(paused.scheduler_output, pausable=True,
                                    paused=paused.forward)
 

@@ -91,9 +91,10 @@ class PausedStep:
     @classmethod
     def of(cls, scheduler_output: SchedulerOutput, forward: PausedForward,
            requests: dict[str, Request]) -> PausedStep:
-        snapshot = {request_id: (request, request.num_computed_tokens, list(request.block_ids))
-                    for request_id in scheduler_output.num_scheduled_tokens
-                    for request in (requests[request_id],)}
+        snapshot = {}
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = requests[request_id]
+            snapshot[request_id] = (request, request.num_computed_tokens, list(request.block_ids))
         return cls(scheduler_output, forward, snapshot)
 
     @property
