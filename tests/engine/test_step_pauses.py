@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.outputs import EngineCoreOutput
-from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
 from llmq.worker.engine.step_interrupt import StepInterrupt
 from tests.engine.spec_oracle import use_oracle
 from tests.engine.test_engine_lanes import GREEDY, TWO, make_engine
@@ -73,8 +73,9 @@ class Run:
         """Step until a step pauses (every step with batch work is pausable but the ones run
         beside a paused step); that step's outputs."""
         self.pauses.arm()
+        num_paused = self.pauses.num_paused
         outs = self.step()
-        while self.engine._paused is None:
+        while self.pauses.num_paused == num_paused:
             assert self.engine.has_unfinished_requests(), "no batch work left to pause"
             outs = self.step()
         return outs
@@ -215,6 +216,31 @@ def test_an_abort_while_a_step_is_paused_drops_it_and_the_others_run_exactly(
         if name != victim:
             assert run.outputs(name, len(outs_)) == outs_, name
     assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_a_paused_constrained_batch_request_resumes_where_its_grammar_stood(
+        tiny_model, tiny_model_path):
+    # Given batch requests whose output a regex constrains, and what each writes alone
+    regex = StructuredOutputParams("regex", "[a-z]{4}( [a-z]{2,6}){16}")
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured_output=regex)
+    prompts = {f"s{i}": BATCH[f"s{i}"] for i in range(4)}
+    plain = make_engine(tiny_model, tiny_model_path)
+    alone = {name: plain.generate([prompt], params)[0] for name, prompt in prompts.items()}
+    engine = make_engine(tiny_model, tiny_model_path)
+    run = Run(engine, 1)
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, params, batch=True)
+    # When their steps pause, again and again, each time for an interactive request
+    for i in range(6):
+        if not any(r.batch for r in engine.scheduler.requests.values()):
+            break
+        run.pause_a_step()
+        engine.add_request(f"o{i}", ONLINE["o0"], GREEDY)
+    run.finish()
+    # Then each wrote exactly what it writes alone, its grammar never advanced by a paused step
+    assert engine.step_interrupt.num_paused >= 3
+    for name, out in alone.items():
+        assert run.outputs(name, 1) == [out.new_token_ids], name
 
 
 def test_only_steps_with_batch_work_pause_and_only_once_asked():
