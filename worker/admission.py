@@ -86,6 +86,9 @@ class Admission:
         self.max_deliveries = ctx.config.max_deliveries
         self.clock = clock
         self.affinity: AffinityKeeper | None = None  # set by the worker when affinity is on
+        # Called once an interactive request is in the inbox: the engine's running step gives
+        # way to it (worker/engine/step_interrupt.py); set by the worker.
+        self.on_interactive: Callable[[], None] | None = None
 
     def admit(self, client: redis.Redis, entries: list[StreamEntry], backoff: Backoff,
               attempts: dict[str, int] | None = None,
@@ -186,6 +189,8 @@ class Admission:
             # NOTE: one inbox item per read, so the engine's next step sees the whole read
             # (prefills batched together, as if the requests had been added in-process).
             self.ctx.inbox.put(adds)
+            if self.on_interactive is not None and not all(add.batch for add in adds):
+                self.on_interactive()  # NOTE: after the put, so the busy loop finds it
         return len(fresh)
 
     def _admit_one(self, entry: InFlight, decoded: Decoded, fields: Fields, now_ms: int,

@@ -3,8 +3,9 @@
 `EngineCore` (worker/engine/engine_core.py) is the one implementation; tests wrap it (fault
 injection) and the worker cannot tell. Only the busy loop calls the methods; the IO threads read
 the attributes (the clock, the limits the input processor checks requests against, and the
-grammar cache it compiles structured-output specs into). The utility calls of the control stream
-(worker/utility_calls.py) are vLLM v1 EngineCore's: reset_prefix_cache, sleep / wake_up, profile.
+grammar cache it compiles structured-output specs into), and admission signals `step_interrupt`.
+The utility calls of the control stream (worker/utility_calls.py) are vLLM v1 EngineCore's:
+reset_prefix_cache, sleep / wake_up, profile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineStats
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.sampling_params import SamplingParams
+from llmq.worker.engine.step_interrupt import StepInterrupt
 from llmq.worker.engine.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -30,6 +32,9 @@ class EngineClient(Protocol):
     clock: Callable[[], float]  # the engine's monotonic clock; arrival times are on it
     structured_output: StructuredOutputManager  # compiled grammars, shared with the runner
     loras: LoraManager | None  # the LoRA adapters (None: no --lora-dir); the gate loads them
+    # admission's `request()` makes a running step with batch work give way to an interactive
+    # request; the busy loop's feeder `clear()`s it before draining the inbox
+    step_interrupt: StepInterrupt
 
     @property
     def max_model_len(self) -> int: ...

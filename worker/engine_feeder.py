@@ -66,6 +66,7 @@ class EngineFeeder:
         first item when nothing is held; True when an abort needs a step."""
         aborted = False
         item: InboxItem | None
+        self.engine.step_interrupt.clear()  # what asked a step to give way is added below
         try:
             item = self.inbox.get(timeout=block) if block and not self._held else \
                 self.inbox.get_nowait()

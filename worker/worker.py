@@ -99,6 +99,7 @@ class Worker:
         self.writer = ResultWriter(ctx)
         self.processor = InputProcessor.for_engine(engine)
         self.admission = Admission(ctx, self.processor, self.writer, clock=engine.clock)
+        self.admission.on_interactive = engine.step_interrupt.request
         self.admin = ctx.connect()
         self.keeper = LeaseKeeper(ctx, heartbeat=self._heartbeat_fields,
                                   ensure_group=self.ensure_group)

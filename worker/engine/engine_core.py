@@ -19,18 +19,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmq.protocol.token_text import token_text
+from llmq.worker.engine import lane_priority
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.detokenizer import IncrementalDetokenizer
-from llmq.worker.engine.outputs import EngineCoreOutput
+from llmq.worker.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from llmq.worker.engine.prompt_tasks import PromptTasks
 from llmq.worker.engine.request import Request, RequestStatus
 from llmq.worker.engine.sampling_params import SamplingParams
 from llmq.worker.engine.scheduler import Scheduler
+from llmq.worker.engine.step_interrupt import PausedStep, StepInterrupt
 from llmq.worker.engine.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from llmq.worker.engine.lora.lora_manager import LoraManager
     from llmq.worker.engine.model.loader import LoadedModel
+    from llmq.worker.engine.model_runner import PausedForward
     from llmq.worker.engine.spec_decode.draft_speculator import DraftModelSpeculator
 
 logger = logging.getLogger(__name__)
@@ -102,6 +105,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, num_kv_blocks, clock=clock)
         if self.draft_speculator is not None:  # in place of the prompt-lookup one it made
             self.scheduler.speculator = self.draft_speculator
+        # set from the worker's admission thread when an interactive request arrives: a running
+        # step with batch work pauses for it (worker/engine/step_interrupt.py)
+        self.step_interrupt = StepInterrupt()
+        self._paused: PausedStep | None = None
         # LoRA adapters, loaded by the gate on first use (None: no adapter directory)
         self.loras: LoraManager | None = None
         if config.lora_dir:
@@ -159,11 +166,15 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step: a new one, or one beside a paused step while an interactive request is
+        starting, or the paused step's remaining layers (worker/engine/step_interrupt.py)."""
         if self.draft_speculator is not None:  # a draft model's drafts, batched
+            # NOTE: a paused step keeps the drafts it was scheduled with; drafts made now for
+            # its requests are the same tokens (`take` hands out only drafts for a request's
+            # tokens as they are)
             self.draft_speculator.prepare(self.scheduler.running, self.max_model_len)
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._step_beside(self._paused) if self._paused is not None else \
+            self._run(self.scheduler.schedule(), pausable=True)
         if self.draft_speculator is not None:  # finished requests' draft KV goes now
             self.draft_speculator.proposer.retain({r.request_id for r in self.scheduler.running})
         outputs += self.prompt_tasks.step()
@@ -171,6 +182,47 @@ class EngineCore:
         if self.tokenizer is not None:
             _name_tokens(outputs, self.tokenizer.token_bytes)
         return outputs
+
+    def _run(self, scheduler_output: SchedulerOutput, pausable: bool,
+             paused: PausedForward | None = None) -> list[EngineCoreOutput]:
+        """Run a scheduled step (or resume `paused`, its paused forward pass) and advance the
+        scheduler, or keep it paused: an interactive request arrived while it ran."""
+        requests = self.scheduler.requests
+        check = self.step_interrupt.pause_check(pausable and any(
+            requests[request_id].batch for request_id in scheduler_output.num_scheduled_tokens))
+        result = self.runner.execute_model(scheduler_output, check) if paused is None \
+            else self.runner.resume(paused, check)
+        if not isinstance(result, ModelRunnerOutput):  # a PausedForward
+            self._paused = PausedStep.of(scheduler_output, result, requests)
+            self.step_interrupt.num_paused += 1
+            logger.debug("step paused after %d layer(s) for an interactive request",
+                         result.num_layers_done)
+            return self.scheduler.take_finished_outputs()
+        return self.scheduler.update_from_output(scheduler_output, result)
+
+    def _step_beside(self, paused: PausedStep) -> list[EngineCoreOutput]:
+        """With a step paused: a step of the interactive requests starting beside it, while
+        any is, and then the rest of it; or, if it cannot resume, a new step in its place."""
+        self._paused = None
+        scheduler = self.scheduler
+        outputs: list[EngineCoreOutput] = []
+        if paused.intact(scheduler.requests) and lane_priority.interactive_starting(
+                scheduler.waiting, scheduler.running, paused.request_ids):
+            beside = scheduler.schedule(paused.request_ids)
+            self._paused = paused  # kept across this step: none of its requests is in it
+            outputs = self._run(beside, pausable=False)
+            if beside.total_num_scheduled_tokens:
+                return outputs
+            self._paused = None  # NOTE: nothing could run beside it (no room yet): it goes on
+        if not paused.intact(scheduler.requests):
+            # NOTE: a request of it was preempted or aborted meanwhile, its blocks maybe
+            # someone else's now: it is dropped, which is exact (step_interrupt.py), and its
+            # other requests are scheduled again.
+            paused.forward.drop()
+            self.step_interrupt.num_dropped += 1
+            return outputs + self._run(scheduler.schedule(), pausable=True)
+        return outputs + self._run(paused.scheduler_output, pausable=True,
+                                   paused=paused.forward)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.prompt_tasks.has_pending

@@ -11,17 +11,21 @@ The scheduler's side of lanes (broker/work_lanes.py). A request from a batch lan
   blocks (`batch_victim`);
 - batch prompt tokens (prefill chunks, new batch requests) are at most
   `max_batch_prefill_tokens` a step, so the step an interactive request arrives during is
-  short too; batch decode rows and interactive prompts keep the whole step budget.
+  short too; batch decode rows and interactive prompts keep the whole step budget;
+- the requests of a step paused for an interactive arrival (worker/engine/step_interrupt.py)
+  sit out the steps run beside it, whatever their lane.
 
 Requests without a lane are all interactive: none of this changes what they do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.request import Request
 
-__all__ = ["LaneStep", "batch_victim", "waiting_index"]
+__all__ = ["LaneStep", "batch_victim", "interactive_starting", "waiting_index"]
 
 
 def waiting_index(waiting: list[Request], request: Request, front: bool) -> int:
@@ -39,18 +43,27 @@ def batch_victim(running: list[Request]) -> Request | None:
     return next((r for r in reversed(running) if r.batch), None)
 
 
-class LaneStep:
-    """The lane rules of one `Scheduler.schedule()`, made before anything is scheduled."""
+def interactive_starting(waiting: list[Request], running: list[Request],
+                         paused: Collection[str] = ()) -> bool:
+    """Whether an interactive request (none of `paused`) waits or is computing its prompt."""
+    # NOTE: "computing its prompt" includes a resumed (preempted) request recomputing its
+    # output so far: its stream stalls until then, as a first token would.
+    return any(not r.batch for r in waiting) or any(
+        not r.batch and r.num_tokens_to_compute - r.num_computed_tokens > 1
+        and r.request_id not in paused for r in running)
 
-    def __init__(self, waiting: list[Request], running: list[Request], config: EngineConfig
-                 ) -> None:
+
+class LaneStep:
+    """The lane rules of one `Scheduler.schedule()`, made before anything is scheduled
+    (`paused`: the requests of a paused step, which sit this one out)."""
+
+    def __init__(self, waiting: list[Request], running: list[Request], config: EngineConfig,
+                 paused: Collection[str] = ()) -> None:
         first = next((r for r in waiting if not r.batch), None)
-        # NOTE: "computing its prompt" includes a resumed (preempted) request recomputing its
-        # output so far: its stream stalls until then, as a first token would.
-        self.interactive_only = first is not None or any(
-            not r.batch and r.num_tokens_to_compute - r.num_computed_tokens > 1 for r in running)
+        self.interactive_only = interactive_starting(waiting, running, paused)
         self.seat_victims = _seat_victims(first, running, config.max_num_seqs)
         self.batch_prefill_left = config.max_batch_prefill_tokens
+        self.paused = paused
 
     def starts(self, request: Request) -> bool:
         """Whether the waiting `request` may start this step."""
@@ -60,6 +73,8 @@ class LaneStep:
         """Tokens `request` computes this step (0: it sits the step out), of the `remaining` it
         needs before its next sample, within the step's `budget`; counted as scheduled."""
         num = min(remaining, budget)
+        if request.request_id in self.paused:
+            return 0
         if not request.batch:
             return num
         if self.interactive_only:

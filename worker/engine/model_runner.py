@@ -9,6 +9,7 @@ leaves is lists and ints (`ModelRunnerOutput`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from llmq.worker.engine.spec_decode.rejection_sampler import (
     row_histories,
     verify,
 )
+from llmq.worker.engine.step_interrupt import PauseCheck
 from llmq.worker.engine.structured_output import (
     GrammarError,
     GrammarMatcher,
@@ -50,6 +52,30 @@ class CachedRequestState:
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class _StepRows:
+    """What sampling needs of a step's rows, kept while its layers run."""
+
+    states: list[CachedRequestState]
+    drafts: list[list[int]]
+    sample_rows: list[int]  # index into `states` of each request that samples
+    logits_indices: list[int]  # rows of the flat batch whose logits are sampled
+
+
+@dataclass
+class PausedForward:
+    """A step stopped between two decoder layers: `ModelRunner.resume` runs the rest."""
+
+    rows: _StepRows
+    layers: Generator[int, None, torch.Tensor]  # the model's forward, suspended
+    num_layers_done: int
+    grammar_errors: dict[str, str]  # from starting its requests' grammars, delivered with it
+
+    def drop(self) -> None:
+        """Never resumed: its K/V writes so far lie past its requests' computed tokens."""
+        self.layers.close()
 
 
 class ModelRunner:
@@ -90,7 +116,11 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, pause_after: PauseCheck | None = None
+                      ) -> ModelRunnerOutput | PausedForward:
+        """One step; paused between two decoder layers where `pause_after(layer)` says so
+        (then `resume` finishes it, or dropping it leaves nothing to undo: nothing is sampled
+        before the last layer, worker/engine/step_interrupt.py)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.make_empty()
@@ -131,9 +161,35 @@ class ModelRunner:
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
         lora = LoraBatch.from_rows([(n, state.sampling_params.lora)
                                     for (_, n), state in zip(scheduled, states, strict=True)])
-        hidden = self.model(  # [num_tokens, hidden_size]
+        layers = self.model.forward_layers(  # -> [num_tokens, hidden_size]
             torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches, lora)
+        return self._run_layers(_StepRows(states, drafts, sample_rows, logits_indices), layers,
+                                pause_after)
 
+    @torch.inference_mode()
+    def resume(self, paused: PausedForward, pause_after: PauseCheck | None = None
+               ) -> ModelRunnerOutput | PausedForward:
+        """Run a paused step's remaining layers and sample it (or pause it again)."""
+        self._grammar_errors.update(paused.grammar_errors)
+        return self._run_layers(paused.rows, paused.layers, pause_after)
+
+    def _run_layers(self, rows: _StepRows, layers: Generator[int, None, torch.Tensor],
+                    pause_after: PauseCheck | None) -> ModelRunnerOutput | PausedForward:
+        while True:
+            try:
+                layer = next(layers)
+            except StopIteration as done:
+                return self._sample(rows, done.value)
+            if pause_after is not None and pause_after(layer):
+                # NOTE: errors from starting this step's grammars are its own: they go out with
+                # its output, not with the steps run while it waits.
+                errors, self._grammar_errors = self._grammar_errors, {}
+                return PausedForward(rows, layers, layer + 1, errors)
+
+    def _sample(self, rows: _StepRows, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Sample each row due a token from the step's hidden states [num_tokens, hidden]."""
+        states, drafts = rows.states, rows.drafts
+        sample_rows, logits_indices = rows.sample_rows, rows.logits_indices
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprob]] = [[] for _ in states]
         errors: dict[str, str] = {}

@@ -31,7 +31,7 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from llmq.protocol.errors import ErrorCode, RequestRejected
 from llmq.worker.engine import lane_priority, stop_checker
@@ -131,7 +131,7 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, paused: Collection[str] = ()) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         cached_reqs = CachedRequestData.make_empty()
@@ -140,8 +140,8 @@ class Scheduler:
         preempted = False
 
         # Running requests: one decode token each, or the next chunk of their prompt; batch
-        # ones as lane_priority allows (none while an interactive request is starting).
-        lanes = lane_priority.LaneStep(self.waiting, self.running, self.config)
+        # ones as lane_priority allows; none of a paused step's (worker/engine/step_interrupt.py)
+        lanes = lane_priority.LaneStep(self.waiting, self.running, self.config, paused)
         for victim in lanes.seat_victims:
             self._preempt(victim)  # a seat for it (nothing is scheduled yet)
         i = 0

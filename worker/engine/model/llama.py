@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,15 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS = ("native", "bf16", "fp32")
+
+
+def run_to_end(layers: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    """The hidden states a layer-by-layer forward (`forward_layers`) returns, run through."""
+    while True:
+        try:
+            next(layers)
+        except StopIteration as done:
+            return done.value
 
 
 def default_weights(dtype: str) -> str:
@@ -148,13 +157,29 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [num_tokens] (all sequences of the step, flattened in metadata order) ->
         final-normed hidden states [num_tokens, hidden_size]. Writes the step's K/V. `lora`:
         the rows that run under an adapter (None or no segments: the base model's alone)."""
-        self.lora_slot.batch = lora if lora is not None and lora.segments else None
-        try:
-            if self.kernels is not None and self._fused_able:
-                return self._run_fused(input_ids, attn_metadata, kv_caches)
-            return self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
-        finally:
-            self.lora_slot.batch = None
+        return run_to_end(self.forward_layers(input_ids, attn_metadata, kv_caches, lora))
+
+    def forward_layers(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata,
+                       kv_caches: list[torch.Tensor], lora: LoraBatch | None = None
+                       ) -> Generator[int, None, torch.Tensor]:
+        """`forward` a decoder layer at a time: yields each layer's index once it is done, and
+        returns the hidden states. Between two layers the caller may run whole other steps
+        (worker/engine/step_interrupt.py): the step's tensors live in this generator, and
+        `lora` is set again on every resume. The one-call decode kernel yields nothing."""
+        batch = lora if lora is not None and lora.segments else None
+        if self.kernels is not None and self._fused_able:
+            run = self._run_fused(input_ids, attn_metadata, kv_caches)
+        else:
+            run = self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
+        while True:
+            self.lora_slot.batch = batch
+            try:
+                layer = next(run)
+            except StopIteration as done:
+                return done.value
+            finally:
+                self.lora_slot.batch = None
+            yield layer
 
     @torch.inference_mode()
     def forward_contiguous(self, input_ids: torch.Tensor, start_pos: int,
@@ -162,10 +187,11 @@ class LlamaForCausalLM(nn.Module):
         """The oracle: one sequence's tokens at start_pos.. over a contiguous cache
         (`make_contiguous_cache`). Returns [num_tokens, hidden_size]."""
         positions = torch.arange(start_pos, start_pos + input_ids.shape[0])
-        return self._run(input_ids, positions, cache, start_pos)
+        return run_to_end(self._run(input_ids, positions, cache, start_pos))
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-             kv_caches: list[torch.Tensor], attn: AttentionMetadata | int) -> torch.Tensor:
+             kv_caches: list[torch.Tensor], attn: AttentionMetadata | int
+             ) -> Generator[int, None, torch.Tensor]:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         eps, act_dtype = self.arch.rms_norm_eps, self.act_dtype
@@ -191,10 +217,11 @@ class LlamaForCausalLM(nn.Module):
             h.add_(layer.attn_residual(o))  # [num_tokens, hidden_size]
             x = rms_norm(h, layer.post_attention_layernorm, eps)
             h.add_(layer.mlp_residual(x))  # [num_tokens, hidden_size]
+            yield i
         return rms_norm(h, self.norm, eps)
 
     def _run_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                   kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                   kv_caches: list[torch.Tensor]) -> Generator[int, None, torch.Tensor]:
         """`_run` on the compiled kernels: per layer two GEMMs and one kernel around each,
         so a one-token step is ~9 calls a layer instead of ~30 torch ops (the Python and
         dispatch cost of a decode step). Residual adds are fused into the next RMSNorm, RoPE
@@ -242,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
                 x = kernels.add_rms_norm(h, down, norm, eps, dtype.input_dtype(n))
             else:
                 x = kernels.add_rms_norm(h, down, self.norm, eps, torch.float32)
+            yield i
         return x
 
     def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
