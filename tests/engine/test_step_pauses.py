@@ -6,6 +6,7 @@ preemption and aborts in play."""
 
 from __future__ import annotations
 
+from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
 from llmq.worker.engine.outputs import EngineCoreOutput
 from llmq.worker.engine.sampling_params import SamplingParams, StructuredOutputParams
@@ -255,3 +256,32 @@ def test_only_steps_with_batch_work_pause_and_only_once_asked():
     assert check(1)
     interrupt.clear()
     assert not check(2)
+
+
+def test_paused_steps_under_a_draft_model_give_every_request_its_solo_tokens(
+        tiny_model, tiny_model_path):
+    # Given batch and interactive prompts and each one's greedy tokens run alone
+    expected = solo_tokens(tiny_model, tiny_model_path, {**BATCH, **ONLINE})
+    # When the model drafts for itself (every draft accepted: the draft's KV must stay at each
+    # request's tokens through pauses) and batch steps pause after layer 1 for each arrival
+    engine = EngineCore(EngineConfig(
+        model=str(tiny_model_path), dtype="float32", num_kv_blocks=256, block_size=4,
+        speculative_method="draft", draft_model=str(tiny_model_path),
+        max_num_batched_tokens=32, max_batch_prefill_tokens=8), loaded=tiny_model,
+        draft=tiny_model)
+    run = Run(engine, 1)
+    for name, prompt in BATCH.items():
+        engine.add_request(name, prompt, TWO if name == "two" else GREEDY, batch=True)
+    for name, prompt in ONLINE.items():
+        run.pause_a_step()
+        engine.add_request(name, prompt, GREEDY)
+        while engine._paused is not None:
+            run.step()
+    run.finish()
+    # Then every request produced exactly what it produces alone, with drafts accepted
+    for name, outs in expected.items():
+        assert run.outputs(name, len(outs)) == outs, name
+    assert engine.step_interrupt.num_paused == len(ONLINE)
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_acceptance_rate == 1.0
+    assert stats.kv_cache_usage == 0.0
