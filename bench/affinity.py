@@ -26,7 +26,7 @@ The KV cache is sized (`--kv-blocks`, 768 blocks of 16 tokens by default) so one
 about half of the eight prefixes next to its running requests: the case affinity is for, a pool
 whose prefixes outgrow one worker's cache. With the default 1 GiB budget each worker holds all
 eight and affinity can only save the second copy of each prefix (`--kv-blocks 0` measures that).
-The machine is shared: run it under `flock /tmp/llmq-heavy.lock`, and read the ratios.
+The machine is shared: run it under `flock /tmp/bench.lock`, and read the ratios.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """llguidance vs xgrammar on this CPU, with the default model's tokenizer: the figures behind
 the choice of grammar engine (docs/performance.md, "Structured output").
 
-    flock /tmp/llmq-heavy.lock .venv/bin/python bench/grammar_engines.py [--batch 64]
+    flock /tmp/bench.lock .venv/bin/python bench/grammar_engines.py [--batch 64]
 
 Needs both packages (`pip install llguidance xgrammar`); llmq itself depends on one only.
 Prints, per engine:

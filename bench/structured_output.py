@@ -1,7 +1,7 @@
 """What structured output costs the engine: a batch constrained to a JSON schema against the same
 batch unconstrained, in one run.
 
-    flock /tmp/llmq-heavy.lock .venv/bin/python bench/structured_output.py [--batch 64]
+    flock /tmp/bench.lock .venv/bin/python bench/structured_output.py [--batch 64]
 
 Each round runs `--batch` chat prompts ("extract this person as JSON") with every request
 constrained to one schema, then the same prompts unconstrained with each request's max_tokens
