@@ -89,6 +89,13 @@ class WorkerMetrics:
         spec_accepted_tokens = Counter("llmq_spec_decode_num_accepted_tokens",
                                        "Draft tokens the target model accepted.",
                                        _LABELS, registry=reg)
+        steps_paused = Counter("llmq_steps_paused",
+                               "Steps with batch work paused between layers for an interactive "
+                               "arrival.", _LABELS, registry=reg)
+        steps_dropped = Counter("llmq_steps_dropped",
+                                "Paused steps dropped (a request of theirs preempted or aborted "
+                                "meanwhile) and run again instead of resumed.",
+                                _LABELS, registry=reg)
         reclaimed = Counter("llmq_reclaimed_requests",
                             "Requests this worker took over from a dead or stalled peer.",
                             _LABELS, registry=reg)
@@ -121,6 +128,8 @@ class WorkerMetrics:
         self._spec_counters = [c.labels(**labels)
                                for c in (spec_drafts, spec_draft_tokens, spec_accepted_tokens)]
         self._last_spec_totals = [0, 0, 0]
+        self._pause_counters = [c.labels(**labels) for c in (steps_paused, steps_dropped)]
+        self._last_pause_totals = [0, 0]
         self._dead_letters = dead_letters.labels(**labels)
         for reason in ("stop", "length", "cancelled"):
             self._requests.labels(model=model, queue=queue, finish_reason=reason, error_code="")
@@ -175,11 +184,13 @@ class WorkerMetrics:
     def set_spec_decode(self, num_drafts_total: int, num_draft_tokens_total: int,
                         num_accepted_tokens_total: int) -> None:
         """Advance the speculative-decoding counters to the engine's running totals."""
-        totals = [num_drafts_total, num_draft_tokens_total, num_accepted_tokens_total]
-        for i, (counter, total) in enumerate(zip(self._spec_counters, totals, strict=True)):
-            if total > self._last_spec_totals[i]:
-                counter.inc(total - self._last_spec_totals[i])
-            self._last_spec_totals[i] = total  # smaller: a new engine restarted its count
+        _advance(self._spec_counters, self._last_spec_totals,
+                 [num_drafts_total, num_draft_tokens_total, num_accepted_tokens_total])
+
+    def set_step_pauses(self, num_paused_total: int, num_dropped_total: int) -> None:
+        """Advance the paused / dropped step counters to the engine's running totals."""
+        _advance(self._pause_counters, self._last_pause_totals,
+                 [num_paused_total, num_dropped_total])
 
     def inc_reclaimed(self, n: int = 1) -> None:
         self._reclaimed.inc(n)
@@ -190,3 +201,13 @@ class WorkerMetrics:
     def inc_lost_unread(self, n: int) -> None:
         """Entries trimmed from the queue before any worker read them (worker/unread_loss.py)."""
         self._lost_unread.inc(n)
+
+
+def _advance(counters: list[Counter], last: list[int], totals: list[int]) -> None:
+    """Counters that follow an engine's running totals: each advances by its total's rise
+    (`last` holds the totals seen before); a smaller total means a new engine restarted its
+    count, followed from there."""
+    for i, (counter, total) in enumerate(zip(counters, totals, strict=True)):
+        if total > last[i]:
+            counter.inc(total - last[i])
+        last[i] = total

@@ -53,6 +53,7 @@ class WorkerStatus:
                                       s.prefix_cache_hit_rate, s.num_preemptions)
         self.metrics.set_spec_decode(s.spec_num_drafts, s.spec_num_draft_tokens,
                                      s.spec_num_accepted_tokens)
+        self.metrics.set_step_pauses(s.num_steps_paused, s.num_steps_dropped)
         if not_ready is not None:
             self.health.set_ready(False, not_ready)
             return

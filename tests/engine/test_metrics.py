@@ -245,3 +245,18 @@ def test_stop_releases_the_port(metrics):
     # Then nothing answers on its port any more
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def test_paused_and_dropped_steps_follow_the_engines_running_totals(server, metrics):
+    # Given an engine whose batch steps paused 3 times for interactive arrivals, one dropped
+    metrics.set_step_pauses(num_paused_total=1, num_dropped_total=0)
+    metrics.set_step_pauses(num_paused_total=3, num_dropped_total=1)
+    samples = scrape(server)
+    assert value(samples, "llmq_steps_paused_total") == 3
+    assert value(samples, "llmq_steps_dropped_total") == 1
+    # When the engine is rebuilt and its counts start over
+    metrics.set_step_pauses(num_paused_total=1, num_dropped_total=0)
+    metrics.set_step_pauses(num_paused_total=3, num_dropped_total=0)
+    # Then the counters never go back and count the new engine's pauses from its restart
+    assert value(scrape(server), "llmq_steps_paused_total") == 5
+    assert value(scrape(server), "llmq_steps_dropped_total") == 1

@@ -54,6 +54,10 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Batch steps paused for an interactive arrival, and those of them dropped (a request of
+    # theirs preempted or aborted meanwhile) instead of resumed (step_interrupt.py).
+    num_steps_paused: int = 0
+    num_steps_dropped: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -292,6 +296,8 @@ class EngineCore:
             stats.spec_num_drafts = spec.num_drafts
             stats.spec_num_draft_tokens = spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+        stats.num_steps_paused = self.step_interrupt.num_paused
+        stats.num_steps_dropped = self.step_interrupt.num_dropped
         return stats
 
     def prefix_landmarks(self) -> list[int]:
