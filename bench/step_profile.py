@@ -129,7 +129,8 @@ def print_forms(model) -> None:
           "ms a call (GFLOP/s); * chosen, x outside the tolerance; floor: the quantized "
           "weights read once")
     for name, shape in forms.shapes.items():
-        out_features, in_features = (int(d) for d in name.split(":")[-1].split("x"))
+        shape_name = name.split("/")[0].split(":")[-1]
+        out_features, in_features = (int(d) for d in shape_name.split("x"))
         errors = " ".join(f"{f} {e:.1e}" for f, e in shape["errors"].items())
         print(f"  {name}: error against fp32 {errors} (tolerance {shape['tolerance']:.1e})")
         print(f"    {'rows':>5} {'floor':>8} " + "".join(f"{f:>17}" for f in shape["rates"]))

@@ -46,7 +46,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 BUCKETS = ((1, 1), (4, 4), (8, 8), (32, 32), (128, 128), (1 << 62, 256))
 TOLERANCE = 0.02  # relative error of a decoder projection's output (see the docstring)
 HEAD_TOLERANCE = 0.005  # of the LM head's logits
-SLICE_ROWS = 1024  # output rows a form is timed on (a multiple of QuantMatrix's 16-row tiles)
+SLICE_ROWS = 512  # output rows a form is timed on (a multiple of QuantMatrix's 16-row tiles)
 SAMPLE_ROWS = 32  # activation rows the numerics are checked on
 REPEATS = 3
 # NOTE: a decode step of up to 8 rows whose every projection runs on the quantized kernels is
@@ -138,10 +138,11 @@ class FormChoice:
         name = hashlib.sha256(f"{key['model']}\0{fingerprint}\0{key['cpu']}".encode())
         return cls(mode, forms_dir() / f"{name.hexdigest()[:16]}.json", key, kernels)
 
-    def choose(self, out_features: int, in_features: int, head: bool, quant_bytes: int,
+    def choose(self, out_features: int, in_features: int, head: bool, quant: QuantMatrix,
                sample: Callable[[int], Sample]) -> tuple[str, ...]:
-        """The form of each bucket for a projection of this shape: from the file, else
-        measured on `sample(rows)` (its first `rows` output rows, float32 and quantized)."""
+        """The form of each bucket for a projection of this shape and quantization: from the
+        file, else measured on `sample(rows)` (its first `rows` output rows, float32 and
+        quantized)."""
         if self.mode == "fixed" or self.kernels is None:
             return fixed_forms(head)
         if self.mode != "measure":
@@ -149,15 +150,19 @@ class FormChoice:
             if forced == "int8" and not Int8Matrix.available():
                 forced = "fp32"
             return (forced,) * len(BUCKETS)
-        name = f"{'head:' if head else ''}{out_features}x{in_features}"
+        # NOTE: the quantized form's bytes follow its blocks (a Q6_K layer's are twice a
+        # Q4_K one's), so a shape is measured once per quantization
+        shape = f"{'head:' if head else ''}{out_features}x{in_features}"
+        name = f"{shape}/q{quant.bits}g{quant.group}"
         if name not in self.shapes:
             started = time.perf_counter()
             if self.bandwidth is None:
                 self.bandwidth = stream_bandwidth()
             tolerance = HEAD_TOLERANCE if head else TOLERANCE
-            self.shapes[name] = measure(self.kernels, out_features, quant_bytes,
+            known = next((s for n, s in self.shapes.items() if n.split("/")[0] == shape), None)
+            self.shapes[name] = measure(self.kernels, out_features, quant.nbytes,
                                         sample(min(out_features, SLICE_ROWS)), tolerance,
-                                        self.bandwidth, one_call=not head)
+                                        self.bandwidth, one_call=not head, known=known)
             self.num_measured += 1
             self.seconds += time.perf_counter() - started
         return tuple(self.shapes[name]["chosen"])
@@ -223,62 +228,76 @@ def _seconds(fn: Callable[[], object]) -> float:
     return max(clock() - start, 1e-9)
 
 
-def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None
-                ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each form of w [rows, in] as a function of x [n, in] float32 (bfloat16 for `bf16`: the
-    kernel before it writes bfloat16) as linear.py runs it."""
+def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None,
+                names: Collection[str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The named forms of w [rows, in] as functions of x [n, in] float32 (bfloat16 for `bf16`:
+    the kernel before it writes bfloat16), as linear.py runs them."""
     forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    if quant is not None:
+    if quant is not None and "quant" in names:
         forms["quant"] = lambda x: torch.cat([kernels.quant_matmul(part, quant) for part in
                                               x.split(CpuKernels.MAX_QUANT_ROWS)])
-    if Int8Matrix.available():
+    if Int8Matrix.available() and "int8" in names:
         int8 = Int8Matrix(w)
         forms["int8"] = lambda x: kernels.int8_matmul(x, int8)
     for form, dtype in DENSE_DTYPES.items():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
-        forms[form] = (lambda x, p=packed, d=dtype: torch.ops.mkldnn._linear_pointwise(
-            x.to(d), p, None, "none", [None], "").float())
+        if form in names:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+            forms[form] = (lambda x, p=packed, d=dtype: torch.ops.mkldnn._linear_pointwise(
+                x.to(d), p, None, "none", [None], "").float())
     return forms
 
 
 def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sample,
-            tolerance: float, bandwidth: float, one_call: bool = True) -> dict[str, Any]:
+            tolerance: float, bandwidth: float, one_call: bool = True,
+            known: dict[str, Any] | None = None) -> dict[str, Any]:
     """Time and check every form of one shape on its sample rows; choose per bucket the
     fastest within `tolerance`. Returns what the choice file keeps: each form's error and
-    rate per bucket (GFLOP/s, None where not measured), bytes, and the chosen forms."""
+    rate per bucket (GFLOP/s, None where not measured), bytes, and the chosen forms.
+    `known`: what this returned for the same shape quantized another way (a Q4_K_M layer
+    whose blocks are Q6_K): only the quantized form is measured, the others' figures reused."""
     w, quant = sample
     rows, in_features = w.shape
-    forms = _candidates(kernels, w, quant)
+    reused = {} if known is None else {
+        form: (rates, known["errors"][form]) for form, rates in known["rates"].items()
+        if form != "quant"}
+    forms = _candidates(kernels, w, quant, {"quant", "fp32"} if reused else FORMS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLE_ROWS, in_features, generator=g)
     reference = forms["fp32"](x).double()
     errors = {form: float((fn(x).double() - reference).norm() / reference.norm())
               for form, fn in forms.items()}
+    errors |= {form: error for form, (_, error) in reused.items()}
     sizes = {"quant": quant_bytes, "int8": out_features * (in_features + 4),
              "bf16": 2 * out_features * in_features, "fp16": 2 * out_features * in_features,
              "fp32": 4 * out_features * in_features}
-    rates: dict[str, list[float | None]] = {form: [] for form in forms}
+    rates: dict[str, list[float | None]] = {form: [] for form in FORMS
+                                            if form in forms or form in reused}
     costs: list[dict[str, float]] = []  # per bucket: each eligible form's seconds a call
-    for _, num_rows in BUCKETS:
+    for i, (_, num_rows) in enumerate(BUCKETS):
         xb = torch.randn(num_rows, in_features, generator=g)
         xb16 = xb.to(torch.bfloat16)
         flops = 2 * num_rows * out_features * in_features
         cost: dict[str, float] = {}
-        for form, fn in forms.items():
-            # NOTE: the quantized kernels beyond 8 rows are calls of 8: a candidate only
-            # while they won the bucket below (they read fewer bytes, never compute faster)
-            if form == "quant" and num_rows > CpuKernels.MAX_QUANT_ROWS and (
+        for form in rates:
+            fn = forms.get(form)
+            rate: float | None
+            if form in reused:
+                rate = reused[form][0][i]
+            elif form == "quant" and num_rows > CpuKernels.MAX_QUANT_ROWS and (
                     not costs or min(costs[-1], key=costs[-1].__getitem__) != "quant"):
-                rates[form].append(None)
-                continue
-            arg = xb16 if form == "bf16" else xb
-            fn(arg)  # warm-up: oneDNN builds its primitive for the shape here
-            spent = min(_seconds(lambda f=fn, a=arg: f(a)) for _ in range(REPEATS))
-            spent = max(spent * out_features / rows, sizes[form] / bandwidth)
-            rates[form].append(flops / spent / 1e9)
-            if errors[form] <= tolerance:
+                # NOTE: the quantized kernels beyond 8 rows are calls of 8: a candidate only
+                # while they won the bucket below (they read fewer bytes, never compute faster)
+                rate = None
+            else:
+                assert fn is not None
+                arg = xb16 if form == "bf16" else xb
+                fn(arg)  # warm-up: oneDNN builds its primitive for the shape here
+                spent = min(_seconds(lambda f=fn, a=arg: f(a)) for _ in range(REPEATS))
+                rate = flops / max(spent * out_features / rows, sizes[form] / bandwidth) / 1e9
+            rates[form].append(rate)
+            if rate is not None and errors[form] <= tolerance:
                 fused = one_call and form != "quant" and num_rows <= CpuKernels.MAX_QUANT_ROWS
-                cost[form] = spent + (ONE_CALL_CREDIT if fused else 0.0)
+                cost[form] = flops / (rate * 1e9) + (ONE_CALL_CREDIT if fused else 0.0)
         costs.append(cost)
     return {"errors": errors, "rates": rates, "bytes": sizes, "chosen": _fewest_forms(costs),
             "tolerance": tolerance}

@@ -181,8 +181,7 @@ class Linear(nn.Module):
         """Build the forms `forms` chose for this shape's buckets, and only those."""
         quant = self.quant
         assert isinstance(quant, QuantMatrix)
-        chosen = forms.choose(self.out_features, self.in_features, head, quant.nbytes,
-                              self._sample)
+        chosen = forms.choose(self.out_features, self.in_features, head, quant, self._sample)
         for form in sorted(set(chosen) - {"quant"}):
             if form == "int8":
                 self.int8 = self._int8_form(cache, name)

@@ -402,8 +402,8 @@ class LlamaForCausalLM(nn.Module):
             self.forms.save()
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
-        self._one_call_rows = min((p.quant_rows for layer in self._layers
-                                   for p in layer.projections), default=0)
+        self._one_call_rows = 0 if not self._one_call_able else min(
+            (p.quant_rows for layer in self._layers for p in layer.projections), default=0)
         self._one_call = (self._one_call_able and self.kernels is not None
                           and self.paged_attention.kernels is not None
                           and self._one_call_rows > 0)
