@@ -123,7 +123,8 @@ def print_forms(model) -> None:
         print("kernel forms: none measured (not native, no kernels, or LLMQ_FORMS="
               f"{forms.mode if forms else '-'})")
         return
-    source = (f"measured this start in {forms.seconds:.1f} s" if forms.num_measured
+    source = (f"measured this start in {forms.seconds:.1f} s, {forms.cpu_seconds:.1f} s of CPU"
+              if forms.num_measured
               else f"read from {forms.path}")
     print(f"\nkernel forms ({source}); streaming {forms.bandwidth / 1e9:.1f} GB/s. Per bucket: "
           "ms a call (GFLOP/s); * chosen, x outside the tolerance; floor: the quantized "
@@ -133,7 +134,7 @@ def print_forms(model) -> None:
         out_features, in_features = (int(d) for d in shape_name.split("x"))
         errors = " ".join(f"{f} {e:.1e}" for f, e in shape["errors"].items())
         print(f"  {name}: error against fp32 {errors} (tolerance {shape['tolerance']:.1e})")
-        print(f"    {'rows':>5} {'floor':>8} " + "".join(f"{f:>17}" for f in shape["rates"]))
+        print(f"    {'rows':>5} {'floor':>8} " + "".join(f"{f:>18}" for f in shape["rates"]))
         for i, (_, rows) in enumerate(form_choice.BUCKETS):
             flops = 2 * rows * out_features * in_features
             floor = shape["bytes"]["quant"] / forms.bandwidth
@@ -142,8 +143,8 @@ def print_forms(model) -> None:
                 rate = rates[i]
                 mark = ("*" if shape["chosen"][i] == form else
                         "x" if shape["errors"][form] > shape["tolerance"] else " ")
-                cells.append(f"{'-':>17}" if rate is None else
-                             f"{mark}{1e3 * flops / rate / 1e9:>7.3f} ({rate:>6.0f})")
+                cells.append(f"{'-':>17} " if rate is None else
+                             f"{1e3 * flops / rate / 1e9:>9.3f} ({rate:>5.0f}){mark}")
             print(f"    {rows:>5} {1e3 * floor:>8.3f} " + "".join(cells))
 
 

@@ -121,7 +121,9 @@ class FormChoice:
         self.shapes: dict[str, dict[str, Any]] = {}  # "head:" or "" + "<out>x<in>" -> results
         self.bandwidth: float | None = None  # bytes/s one thread streams
         self.num_measured = 0  # shapes measured this start (0 on a warm start)
-        self.seconds = 0.0  # spent measuring this start
+        self.seconds = 0.0  # spent measuring this start (wall time)
+        self.cpu_seconds = 0.0  # the same in this process's CPU time (a busy machine's wall
+        # time includes the neighbours' turns)
         if mode == "measure" and path is not None:
             self._read()
 
@@ -155,7 +157,7 @@ class FormChoice:
         shape = f"{'head:' if head else ''}{out_features}x{in_features}"
         name = f"{shape}/q{quant.bits}g{quant.group}"
         if name not in self.shapes:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             if self.bandwidth is None:
                 self.bandwidth = stream_bandwidth()
             tolerance = HEAD_TOLERANCE if head else TOLERANCE
@@ -165,19 +167,21 @@ class FormChoice:
                                         self.bandwidth, one_call=not head, known=known)
             self.num_measured += 1
             self.seconds += time.perf_counter() - started
+            self.cpu_seconds += time.process_time() - cpu_started
         return tuple(self.shapes[name]["chosen"])
 
     def save(self) -> None:
         """Write what this start measured (nothing to write on a warm start)."""
         if not self.num_measured or self.path is None:
             return
-        logger.info("kernel forms measured for %d projection shapes in %.1f s (first start of "
-                    "this model on this CPU; later starts read %s)", self.num_measured,
-                    self.seconds, self.path)
+        logger.info("kernel forms measured for %d projection shapes in %.1f s (%.1f s of CPU; "
+                    "first start of this model on this CPU; later starts read %s)",
+                    self.num_measured, self.seconds, self.cpu_seconds, self.path)
         for name, result in self.shapes.items():
             logger.info("forms of %s by rows %s: %s", name,
                         [rows for _, rows in BUCKETS], " ".join(result["chosen"]))
         data = {"key": self.key, "bandwidth": self.bandwidth, "seconds": self.seconds,
+                "cpu_seconds": self.cpu_seconds,
                 "buckets": [list(b) for b in BUCKETS], "shapes": self.shapes}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -241,10 +245,17 @@ def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None,
         forms["int8"] = lambda x: kernels.int8_matmul(x, int8)
     for form, dtype in DENSE_DTYPES.items():
         if form in names:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
-            forms[form] = (lambda x, p=packed, d=dtype: torch.ops.mkldnn._linear_pointwise(
-                x.to(d), p, None, "none", [None], "").float())
+            forms[form] = _dense(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None),
+                                 dtype)
     return forms
+
+
+def _dense(packed: torch.Tensor, dtype: torch.dtype
+           ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(
+            x.to(dtype), packed, None, "none", [None], "").float()
+    return run
 
 
 def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sample,
@@ -292,7 +303,7 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
                 assert fn is not None
                 arg = xb16 if form == "bf16" else xb
                 fn(arg)  # warm-up: oneDNN builds its primitive for the shape here
-                spent = min(_seconds(lambda f=fn, a=arg: f(a)) for _ in range(REPEATS))
+                spent = min(_seconds(functools.partial(fn, arg)) for _ in range(REPEATS))
                 rate = flops / max(spent * out_features / rows, sizes[form] / bandwidth) / 1e9
             rates[form].append(rate)
             if rate is not None and errors[form] <= tolerance:
