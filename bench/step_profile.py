@@ -14,8 +14,13 @@ norm / RoPE / SwiGLU kernels, sampling, the scheduler; "Python and glue" is the 
 step. Times are CPU time of this process (robust to a busy neighbour, unlike wall time).
 
 Floors, measured here: weight bytes read once at the streaming bandwidth of one core (batch
-1), the step's GEMM FLOPs at the float32 GEMM peak of one core (batch 64), K/V bytes at the
-streaming bandwidth (attention). docs/performance.md reads these tables.
+1), the step's GEMM FLOPs at the peak of the form each projection runs (batch 64), K/V bytes at
+the streaming bandwidth (attention). docs/performance.md reads these tables.
+
+First, the kernel forms (form_choice.py): for each projection shape, each candidate form's time
+and rate per bucket of rows as measured at the model's first start on this CPU (read from the
+choice file on later starts), beside the floor of reading the quantized weights once, and which
+form was chosen.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch  # noqa: E402
 
 from llmq.worker.engine.config import EngineConfig  # noqa: E402
 from llmq.worker.engine.engine_core import EngineCore  # noqa: E402
-from llmq.worker.engine.model import cpu_kernels, linear  # noqa: E402
+from llmq.worker.engine.model import cpu_kernels, form_choice, linear  # noqa: E402
 from llmq.worker.engine.model.attention import PagedAttention  # noqa: E402
 from llmq.worker.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -57,10 +62,8 @@ def instrument(engine: EngineCore) -> None:
     head = model.lm_head
 
     def linear_forward(self, x, _orig=linear.Linear.forward):
-        small = self.quant is not None and x.shape[0] <= linear.QUANT_MAX_ROWS
-        part = "lm head" if self is head else (
-            "projections (quantized)" if small else
-            "projections (int8 GEMM)" if self.int8 is not None else "projections (dense GEMM)")
+        form = self.form_of(x.shape[0])
+        part = f"lm head ({form})" if self is head else f"projections ({form})"
         return timed(part, _orig)(self, x)
 
     linear.Linear.forward = linear_forward  # type: ignore[method-assign]
@@ -102,6 +105,47 @@ def gemm_peak() -> float:
     x = torch.randn(1024, 576)
     return best_rate(2 * 1024 * 3072 * 576, lambda: torch.ops.mkldnn._linear_pointwise(
         x, w, None, "none", [None], ""))
+
+
+def dense_peak(dtype: torch.dtype) -> float:
+    """FLOP/s of a oneDNN GEMM in `dtype` at the same shape (bfloat16 runs on AMX where the
+    CPU has it)."""
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(3072, 576).to(dtype), None)
+    x = torch.randn(1024, 576).to(dtype)
+    return best_rate(2 * 1024 * 3072 * 576, lambda: torch.ops.mkldnn._linear_pointwise(
+        x, w, None, "none", [None], ""))
+
+
+def print_forms(model) -> None:
+    """Each shape's forms as measured (or read from the choice file), beside the floor."""
+    forms = model.forms
+    if forms is None or not forms.shapes:
+        print("kernel forms: none measured (not native, no kernels, or LLMQ_FORMS="
+              f"{forms.mode if forms else '-'})")
+        return
+    source = (f"measured this start in {forms.seconds:.1f} s, {forms.cpu_seconds:.1f} s of CPU"
+              if forms.num_measured
+              else f"read from {forms.path}")
+    print(f"\nkernel forms ({source}); streaming {forms.bandwidth / 1e9:.1f} GB/s. Per bucket: "
+          "ms a call (GFLOP/s); * chosen, x outside the tolerance; floor: the quantized "
+          "weights read once")
+    for name, shape in forms.shapes.items():
+        shape_name = name.split("/")[0].split(":")[-1]
+        out_features, in_features = (int(d) for d in shape_name.split("x"))
+        errors = " ".join(f"{f} {e:.1e}" for f, e in shape["errors"].items())
+        print(f"  {name}: error against fp32 {errors} (tolerance {shape['tolerance']:.1e})")
+        print(f"    {'rows':>5} {'floor':>8} " + "".join(f"{f:>18}" for f in shape["rates"]))
+        for i, (_, rows) in enumerate(form_choice.BUCKETS):
+            flops = 2 * rows * out_features * in_features
+            floor = shape["bytes"]["quant"] / forms.bandwidth
+            cells = []
+            for form, rates in shape["rates"].items():
+                rate = rates[i]
+                mark = ("*" if shape["chosen"][i] == form else
+                        "x" if shape["errors"][form] > shape["tolerance"] else " ")
+                cells.append(f"{'-':>17} " if rate is None else
+                             f"{1e3 * flops / rate / 1e9:>9.3f} ({rate:>5.0f}){mark}")
+            print(f"    {rows:>5} {1e3 * floor:>8.3f} " + "".join(cells))
 
 
 def int8_peak() -> float:
@@ -168,25 +212,31 @@ def main() -> None:
         model._one_call = False
     projections = [m for m in model.modules() if isinstance(m, linear.Linear)]
     quant_bytes = sum(m.quant.nbytes if m.quant is not None else 0 for m in projections)
-    dense_bytes = sum(m.nbytes for m in projections) - quant_bytes
+    other_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
-    # NOTE: the int8 form runs each row as two int8 terms: twice the int8 operations
-    int8_flops = 2 * sum(2 * m.out_features * m.in_features for m in projections
-                         if m.int8 is not None)
-    float_flops = 2 * sum(m.out_features * m.in_features for m in projections if m.int8 is None)
-    bandwidth, peak, peak8 = stream_bandwidth(), gemm_peak(), int8_peak()
+    bandwidth, peak8 = stream_bandwidth(), int8_peak()
+    peaks = {"fp32": gemm_peak(), "bf16": dense_peak(torch.bfloat16),
+             "fp16": dense_peak(torch.float16), "int8": peak8 / 2}  # int8: two terms a row
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
-          f"read {bandwidth / 1e9:.1f} GB/s, float32 GEMM peak {peak / 1e9:.0f} GFLOP/s, "
-          f"int8 GEMM peak {peak8 / 1e9:.0f} GOP/s")
-    print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, int8 and dense forms "
-          f"{dense_bytes / 2**20:.0f} MiB, {flops_per_token / 1e6:.0f} MFLOP per token "
+          f"read {bandwidth / 1e9:.1f} GB/s, GEMM peaks float32 {peaks['fp32'] / 1e9:.0f}, "
+          f"bfloat16 {peaks['bf16'] / 1e9:.0f}, float16 {peaks['fp16'] / 1e9:.0f} GFLOP/s, "
+          f"int8 {peak8 / 1e9:.0f} GOP/s")
+    print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, other forms "
+          f"{other_bytes / 2**20:.0f} MiB, {flops_per_token / 1e6:.0f} MFLOP per token "
           "(LM head included)")
+    print_forms(model)
     for batch in args.batch_sizes:
-        small = batch <= linear.QUANT_MAX_ROWS and quant_bytes
-        weight_floor = (quant_bytes if small else dense_bytes) / bandwidth
-        compute_floor = batch * (int8_flops / peak8 + float_flops / peak)
-        print(f"floor batch {batch}: weights read once {1e3 * weight_floor:.2f} ms, GEMM work "
-              f"at peak {1e3 * compute_floor:.2f} ms")
+        weight_floor = compute_floor = 0.0
+        for m in projections:
+            form = m.form_of(batch)
+            size = m.quant.nbytes if form == "quant" and m.quant is not None else (
+                m.int8.nbytes if form == "int8" and m.int8 is not None else
+                m.out_features * m.in_features * {"bf16": 2, "fp16": 2}.get(form, 4))
+            weight_floor += size / bandwidth
+            flops = 2 * batch * m.out_features * m.in_features
+            compute_floor += flops / peaks[form] if form in peaks else 0.0
+        print(f"floor batch {batch}: the chosen forms' weights read once "
+              f"{1e3 * weight_floor:.2f} ms, GEMM work at their peaks {1e3 * compute_floor:.2f} ms")
     instrument(engine)
     for batch in args.batch_sizes:
         profile_batch(engine, batch, args.steps, args.prompt_len)

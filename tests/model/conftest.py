@@ -103,12 +103,16 @@ def spm_tokenizer(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="session")
 def _repack_cache_in_a_temp_dir(tmp_path_factory):
-    """Native loads write the repack cache (repack_cache.py): keep the tests' entries (one per
-    temporary model file) out of the user's ~/.cache."""
-    old = os.environ.get("LLMQ_REPACK_DIR")
-    os.environ["LLMQ_REPACK_DIR"] = str(tmp_path_factory.mktemp("repacked"))
+    """Native loads write the repack cache (repack_cache.py) and the kernel form choice
+    (form_choice.py): keep the tests' entries (one per temporary model file) out of the
+    user's ~/.cache."""
+    names = ("LLMQ_REPACK_DIR", "LLMQ_FORMS_DIR")
+    old = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ[name] = str(tmp_path_factory.mktemp(name.lower()))
     yield
-    if old is None:
-        os.environ.pop("LLMQ_REPACK_DIR", None)
-    else:
-        os.environ["LLMQ_REPACK_DIR"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

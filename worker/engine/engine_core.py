@@ -79,6 +79,11 @@ class EngineCore:
         from llmq.worker.engine.model_runner import ModelRunner
 
         if loaded is None:
+            import torch
+
+            # NOTE: the steps' thread count before loading: the kernel forms are measured
+            # (model/form_choice.py) on the threads the steps run on
+            torch.set_num_threads(config.threads)
             started = time.perf_counter()
             loaded = load_model(config.model or ensure_default_model(), config.dtype,
                                 config.weights)

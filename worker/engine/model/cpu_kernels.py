@@ -211,6 +211,7 @@ class CpuKernels:
 
     _instance: CpuKernels | None = None
     _tried = False
+    build_id = ""  # the library's name (its build key): form_choice.py keys its file by it
 
     def __init__(self, library: ctypes.CDLL) -> None:
         i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -250,6 +251,7 @@ class CpuKernels:
             path = build_library(directory)
             if path is not None:
                 cls._instance = cls(ctypes.CDLL(str(path)))
+                cls._instance.build_id = path.stem
         except (OSError, subprocess.SubprocessError) as e:
             logger.warning("CPU kernels unavailable: %s", e)
         if cls._instance is None:

@@ -6,18 +6,18 @@ torch.compile's CPU freezing pass (the oneDNN ops used for the dense form).
 
 Forms, chosen per call by the number of rows (tokens) in x:
 
-- quantized (`--weights native`, GGUF block-quantized tensors), up to `QUANT_MAX_ROWS` rows:
-  a decode step of a few sequences reads each weight once, and 4-bit weights are 1/8 of
-  float32's bytes. With the compiled kernels (cpu_kernels.py) it is a `QuantMatrix`, run in
-  float32 arithmetic (the file's own numbers, exactly); without them torch's int4 kernel
-  (`Int4Weight`, bfloat16 in and out) where the type maps onto it.
-- int8 (`--weights native` with the compiled kernels, above `QUANT_MAX_ROWS` rows): an
-  `Int8Matrix`, run on torch's int8 GEMM, ~2x float32 oneDNN (int8_matrix.py says how it
-  keeps the activations' precision). The decoder's projections only: the LM head's error
-  would go straight into the logits, and it runs on few rows (the sampled ones).
-- dense: the weight prepacked for oneDNN in float32 (`fp32`, and `native` where int8 is not
-  built) or bfloat16 (`bf16`). Above a few rows the GEMM is compute-bound, and on CPUs
-  without AMX float32 oneDNN beats both bfloat16 and the int4 kernels (bench/kernels.py).
+- `--weights native` with the compiled kernels (cpu_kernels.py): the form form_choice.py chose
+  for the call's bucket of rows, by measuring this CPU at the model's first start (or by
+  assumption with LLMQ_FORMS=fixed): the GGUF's blocks on the quantized kernels
+  (`QuantMatrix`, float32 arithmetic on the file's own numbers: the file's bytes, the fewest a
+  step can read), the two-term int8 GEMM (`Int8Matrix`, int8_matrix.py), or the dequantized
+  weight in bfloat16, float16 or float32 packed for oneDNN. Only the forms some bucket chose
+  are built (each from the blocks, or mapped from the repack cache); the others, and the
+  dense copy they come from, are not kept.
+- `--weights native` without the kernels (no compiler): torch's int4 kernel (`Int4Weight`,
+  bfloat16 in and out) up to `QUANT_MAX_ROWS` rows where the type maps onto it, float32
+  oneDNN above.
+- dense (`fp32`, `bf16`, a Hugging Face folder): the weight prepacked for oneDNN in its dtype.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
 from .cpu_kernels import CpuKernels, QuantMatrix
+from .form_choice import BUCKETS, DENSE_DTYPES, FormChoice, Sample, bucket_of
 from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
 from .int8_matrix import Int8Matrix
@@ -42,13 +43,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# NOTE: measured with bench/kernels.py on a 2-vCPU Xeon (AVX-512, no AMX), one thread: the
-# quantized kernels beat float32 oneDNN up to ~8 rows on every SmolLM2 shape (M=4: 0.6-0.7x;
-# M=16: 1.3-1.4x). With weights hot in cache the int8 form is ahead of them already at 4-8 rows
-# (bench/results/kernels-int8-2026-12-01.txt), but a model streams its weights from memory,
-# where 4-bit blocks are ~60% of int8's bytes, and up to 8 rows a decode step is one kernel
-# call (llama.py); that crossover is not re-measured.
+# NOTE: the quantized kernels take up to 8 rows a call; without the compiled kernels, torch's
+# int4 kernel serves steps of up to this many rows (it loses to float32 oneDNN above).
 QUANT_MAX_ROWS = 8
+# rows past the last finite bucket's bound share its form (Linear._form_by_rows)
+ROUTED_ROWS = BUCKETS[-2][0] + 1
+DENSE_CHUNK_ROWS = 4096  # rows dequantized at a time into a dense form (bounds the peak RSS)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -79,9 +79,14 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._packed: torch.Tensor | None = None
         self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
-        self.int8: Int8Matrix | None = None  # the large-batch form of `native`, if any
+        self.int8: Int8Matrix | None = None  # the int8 form, where a bucket chose it
+        self._dense: dict[str, torch.Tensor] = {}  # chosen dense forms: "bf16" -> packed weight
+        self._dense_bias: dict[str, torch.Tensor | None] = {}
+        self.forms: tuple[str, ...] | None = None  # the form of each BUCKETS bucket, if chosen
+        self._form_by_rows: list[str] = []  # forms[bucket of rows], rows 0..ROUTED_ROWS
         self._kernels: CpuKernels | None = None
         self._quantized_rows: list[tuple[slice, QuantizedTensor]] = []
+        self._decoded: BlockQuant | None = None  # the blocks, decoded once while finalizing
         self.quant_only = False  # set by finalize: the quantized form serves every batch size
         self.dense_from: QuantizedEmbedding | None = None  # a tied head's faster dense source
         # LoRA (worker/engine/lora/): where the step's adapters are, and this projection's
@@ -95,90 +100,159 @@ class Linear(nn.Module):
         self._quantized_rows.append((rows or slice(0, self.out_features), tensor))
 
     def finalize(self, native: bool, kernels: CpuKernels | None, keep_dense: bool = False,
-                 int8: bool = True, quant_only: bool = False, cache: RepackCache | None = None,
-                 name: str = "") -> None:
-        """Build the forms once the weights are loaded: with `native`, quantized from the GGUF
-        blocks and (`int8`, given the kernels) int8 for large batches; otherwise the
-        oneDNN-packed dense weight. Unless it is shared (a tied head), the dense copy is freed:
-        the form built replaces it, and keeping both doubles the RSS. With `cache`, the forms
-        built from blocks are taken from (or stored in) the repack cache under `name`.
+                 quant_only: bool = False, cache: RepackCache | None = None, name: str = "",
+                 forms: FormChoice | None = None, head: bool = False) -> None:
+        """Build the forms once the weights are loaded: with `native`, the quantized form from
+        the GGUF blocks, then (given `forms`, the kernels' form choice) the form of every
+        bucket of rows; otherwise the oneDNN-packed dense weight. Unless it is shared (a tied
+        head that also serves lookups), the dense copy is freed: the forms built replace it,
+        and keeping both doubles the RSS. With `cache`, the forms built from blocks are taken
+        from (or stored in) the repack cache under `name`. `head`: the LM head (its own
+        tolerance in the choice).
 
         `quant_only` (mixture-of-experts experts): where a quantized form is built, it is the
         only one, for every batch size: an expert sees a few tokens a step, and an int8 or
         dense copy of every expert would multiply the weights' memory for nothing."""
         self._kernels = kernels
         if native and self._quantized_rows:
-            want_int8 = kernels is not None and int8 and not quant_only
             if not (kernels is not None and cache is not None
-                    and self._forms_from_cache(cache, name, want_int8)):
-                self._build_forms(kernels, want_int8, cache, name)
+                    and self._quant_from_cache(cache, name)):
+                self._build_quant(kernels, cache, name)
         self.quant_only = quant_only and self.quant is not None
         if self.quant_only:
-            self._quantized_rows = []
+            self._quantized_rows, self._decoded = [], None
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
             return
-        needs_dense = keep_dense or (self.int8 is None and self._packed is None)
-        from_blocks = (needs_dense and not keep_dense and bool(self._quantized_rows)
+        if (forms is not None and isinstance(self.quant, QuantMatrix) and not keep_dense
+                and self.weight.dtype == torch.float32):
+            self._build_chosen(forms, cache, name, head)
+            return
+        from_blocks = (not keep_dense and bool(self._quantized_rows)
                        and self.weight.dtype == torch.float32)
-        if needs_dense:
-            # NOTE: a shared weight (a tied head that also serves embedding lookups) is filled
-            # in place, never swapped for a map of the cache
-            self._fill_dense(None if keep_dense else cache, name)
-        self._quantized_rows = []
-        if self.int8 is None and self._packed is None and _onednn_available():
-            # NOTE: a float32 dense form decoded from GGUF blocks (the LM head of `native`)
-            # runs oneDNN on the plain weight: as fast as the packed one for a 1B model's head
-            # at 9-256 rows, 1 or 2 threads (up to ~20% slower at 9 rows for 151936 x 896,
-            # equal above), and a warm start keeps it mapped from the repack cache: no 0.33 s
-            # of packing, and no 400 MB copy in every worker's RSS.
+        # NOTE: a shared weight (a tied head that also serves embedding lookups) is filled
+        # in place, never swapped for a map of the cache
+        self._fill_dense(None if keep_dense else cache, name)
+        self._quantized_rows, self._decoded = [], None
+        if _onednn_available():
+            # NOTE: a float32 dense form decoded from GGUF blocks runs oneDNN on the plain
+            # weight (see _build_chosen)
             dense = self.weight.detach()
             self._packed = (dense if from_blocks
                             else torch.ops.mkldnn._reorder_linear_weight(dense, None))
-        if (self.int8 is not None or self._packed is not None) and not keep_dense:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            if not keep_dense:
+                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
-    def _build_forms(self, kernels: CpuKernels | None, want_int8: bool,
-                     cache: RepackCache | None, name: str) -> None:
-        bq = self._block_quant()
+    def _build_quant(self, kernels: CpuKernels | None, cache: RepackCache | None, name: str
+                     ) -> None:
+        bq = self._blocks()
         if bq is None:
             return
         if kernels is not None and QuantMatrix.supports(bq):
             self.quant = QuantMatrix(bq, self.bias)
         else:
             self.quant = Int4Weight.from_block_quant(bq)
-        if self.quant is not None and want_int8 and Int8Matrix.available():
-            # NOTE: from this projection's blocks alone: one float32 matrix at a time
-            self.int8 = Int8Matrix(bq.dequantize_torch(), self.bias)
         if cache is not None and isinstance(self.quant, QuantMatrix):
             quant = self.quant
             arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy(),
                       "offsets": quant.offsets.numpy()}
-            if self.int8 is not None:
-                arrays |= {"int8_q": self.int8.q.numpy(), "int8_scale": self.int8.scale.numpy()}
             meta = {"shape": [quant.out_features, quant.in_features], "group": quant.group,
                     "bits": quant.bits}
-            self._bind_forms(meta, cache.put(name, meta, arrays), want_int8)
+            self._bind_quant(meta, cache.put(name, meta, arrays))
 
-    def _forms_from_cache(self, cache: RepackCache, name: str, want_int8: bool) -> bool:
-        """Take the forms from the repack cache; False (nothing set) if it lacks them."""
+    def _quant_from_cache(self, cache: RepackCache, name: str) -> bool:
+        """Take the quantized form from the repack cache; False (nothing set) if it lacks it."""
         found = cache.get(name)
         if found is None:
             return False
         meta, arrays = found
         if tuple(meta["shape"]) != (self.out_features, self.in_features):
             return False
-        if want_int8 and Int8Matrix.available() != ("int8_q" in arrays):
-            return False
-        self._bind_forms(meta, arrays, want_int8)
+        self._bind_quant(meta, arrays)
         return True
 
-    def _bind_forms(self, meta: dict, arrays: dict[str, np.ndarray], want_int8: bool) -> None:
+    def _bind_quant(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         t = {part: torch.from_numpy(a) for part, a in arrays.items()}
         self.quant = QuantMatrix.from_tiles(t["q"], t["scales"], t["offsets"],
                                             (self.out_features, self.in_features),
                                             meta["group"], meta["bits"], self.bias)
-        if want_int8 and "int8_q" in t:
-            self.int8 = Int8Matrix.from_parts(t["int8_q"], t["int8_scale"], self.bias)
+
+    def _build_chosen(self, forms: FormChoice, cache: RepackCache | None, name: str,
+                      head: bool) -> None:
+        """Build the forms `forms` chose for this shape's buckets, and only those."""
+        quant = self.quant
+        assert isinstance(quant, QuantMatrix)
+        chosen = forms.choose(self.out_features, self.in_features, head, quant, self._sample)
+        for form in sorted(set(chosen) - {"quant"}):
+            if form == "int8":
+                self.int8 = self._int8_form(cache, name)
+            elif form == "fp32" and head:
+                # NOTE: the head's float32 runs oneDNN on the plain weight: as fast as the
+                # packed one for a 1B model's head at 9-256 rows, and a warm start keeps it
+                # mapped from the repack cache (no packing, no copy in every worker's RSS).
+                self._fill_dense(cache, name)
+                self._dense[form] = self.weight.detach()
+            else:
+                self._dense[form] = self._dense_form(form, cache, name)
+        if "quant" not in chosen:
+            self.quant = None
+        self._dense_bias = {form: None if self.bias is None else
+                            self.bias.detach().to(DENSE_DTYPES[form]) for form in self._dense}
+        self.forms = chosen
+        self._form_by_rows = [chosen[bucket_of(rows)] for rows in range(ROUTED_ROWS + 1)]
+        self._quantized_rows, self._decoded = [], None
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _sample(self, rows: int) -> Sample:
+        """The first `rows` output rows, float32 and quantized (what form_choice.py times)."""
+        bq, quant = self._blocks(), self.quant
+        assert bq is not None and isinstance(quant, QuantMatrix)
+        tiles = -(-rows // 16)
+        part = QuantMatrix.from_tiles(quant.q[:tiles], quant.scales[:tiles],
+                                      quant.offsets[:tiles], (rows, self.in_features),
+                                      quant.group, quant.bits)
+        return _rows(bq, 0, rows).dequantize_torch(), part
+
+    def _int8_form(self, cache: RepackCache | None, name: str) -> Int8Matrix:
+        found = cache.get(f"{name}.int8") if cache is not None else None
+        if found is None or found[1]["q"].shape != (self.out_features, self.in_features):
+            bq = self._blocks()
+            assert bq is not None
+            # NOTE: from this projection's blocks alone: one float32 matrix at a time
+            int8 = Int8Matrix(bq.dequantize_torch(), self.bias)
+            if cache is None:
+                return int8
+            found = ({}, cache.put(f"{name}.int8", {"shape": [*int8.q.shape]},
+                                   {"q": int8.q.numpy(), "scale": int8.scale.numpy()}))
+        arrays = found[1]
+        return Int8Matrix.from_parts(torch.from_numpy(arrays["q"]),
+                                     torch.from_numpy(arrays["scale"]), self.bias)
+
+    def _dense_form(self, form: str, cache: RepackCache | None, name: str) -> torch.Tensor:
+        """The weight in `form`'s dtype packed for oneDNN; its plain copy comes from the
+        repack cache (`<name>.<form>`, bfloat16 stored as int16) or the blocks."""
+        dtype, shape = DENSE_DTYPES[form], (self.out_features, self.in_features)
+        found = cache.get(f"{name}.{form}") if cache is not None else None
+        stored = found[1].get("weight") if found is not None else None
+        if stored is not None and stored.shape == shape:
+            weight = torch.from_numpy(stored)
+            weight = weight.view(dtype) if dtype == torch.bfloat16 else weight
+        else:
+            bq = self._blocks()
+            assert bq is not None
+            weight = torch.empty(shape, dtype=dtype)
+            for start in range(0, self.out_features, DENSE_CHUNK_ROWS):
+                stop = min(start + DENSE_CHUNK_ROWS, self.out_features)
+                weight[start:stop] = _rows(bq, start, stop).dequantize_torch()
+            if cache is not None:
+                plain = weight.view(torch.int16) if dtype == torch.bfloat16 else weight
+                cache.put(f"{name}.{form}", {"shape": list(shape)}, {"weight": plain.numpy()})
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def _blocks(self) -> BlockQuant | None:
+        """The GGUF blocks decoded (once per finalize: the forms built from them share it)."""
+        if self._decoded is None:
+            self._decoded = self._block_quant()
+        return self._decoded
 
     def _fill_dense(self, cache: RepackCache | None = None, name: str = "") -> None:
         """Dequantize the rows load_weights left to us into the dense weight (a tied head:
@@ -218,31 +292,53 @@ class Linear(nn.Module):
         # the finer one's layout, exactly (block_quant.py `merge_rows`).
         decoded = [BlockQuant.from_gguf(t.qtype, t.data, t.shape) for _, t in parts]
         return merge_rows(decoded)
+
     @property
     def nbytes(self) -> int:
         """Bytes of every form held (the RSS the weights cost)."""
         dense = self._packed if self._packed is not None else self.weight
         quant = self.quant.nbytes if self.quant is not None else 0
         int8 = self.int8.nbytes if self.int8 is not None else 0
-        return dense.numel() * dense.element_size() + quant + int8
+        chosen = sum(t.numel() * t.element_size() for t in self._dense.values())
+        return dense.numel() * dense.element_size() + quant + int8 + chosen
+
+    def form_of(self, num_rows: int) -> str:
+        """The form a call of `num_rows` rows runs: one of form_choice.FORMS, or `int4`
+        (torch's kernel) or `dense` where no choice was made."""
+        if self.forms is not None:
+            return self._form_by_rows[min(num_rows, ROUTED_ROWS)]
+        if self.quant is not None and (num_rows <= QUANT_MAX_ROWS or self.quant_only):
+            return "quant" if isinstance(self.quant, QuantMatrix) else "int4"
+        return "dense"
+
+    @property
+    def quant_rows(self) -> int:
+        """Every call of up to this many rows runs on the quantized kernels (0: none does):
+        the one-call decode step (llama.py) needs every projection there."""
+        return next((rows for rows in range(QUANT_MAX_ROWS, 0, -1)
+                     if all(self.form_of(n) == "quant" for n in range(1, rows + 1))), 0)
 
     def input_dtype(self, num_rows: int) -> torch.dtype:
         """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
-        if isinstance(self.quant, Int4Weight) and num_rows <= QUANT_MAX_ROWS:
+        form = self.form_of(num_rows)
+        if form in ("int4", "bf16"):
             return torch.bfloat16
-        return torch.float32 if self.quant is not None else self.weight.dtype
+        return torch.float32 if form != "dense" else self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_rows, in] -> [num_rows, out]: float32 from the compiled quantized and int8
-        forms, bfloat16 from torch's int4 one, the weight's dtype from the dense one (callers
-        cast where they need another). With LoRA rows in the step, each adds its adapter's
-        low-rank product to the base output (whichever form computed it)."""
+        forms and float16's, bfloat16 from torch's int4 one and bfloat16's, the weight's dtype
+        from the dense one (callers cast where they need another). With LoRA rows in the step,
+        each adds its adapter's low-rank product to the base output (whichever form computed
+        it)."""
         y = self._base_forward(x)
         if self.lora_slot is not None:
             self.lora_slot.add_(self.lora_key, x, y)
         return y
 
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.forms is not None:
+            return self._chosen_forward(x, self._form_by_rows[min(x.shape[0], ROUTED_ROWS)])
         if isinstance(self.quant, QuantMatrix) and self.quant_only and x.shape[0] > QUANT_MAX_ROWS:
             # NOTE: the kernel takes up to QUANT_MAX_ROWS rows a call
             return torch.cat([self._base_forward(rows) for rows in x.split(QUANT_MAX_ROWS)])
@@ -252,11 +348,34 @@ class Linear(nn.Module):
                 return self._kernels.quant_matmul(x.float(), self.quant)
             y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
-        if self.int8 is not None:  # it adds the bias itself
-            assert self._kernels is not None
-            return self._kernels.int8_matmul(x.float(), self.int8)
         x = x.to(self.weight.dtype)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self._packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _chosen_forward(self, x: torch.Tensor, form: str) -> torch.Tensor:
+        kernels = self._kernels
+        assert kernels is not None
+        if form == "quant":  # the kernels add the bias themselves
+            assert isinstance(self.quant, QuantMatrix)
+            x = x.float()
+            if x.shape[0] <= QUANT_MAX_ROWS:
+                return kernels.quant_matmul(x, self.quant)
+            # NOTE: the kernel takes up to QUANT_MAX_ROWS rows a call
+            return torch.cat([kernels.quant_matmul(rows, self.quant)
+                              for rows in x.split(QUANT_MAX_ROWS)])
+        if form == "int8":
+            assert self.int8 is not None
+            return kernels.int8_matmul(x.float(), self.int8)
+        y = torch.ops.mkldnn._linear_pointwise(  # [rows, out] in the form's dtype
+            x.to(DENSE_DTYPES[form]).contiguous(), self._dense[form], self._dense_bias[form],
+            "none", [None], "")
+        # NOTE: the fused kernels after a projection read float32 or bfloat16, not float16
+        return y.float() if form == "fp16" else y
+
+
+def _rows(bq: BlockQuant, start: int, stop: int) -> BlockQuant:
+    """Rows [start, stop) of a projection's blocks (views, no copy)."""
+    return BlockQuant(bq.q[start:stop], bq.scales[start:stop], bq.offsets[start:stop],
+                      bq.group, bq.bits)

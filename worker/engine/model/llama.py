@@ -18,8 +18,9 @@ torch ops per layer (everything else). docs/models.md lists which family runs wh
 
 Precision: `dtype` is the KV cache's. Activations (the residual stream, norms, RoPE) are float32
 except on the all-bfloat16 path (`weights="bf16"` with a bfloat16 cache), which keeps today's
-bfloat16 numerics. `weights` says how the projections are held (linear.py): `native` (GGUF
-quantized kernels for small batches, float32 GEMMs for large ones), `bf16` or `fp32`.
+bfloat16 numerics. `weights` says how the projections are held (linear.py): `native` (from
+the GGUF blocks, in the form per bucket of rows measured fastest on this CPU: form_choice.py),
+`bf16` or `fp32`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
-from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
+from .cpu_kernels import CpuKernels, DecoderLayer
 from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
+from .form_choice import FormChoice
 from .gguf_loader import QuantizedTensor
-from .linear import QUANT_MAX_ROWS, Linear, _param
+from .linear import Linear, _param
 from .moe import SparseMoe
 from .repack_cache import RepackCache
 from .rope import RopeConfig, Rotary
@@ -106,8 +108,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         # native: a quantized embedding is looked up from its blocks, not a dense table
         self.embed_quant: QuantizedEmbedding | None = None
-        # native with the kernels: small decode steps run every layer in one kernel call
+        # native with the kernels: decode steps of up to this many rows (those every decoder
+        # projection runs on the quantized kernels) run every layer in one kernel call
         self._one_call = False
+        self._one_call_rows = 0
+        self.forms: FormChoice | None = None  # native with the kernels: the forms chosen
         self._one_call_layers: tuple[tuple[int, ...], ctypes.Array] | None = None
         # One Rotary per distinct RoPE (Gemma 3's local and global layers differ), one
         # PagedAttention per distinct window; each layer points at its own.
@@ -237,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self._layers
         h = self.embed(input_ids)  # [n, hidden] residual stream (float32 here)
         # NOTE: the one-call kernel has no LoRA hook: a step with adapter rows runs op by op.
-        if (self._one_call and meta.num_decodes == meta.num_seqs and n <= QUANT_MAX_ROWS
+        if (self._one_call and meta.num_decodes == meta.num_seqs and n <= self._one_call_rows
                 and self.lora_slot.batch is None):
             # NOTE: a few decodes: the whole step in one kernel call. The ~9 calls a layer
             # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step.
@@ -355,7 +360,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
-                     repack: RepackCache | None = None) -> None:
+                     repack: RepackCache | None = None, forms: FormChoice | None = None
+                     ) -> None:
         """Copy named tensors in Hugging Face layout and names (`model.layers.0.self_attn.
         q_proj.weight`, ...) into the fused parameters, converting dtype on the way.
 
@@ -363,7 +369,8 @@ class LlamaForCausalLM(nn.Module):
         is dequantized into the dense weight, or with `weights="native"` kept for the
         projection's quantized forms. Call it once: afterwards the projections build their
         forms one at a time (linear.py; from `repack`, the repack cache, where it has them) and
-        dequantize only what a dense form still needs.
+        dequantize only what a dense form still needs. `forms`: the kernels' form choice of
+        this model on this CPU (form_choice.py; None: the forms by assumption).
         """
         arch = self.arch
         tied_head = self.lm_head if arch.tie_word_embeddings else None
@@ -409,20 +416,25 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.dense_from = self.embed_quant
         experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
                    for m in moe.experts.modules()}
+        if native and self.kernels is not None:
+            self.forms = forms or FormChoice("fixed", None, {}, self.kernels)
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.finalize(native, self.kernels,
                                 keep_dense=keep_embedding and module.weight is self.embed_tokens,
-                                int8=module is not self.lm_head, quant_only=id(module) in experts,
-                                cache=repack, name=name)
+                                quant_only=id(module) in experts, cache=repack, name=name,
+                                forms=self.forms, head=module is self.lm_head)
         if repack is not None:
             repack.commit()
+        if self.forms is not None:
+            self.forms.save()
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
+        self._one_call_rows = 0 if not self._one_call_able else min(
+            (p.quant_rows for layer in self._layers for p in layer.projections), default=0)
         self._one_call = (self._one_call_able and self.kernels is not None
                           and self.paged_attention.kernels is not None
-                          and all(isinstance(p.quant, QuantMatrix) for layer in self._layers
-                                  for p in layer.projections))
+                          and self._one_call_rows > 0)
         logger.info("weights %s: %.0f MiB in the projections", self.weights,
                     sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
 

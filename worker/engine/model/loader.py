@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .arch import ModelArchConfig
+from .form_choice import FormChoice
 from .gguf_loader import check_tensor_types, iter_gguf_weights
 from .gguf_reader import FastGGUFReader
 from .hf_loader import iter_hf_weights, read_hf_arch
@@ -63,9 +64,11 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
             building = pool.submit(Tokenizer.from_gguf, reader)
             model = LlamaForCausalLM(arch, dtype, weights)
             native = weights == "native"
+            fingerprint = reader.fingerprint() if native else ""
             model.load_weights(
                 iter_gguf_weights(reader, arch, keep_quantized=native),
-                RepackCache.for_model(path, reader.fingerprint()) if native else None)
+                RepackCache.for_model(path, fingerprint) if native else None,
+                FormChoice.for_model(path, fingerprint, model.kernels) if native else None)
             tokenizer = building.result()
     elif path.is_dir():
         arch = read_hf_arch(path)

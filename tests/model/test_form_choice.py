@@ -1,0 +1,185 @@
+"""Kernel forms chosen by measurement (form_choice.py): each projection shape's form per bucket
+of rows is measured at a model's first start on a CPU, kept in a file, and read (not measured
+again) at every later start; a form outside the tolerance is never chosen; whatever is chosen,
+the model's logits stay within that form's precision of the float32 model's."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from llmq.worker.engine.model import form_choice
+from llmq.worker.engine.model.cpu_kernels import QuantMatrix
+from llmq.worker.engine.model.form_choice import BUCKETS, FORMS, fixed_forms
+from llmq.worker.engine.model.linear import Linear
+from llmq.worker.engine.model.loader import load_model
+from tests.fixtures.models import greedy_paged
+from tests.fixtures.tiny_gguf import write_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+
+@pytest.fixture
+def forms_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(form_choice.DIR_ENV, str(tmp_path / "forms"))
+    monkeypatch.delenv(form_choice.ENV, raising=False)
+    return tmp_path / "forms"
+
+
+@pytest.fixture
+def tiny_path(tmp_path: Path) -> Path:
+    """A tiny Qwen2 (biased QKV: every form must add the bias) of a file of its own."""
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_tiny_llama(path, architecture="qwen2", hidden=64, intermediate=128, seed=3)
+    return path
+
+
+def projections(model) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def assert_decodes_alike(native, dense, bound: float) -> None:
+    """Prefill 3 prompts together (157 rows: the largest bucket), then decode them (3 rows):
+    while a sequence's greedy tokens agree, its logits are within `bound` of the largest;
+    every sequence's first token agrees, and most tokens do (a random model has near ties,
+    where any rounding may pick the other token, and the texts go apart from there)."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([130, 7, 20])]
+    ours, our_logits = greedy_paged(native, prompts, 6)
+    theirs, their_logits = greedy_paged(dense, prompts, 6)
+    for seq, (mine, oracle) in enumerate(zip(ours, theirs, strict=True)):
+        same = next((i for i, (a, b) in enumerate(zip(mine, oracle, strict=True)) if a != b),
+                    len(oracle) - 1)
+        for step in range(same + 1):
+            a, b = our_logits[step][seq], their_logits[step][seq]
+            assert (a - b).abs().max() <= bound * b.abs().max(), (seq, step)
+    assert [mine[0] for mine in ours] == [oracle[0] for oracle in theirs]
+    agree = sum(a == b for mine, oracle in zip(ours, theirs, strict=True)
+                for a, b in zip(mine, oracle, strict=True))
+    assert agree >= 0.75 * sum(len(oracle) for oracle in theirs)
+
+
+def test_the_choice_is_measured_once_and_read_at_later_starts(forms_dir, tiny_path, caplog):
+    # Given a model never loaded on this machine
+    # When it is loaded natively
+    with caplog.at_level(logging.INFO, logger=form_choice.__name__):
+        first = load_model(tiny_path, "float32", weights="native").model
+
+    # Then its shapes were measured (q/k/v, o, gate/up, down, and the LM head apart), the log
+    # says so, and the choice is in one file
+    assert first.forms is not None and first.forms.num_measured == 5
+    assert "kernel forms measured for 5 projection shapes" in caplog.text
+    (path,) = forms_dir.glob("*.json")
+    stored = json.loads(path.read_text())
+    assert len(stored["shapes"]) == 5
+
+    # When it is loaded again
+    second = load_model(tiny_path, "float32", weights="native").model
+
+    # Then nothing is measured, and every projection runs the same forms
+    assert second.forms is not None and second.forms.num_measured == 0
+    assert [p.forms for p in projections(second)] == [p.forms for p in projections(first)]
+
+
+def test_every_chosen_form_is_within_the_tolerance(forms_dir, tiny_path):
+    model = load_model(tiny_path, "float32", weights="native").model
+    assert model.forms is not None
+    for name, shape in model.forms.shapes.items():
+        assert all(shape["errors"][form] <= shape["tolerance"] for form in shape["chosen"]), name
+        # the LM head is held to a tighter bound: its error reaches the logits as it is
+        expected = form_choice.HEAD_TOLERANCE if name.startswith("head:") else form_choice.TOLERANCE
+        assert shape["tolerance"] == expected
+
+
+def test_a_form_outside_an_absurd_tolerance_is_never_chosen(forms_dir, tiny_path, monkeypatch):
+    # Given a tolerance only the float32 form itself meets (it is the reference)
+    monkeypatch.setattr(form_choice, "TOLERANCE", 0.0)
+    monkeypatch.setattr(form_choice, "HEAD_TOLERANCE", 0.0)
+
+    # When the model is loaded
+    model = load_model(tiny_path, "float32", weights="native").model
+
+    # Then every bucket of every projection runs float32, though others were faster
+    assert model.forms is not None and model.forms.num_measured == 5
+    assert all(p.forms == ("fp32",) * len(BUCKETS) for p in projections(model))
+    # and no quantized or int8 copy is held for nothing
+    assert all(p.quant is None and p.int8 is None for p in projections(model))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_each_form_forced_gives_the_float32_models_logits(forms_dir, tiny_path, monkeypatch,
+                                                          form):
+    # Given every projection forced onto one form (LLMQ_FORMS=<form>), and the float32 model
+    monkeypatch.setenv(form_choice.ENV, form)
+    native = load_model(tiny_path, "float32", weights="native").model
+    dense = load_model(tiny_path, "float32", weights="fp32").model
+    assert all(p.forms == (form,) * len(BUCKETS) for p in projections(native))
+
+    # Then only that form is held: no quantized, int8 or dense copy beside it
+    for p in projections(native):
+        assert isinstance(p.quant, QuantMatrix) == (form == "quant")
+        assert (p.int8 is not None) == (form == "int8")
+        assert set(p._dense) == ({form} if form in form_choice.DENSE_DTYPES else set())
+        assert p.weight.numel() == 0
+
+    # When both prefill and decode a batch, then every step's logits are within the form's
+    # precision of float32's, and the greedy tokens are float32's
+    # NOTE: int8 here includes the LM head (the choice never puts it there: HEAD_TOLERANCE),
+    # and a random model amplifies rounding (weights up to ~8, near one-hot attention)
+    bound = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "int8": 0.1}[form]
+    assert_decodes_alike(native, dense, bound)
+
+
+def test_fixed_keeps_the_forms_by_assumption(forms_dir, tiny_path, monkeypatch):
+    monkeypatch.setenv(form_choice.ENV, "fixed")
+    model = load_model(tiny_path, "float32", weights="native").model
+    assert model.forms is not None and model.forms.num_measured == 0
+    assert model.lm_head.forms == fixed_forms(head=True)
+    assert all(p.forms == fixed_forms(head=False) for p in projections(model)
+               if p is not model.lm_head)
+    assert not forms_dir.exists()
+
+
+def test_an_unknown_mode_is_refused_by_name(forms_dir, tiny_path, monkeypatch):
+    monkeypatch.setenv(form_choice.ENV, "fastest")
+    with pytest.raises(ValueError, match="LLMQ_FORMS must be one of .*'fastest'"):
+        load_model(tiny_path, "float32", weights="native")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "bad form"])
+def test_a_damaged_or_foreign_choice_file_is_ignored_and_rebuilt(forms_dir, tiny_path, caplog,
+                                                                 damage):
+    # Given a choice file measured before, then damaged or taken from another machine
+    load_model(tiny_path, "float32", weights="native")
+    (path,) = forms_dir.glob("*.json")
+    stored = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text('{"key": {"mod')
+    elif damage == "foreign":
+        path.write_text(json.dumps(stored | {"key": stored["key"] | {"cpu": "another CPU"}}))
+    else:
+        shape = next(iter(stored["shapes"].values()))
+        shape["chosen"] = ["amx-int4"] * len(BUCKETS)
+        path.write_text(json.dumps(stored))
+
+    # When the model is loaded
+    with caplog.at_level(logging.WARNING, logger=form_choice.__name__):
+        model = load_model(tiny_path, "float32", weights="native").model
+
+    # Then the file is not trusted: a warning names it, the shapes are measured again, and
+    # the file is this machine's again
+    assert str(path) in caplog.text and "measuring again" in caplog.text
+    assert model.forms is not None and model.forms.num_measured == 5
+    assert json.loads(path.read_text())["key"] == stored["key"]
+    assert all(set(p.forms or ()) <= set(FORMS) for p in projections(model))
+
+
+def test_chosen_forms_decode_like_the_float32_model(forms_dir, tiny_path):
+    # Given the forms measured on this CPU (whatever they are), and the float32 model
+    native = load_model(tiny_path, "float32", weights="native").model
+    dense = load_model(tiny_path, "float32", weights="fp32").model
+
+    # Then a batch decodes alike, within the int8 form's precision (the least exact choosable)
+    assert_decodes_alike(native, dense, 0.06)
