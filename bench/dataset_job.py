@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/dataset_job.py                       # 20,000 rows, default model
     .venv/bin/python bench/dataset_job.py --rows 300 --tiny     # a quick look (test model)
-    flock /tmp/llmq-heavy.lock .venv/bin/python bench/dataset_job.py --summary-tokens 4 \
+    flock /tmp/bench.lock .venv/bin/python bench/dataset_job.py --summary-tokens 4 \
         --words 12-24 --save bench/results/dataset_job-DATE.txt  # the bar, short rows/outputs
 
 Starts `llmq up --workers 2` under a private run folder, writes a Parquet file of `--rows`
@@ -16,9 +16,15 @@ synthetic articles, then in one run:
    are exactly the results the broker stored for their request ids. NOTE: two separate runs
    agree only as far as greedy decoding does across batch compositions (bf16 on the default
    model may flip a near-tie token; a flipped summary also changes the label's request id);
-   the stored-results check is the resume's own exactness;
+   the stored-results check is the resume's own exactness. Each row that differs is shown
+   with where it first differs: a stage whose request was the same in both runs (the same id
+   but for the job's name: an id ends with a hash of the request) and whose answer differs is
+   the pool answering one request two ways; the same request asked a third time, alone, shows
+   which way it goes then. A request that differs although every earlier stage's answer was the
+   same would be the job's own fault;
 3. throughput: a one-stage dataset job against the same requests prepared as JSONL through
-   `llmq submit -f` (prompts tagged per run so neither finds the other's prompts cached).
+   `llmq submit -f` (prompts tagged per run so neither finds the other's prompts cached), with
+   the CPU seconds each CLI used (on a starved CPU the job's window waits for its CLI).
 
 Prints one line per figure (and, with `--save`, appends them to a file with the command, the
 date and the commit). The machine is shared: read the ratio, not the absolute rate.
@@ -84,6 +90,9 @@ def pipeline_job(folder: Path, name: str, output: str, stages: int, tag: str = "
     return path
 
 
+CPU_SECONDS: dict[str, float] = {}  # the last run's CPU seconds (user + system), by command
+
+
 def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     """(wall seconds, peak RSS in MB of the CLI process, stderr) of one llmq command."""
     start = time.monotonic()
@@ -93,6 +102,7 @@ def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     stderr = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
+    CPU_SECONDS[args[0]] = usage.ru_utime + usage.ru_stime
     if proc.returncode != 0:
         raise SystemExit(f"llmq {' '.join(args)} failed ({proc.returncode}):\n{stderr}")
     return time.monotonic() - start, usage.ru_maxrss // 1024, stderr
@@ -130,6 +140,69 @@ def stored_results(rows: list[dict[str, Any]]) -> str:
                     checked += 1
                     same += client.result(row[f"{stage}_id"], timeout=30).text == row[stage]
     return f"{same}/{checked}"
+
+
+STAGES = ("summary", "label")
+
+
+def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
+                   limit: int = 5) -> list[str]:
+    """One line per row that differs between the two runs (at most `limit`), saying at which
+    stage it first differs and whether that stage's request was the same in both runs."""
+    from llmq.broker import Client
+
+    lines = []
+    with Client() as client:
+        for a, b in zip(killed, whole, strict=False):
+            if comparable(a, "killed.") == comparable(b, "whole.") or len(lines) >= limit:
+                continue
+            for stage in STAGES:
+                ids = [a.get(f"{stage}_id"), b.get(f"{stage}_id")]
+                texts = [a.get(stage), b.get(stage)]
+                if ids[0] is None and ids[1] is None:
+                    continue
+                same_request = (ids[0] or "").removeprefix("killed.") == (
+                    ids[1] or "").removeprefix("whole.")
+                if same_request and texts[0] == texts[1]:
+                    continue
+                stored = [client.result(i, timeout=30).text == t if i else None
+                          for i, t in zip(ids, texts, strict=True)]
+                line = (f"  row {a['llmq_row']}: first differs at {stage}; the same request in "
+                        f"both runs: {same_request}; each run's text its request's stored "
+                        f"result: {stored}; texts {texts[0]!r} / {texts[1]!r}")
+                if same_request and stage == "summary":
+                    line += f"; asked again alone: {again_alone(client, a)!r}"
+                lines.append(line)
+                break
+            else:
+                diff = sorted(k for k in a if comparable(a, "killed.").get(k)
+                              != comparable(b, "whole.").get(k))
+                lines.append(f"  row {a['llmq_row']}: stage texts and requests the same; "
+                             f"differing columns {diff}")
+    return lines
+
+
+def queued_twice(prefix: str) -> str:
+    """How many of a job's requests the queue's batch lane holds more than once, of how many
+    (a resubmitted id must be followed, not queued again)."""
+    from collections import Counter
+
+    from llmq.broker import Client
+
+    with Client() as client:
+        key = client.keys.lane_stream(client.settings.queue, "batch")
+        counts = Counter(i for _, fields in client.redis.xrange(key)
+                         if (i := json.loads(fields[b"json"]).get("id", "")).startswith(prefix))
+    return f"{sum(1 for n in counts.values() if n > 1)} of {len(counts)}"
+
+
+def again_alone(client: Any, row: dict[str, Any]) -> str:
+    """The row's summary request asked again under a fresh id, with nothing else queued."""
+    request_id = f"again-{row['llmq_row']}-{time.time_ns()}"
+    client.submit_many([{"id": request_id, "stream": False, "max_tokens": SUMMARY_TOKENS,
+                         "temperature": 0, "ignore_eos": True,
+                         "prompt": f"Summarise in one sentence: {row['text']}"}])
+    return str(client.result(request_id, timeout=120).text)
 
 
 def killed_twice(folder: Path, rows: int, env: dict[str, str]) -> tuple[list[int], float]:
@@ -180,9 +253,10 @@ def file_rate(folder: Path, env: dict[str, str], rows: int, tag: str) -> float:
 
 
 def throughput(folder: Path, env: dict[str, str], rows: int, rounds: int
-               ) -> list[tuple[float, float]]:
-    """(dataset job, submit -f) tokens/s per round, the order swapped every other round (a
-    shared machine's load drifts); prompts tagged per run so none finds another's cached."""
+               ) -> list[tuple[float, float, dict[str, float]]]:
+    """(dataset job, submit -f) tokens/s per round and the CLIs' CPU seconds, the order swapped
+    every other round (a shared machine's load drifts); prompts tagged per run so none finds
+    another's cached."""
     rates = []
     for n in range(rounds):
         if n % 2 == 0:
@@ -191,7 +265,7 @@ def throughput(folder: Path, env: dict[str, str], rows: int, rounds: int
         else:
             file = file_rate(folder, env, rows, f"[B{n}] ")
             dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
-        rates.append((dataset, file))
+        rates.append((dataset, file, dict(CPU_SECONDS)))
     return rates
 
 
@@ -199,12 +273,13 @@ def run_throughput(folder: Path, env: dict[str, str], args: argparse.Namespace,
                    say: Callable[[str], None]) -> None:
     rows = args.throughput_rows or args.rows
     rates = throughput(folder, env, rows, args.rounds)
-    for n, (dataset, file) in enumerate(rates):
+    for n, (dataset, file, cpu) in enumerate(rates):
         say(f"one stage ({rows} rows), round {n + 1}{' (submit -f first)' if n % 2 else ''}: "
             f"dataset job {dataset:.0f} tok/s, submit -f {file:.0f} tok/s, ratio "
-            f"{dataset / file:.3f}")
+            f"{dataset / file:.3f}; CLI CPU {cpu['run']:.1f} s and {cpu['submit']:.1f} s "
+            f"(load average {os.getloadavg()[0]:.1f})")
     if len(rates) > 1:
-        ratio = statistics.median(dataset / file for dataset, file in rates)
+        ratio = statistics.median(dataset / file for dataset, file, _ in rates)
         say(f"one stage: median ratio {ratio:.3f} over {len(rates)} rounds")
 
 
@@ -304,7 +379,10 @@ def main() -> None:
             f"{len(killed)} rows, each once in order: {rows_once}, identical to the "
             f"uninterrupted run's: {num_same}/{len(whole)} rows, {same_ids}/{len(whole)} in "
             f"row and ids; texts equal to their requests' stored results: "
-            f"{stored_results(killed)}")
+            f"{stored_results(killed)}; requests queued more than once: "
+            f"{queued_twice('killed.')}")
+        for line in differing_rows(killed, whole):
+            say(line)
         run_throughput(folder, env, args, say)
     finally:
         subprocess.run([*LLMQ, "down"], env=env, check=False, stdout=subprocess.DEVNULL)
