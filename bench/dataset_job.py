@@ -165,8 +165,7 @@ def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
                     ids[1] or "").removeprefix("whole.")
                 if same_request and texts[0] == texts[1]:
                     continue
-                stored = [client.result(i, timeout=30).text == t if i else None
-                          for i, t in zip(ids, texts, strict=True)]
+                stored = [is_stored(client, i, t) for i, t in zip(ids, texts, strict=True)]
                 line = (f"  row {a['llmq_row']}: first differs at {stage}; the same request in "
                         f"both runs: {same_request}; each run's text its request's stored "
                         f"result: {stored}; texts {texts[0]!r} / {texts[1]!r}")
@@ -194,6 +193,18 @@ def queued_twice(prefix: str) -> str:
         counts = Counter(i for _, fields in client.redis.xrange(key)
                          if (i := json.loads(fields[b"json"]).get("id", "")).startswith(prefix))
     return f"{sum(1 for n in counts.values() if n > 1)} of {len(counts)}"
+
+
+def is_stored(client: Any, request_id: str | None, text: str | None) -> bool | None:
+    """Whether `text` is the broker's result for `request_id` (None: no id, or no result)."""
+    from llmq.protocol.errors import LLMQError
+
+    if request_id is None:
+        return None
+    try:
+        return bool(client.result(request_id, timeout=30).text == text)
+    except LLMQError:
+        return None
 
 
 def again_alone(client: Any, row: dict[str, Any]) -> str:
