@@ -145,39 +145,47 @@ def stored_results(rows: list[dict[str, Any]]) -> str:
 STAGES = ("summary", "label")
 
 
+def first_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, bool]:
+    """(the first stage at which two runs' rows differ, whether its request was the same in
+    both); ("", True) when only other columns differ."""
+    for stage in STAGES:
+        ids = [(a.get(f"{stage}_id") or "").removeprefix("killed."),
+               (b.get(f"{stage}_id") or "").removeprefix("whole.")]
+        if ids[0] != ids[1] or a.get(stage) != b.get(stage):
+            return stage, ids[0] == ids[1]
+    return "", True
+
+
 def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
                    limit: int = 5) -> list[str]:
-    """One line per row that differs between the two runs (at most `limit`), saying at which
-    stage it first differs and whether that stage's request was the same in both runs."""
+    """A count of the rows that differ between the two runs by where they first differ, then
+    one line for each of the first `limit`: a stage whose request was the same in both runs and
+    whose answers differ is the pool answering one request two ways."""
+    from collections import Counter
+
     from llmq.broker import Client
 
-    lines = []
+    pairs = [(a, b) for a, b in zip(killed, whole, strict=False)
+             if comparable(a, "killed.") != comparable(b, "whole.")]
+    where = Counter(first_difference(a, b) for a, b in pairs)
+    counts = [f"{stage or 'another column'} ({'the same' if same else 'a different'} request "
+              f"in both runs): {n}" for (stage, same), n in sorted(where.items())]
+    lines = [f"rows that differ: {len(pairs)}; first at " + ", ".join(counts)]
     with Client() as client:
-        for a, b in zip(killed, whole, strict=False):
-            if comparable(a, "killed.") == comparable(b, "whole.") or len(lines) >= limit:
+        for a, b in pairs[:limit]:
+            stage, same_request = first_difference(a, b)
+            if not stage:
+                lines.append(f"  row {a['llmq_row']}: stage texts and requests the same")
                 continue
-            for stage in STAGES:
-                ids = [a.get(f"{stage}_id"), b.get(f"{stage}_id")]
-                texts = [a.get(stage), b.get(stage)]
-                if ids[0] is None and ids[1] is None:
-                    continue
-                same_request = (ids[0] or "").removeprefix("killed.") == (
-                    ids[1] or "").removeprefix("whole.")
-                if same_request and texts[0] == texts[1]:
-                    continue
-                stored = [is_stored(client, i, t) for i, t in zip(ids, texts, strict=True)]
-                line = (f"  row {a['llmq_row']}: first differs at {stage}; the same request in "
-                        f"both runs: {same_request}; each run's text its request's stored "
-                        f"result: {stored}; texts {texts[0]!r} / {texts[1]!r}")
-                if same_request and stage == "summary":
-                    line += f"; asked again alone: {again_alone(client, a)!r}"
-                lines.append(line)
-                break
-            else:
-                diff = sorted(k for k in a if comparable(a, "killed.").get(k)
-                              != comparable(b, "whole.").get(k))
-                lines.append(f"  row {a['llmq_row']}: stage texts and requests the same; "
-                             f"differing columns {diff}")
+            ids = [a.get(f"{stage}_id"), b.get(f"{stage}_id")]
+            texts = [a.get(stage), b.get(stage)]
+            stored = [is_stored(client, i, t) for i, t in zip(ids, texts, strict=True)]
+            line = (f"  row {a['llmq_row']}: first differs at {stage}; the same request in "
+                    f"both runs: {same_request}; each run's text its request's stored "
+                    f"result: {stored}; texts {texts[0]!r} / {texts[1]!r}")
+            if same_request and stage == "summary":
+                line += f"; asked again alone: {again_alone(client, a)!r}"
+            lines.append(line)
     return lines
 
 
@@ -190,7 +198,8 @@ def queued_twice(prefix: str) -> str:
 
     with Client() as client:
         key = client.keys.lane_stream(client.settings.queue, "batch")
-        counts = Counter(i for _, fields in client.redis.xrange(key)
+        entries: Any = client.redis.xrange(key)  # [(entry id, {b"json": request, ...})]
+        counts = Counter(i for _, fields in entries
                          if (i := json.loads(fields[b"json"]).get("id", "")).startswith(prefix))
     return f"{sum(1 for n in counts.values() if n > 1)} of {len(counts)}"
 
