@@ -272,35 +272,71 @@ def file_rate(folder: Path, env: dict[str, str], rows: int, tag: str) -> float:
     return tokens / wall
 
 
-def throughput(folder: Path, env: dict[str, str], rows: int, rounds: int
-               ) -> list[tuple[float, float, dict[str, float]]]:
+class Pool:
+    """`llmq up --workers N --detach` under a run folder of its own; `fresh()` replaces it with
+    a new pool over an empty Redis (the throughput runs: a pool that has served earlier runs
+    holds their result streams for a day, and each run on it was slower than the one before)."""
+
+    def __init__(self, folder: Path, workers: int, dtype: str, model: str) -> None:
+        self.folder = folder
+        self.up = [*LLMQ, "up", "--workers", str(workers), "--detach", "--dtype", dtype,
+                   *(["--model", model] if model else [])]
+        self.count = 0
+        self.env: dict[str, str] = {}
+
+    def start(self) -> None:
+        self.count += 1
+        run_dir = self.folder / ("run" if self.count == 1 else f"run{self.count}")
+        os.environ["LLMQ_RUN_DIR"] = str(run_dir)  # this process's Client finds the pool
+        os.environ.pop("LLMQ_REDIS_URL", None)
+        self.env = dict(os.environ)
+        subprocess.run(self.up, env=self.env, check=True, stdout=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        subprocess.run([*LLMQ, "down"], env=self.env, check=False, stdout=subprocess.DEVNULL)
+
+    def fresh(self) -> dict[str, str]:
+        self.stop()
+        self.start()
+        return self.env
+
+
+def throughput(folder: Path, env: dict[str, str], rows: int, rounds: int,
+               pool: Pool | None = None) -> list[tuple[float, float, dict[str, float]]]:
     """(dataset job, submit -f) tokens/s per round and the CLIs' CPU seconds, the order swapped
     every other round (a shared machine's load drifts); prompts tagged per run so none finds
     another's cached."""
+    def fresh() -> dict[str, str]:
+        return env if pool is None else pool.fresh()
+
     rates = []
     for n in range(rounds):
         if n % 2 == 0:
-            dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
-            file = file_rate(folder, env, rows, f"[B{n}] ")
+            dataset = dataset_rate(folder, fresh(), rows, f"[A{n}] ")
+            file = file_rate(folder, fresh(), rows, f"[B{n}] ")
         else:
-            file = file_rate(folder, env, rows, f"[B{n}] ")
-            dataset = dataset_rate(folder, env, rows, f"[A{n}] ")
+            file = file_rate(folder, fresh(), rows, f"[B{n}] ")
+            dataset = dataset_rate(folder, fresh(), rows, f"[A{n}] ")
         rates.append((dataset, file, dict(CPU_SECONDS)))
     return rates
 
 
 def run_throughput(folder: Path, env: dict[str, str], args: argparse.Namespace,
-                   say: Callable[[str], None]) -> None:
+                   say: Callable[[str], None], pool: Pool) -> None:
     rows = args.throughput_rows or args.rows
-    rates = throughput(folder, env, rows, args.rounds)
+    rates = throughput(folder, env, rows, args.rounds, pool if args.fresh_pool else None)
     for n, (dataset, file, cpu) in enumerate(rates):
         say(f"one stage ({rows} rows), round {n + 1}{' (submit -f first)' if n % 2 else ''}: "
             f"dataset job {dataset:.0f} tok/s, submit -f {file:.0f} tok/s, ratio "
             f"{dataset / file:.3f}; CLI CPU {cpu['run']:.1f} s and {cpu['submit']:.1f} s "
             f"(load average {os.getloadavg()[0]:.1f})")
     if len(rates) > 1:
-        ratio = statistics.median(dataset / file for dataset, file, _ in rates)
-        say(f"one stage: median ratio {ratio:.3f} over {len(rates)} rounds")
+        ratios = [dataset / file for dataset, file, _ in rates]
+        # NOTE: rounds alternate the order (ABBA...): over an even number of them the geometric
+        # mean cancels a steady slowdown from one run to the next, the median does not.
+        say(f"one stage: median ratio {statistics.median(ratios):.3f}, geometric mean "
+            f"{statistics.geometric_mean(ratios):.3f} over {len(rates)} rounds"
+            + (", each run on a fresh pool" if args.fresh_pool else ""))
 
 
 def words_range(text: str) -> tuple[int, int]:
@@ -345,6 +381,8 @@ def main() -> None:
                         help="rows of the one-stage throughput comparison (default: --rows)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of the throughput comparison (order swapped each round)")
+    parser.add_argument("--fresh-pool", action="store_true",
+                        help="each throughput run on a pool started for it (an empty Redis)")
     parser.add_argument("--only-throughput", action="store_true",
                         help="skip the pipeline and kill runs")
     parser.add_argument("--save", default=None, help="append the figures to this file")
@@ -353,9 +391,6 @@ def main() -> None:
     say = Report(args.save)
 
     folder = Path(tempfile.mkdtemp(prefix="llmq-dataset-bench-"))
-    os.environ["LLMQ_RUN_DIR"] = str(folder / "run")  # this process's Client finds the pool
-    os.environ.pop("LLMQ_REDIS_URL", None)
-    env = dict(os.environ)
     model = args.model
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -363,16 +398,16 @@ def main() -> None:
 
         model = str(folder / "tiny.gguf")
         write_tiny_llama(model)
-    up = [*LLMQ, "up", "--workers", str(args.workers), "--detach", "--dtype", args.dtype]
-    subprocess.run(up + (["--model", model] if model else []), env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    pool = Pool(folder, args.workers, args.dtype, model)
+    pool.start()
+    env = pool.env
     try:
         write_dataset(folder / "in.parquet", args.rows, args.words)
         say(f"rows: {args.rows} ({args.words[0]}-{args.words[1]} words), workers: "
             f"{args.workers}, model: {model or 'default'} ({args.dtype}), summary "
             f"{SUMMARY_TOKENS} tokens, folder: {folder}")
         if args.only_throughput:
-            run_throughput(folder, env, args, say)
+            run_throughput(folder, env, args, say, pool)
             return
         job = pipeline_job(folder, "whole", "whole.parquet", 2)
         wall, rss, stderr = run_cli(["run", str(job)], env)
@@ -403,9 +438,9 @@ def main() -> None:
             f"{queued_twice('killed.')}")
         for line in differing_rows(killed, whole):
             say(line)
-        run_throughput(folder, env, args, say)
+        run_throughput(folder, env, args, say, pool)
     finally:
-        subprocess.run([*LLMQ, "down"], env=env, check=False, stdout=subprocess.DEVNULL)
+        pool.stop()
 
 
 if __name__ == "__main__":
