@@ -4,6 +4,8 @@
     .venv/bin/python bench/dataset_job.py --rows 300 --tiny     # a quick look (test model)
     flock /tmp/bench.lock .venv/bin/python bench/dataset_job.py --summary-tokens 4 \
         --words 12-24 --save bench/results/dataset_job-DATE.txt  # the bar, short rows/outputs
+    flock /tmp/bench.lock .venv/bin/python bench/dataset_job.py --tiny --only-throughput \
+        --rounds 2 --fresh-pool                                  # the throughput bar alone
 
 Starts `llmq up --workers 2` under a private run folder, writes a Parquet file of `--rows`
 synthetic articles, then in one run:
@@ -24,7 +26,10 @@ synthetic articles, then in one run:
    same would be the job's own fault;
 3. throughput: a one-stage dataset job against the same requests prepared as JSONL through
    `llmq submit -f` (prompts tagged per run so neither finds the other's prompts cached), with
-   the CPU seconds each CLI used (on a starved CPU the job's window waits for its CLI).
+   the CPU seconds each CLI used (on a starved CPU the job's window waits for its CLI). One pool
+   gets slower with every run it serves, whichever kind: `--fresh-pool` starts a pool for each
+   run, and over `--rounds 2` (the order swapped) the geometric mean of the ratios cancels a
+   steady drift.
 
 Prints one line per figure (and, with `--save`, appends them to a file with the command, the
 date and the commit). The machine is shared: read the ratio, not the absolute rate.
@@ -42,12 +47,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 LLMQ = [sys.executable, "-m", "llmq.cli.main"]
 LABELS = ["news", "sport", "science", "culture"]
+STAGES = ("summary", "label")
 SCHEMA = {"type": "object", "properties": {"label": {"enum": LABELS}}, "required": ["label"],
           "additionalProperties": False}
 WORDS = ("the council said a new plan for the river park would open next spring while the team "
@@ -135,14 +142,11 @@ def stored_results(rows: list[dict[str, Any]]) -> str:
     checked = same = 0
     with Client() as client:
         for row in rows:
-            for stage in ("summary", "label"):
+            for stage in STAGES:
                 if row.get(f"{stage}_id"):
                     checked += 1
                     same += client.result(row[f"{stage}_id"], timeout=30).text == row[stage]
     return f"{same}/{checked}"
-
-
-STAGES = ("summary", "label")
 
 
 def first_difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, bool]:
@@ -161,8 +165,6 @@ def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
     """A count of the rows that differ between the two runs by where they first differ, then
     one line for each of the first `limit`: a stage whose request was the same in both runs and
     whose answers differ is the pool answering one request two ways."""
-    from collections import Counter
-
     from llmq.broker import Client
 
     pairs = [(a, b) for a, b in zip(killed, whole, strict=False)
@@ -192,8 +194,6 @@ def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
 def queued_twice(prefix: str) -> str:
     """How many of a job's requests the queue's batch lane holds more than once, of how many
     (a resubmitted id must be followed, not queued again)."""
-    from collections import Counter
-
     from llmq.broker import Client
 
     with Client() as client:
@@ -217,7 +217,7 @@ def is_stored(client: Any, request_id: str | None, text: str | None) -> bool | N
 
 
 def again_alone(client: Any, row: dict[str, Any]) -> str:
-    """The row's summary request asked again under a fresh id, with nothing else queued."""
+    """The row's summary request asked again under a fresh id, alone."""
     request_id = f"again-{row['llmq_row']}-{time.time_ns()}"
     client.submit_many([{"id": request_id, "stream": False, "max_tokens": SUMMARY_TOKENS,
                          "temperature": 0, "ignore_eos": True,
