@@ -8,13 +8,22 @@ adapter (a `RunSink`) that says what a line's record is and where records go.
     end = run.run()          # COMPLETED, CANCELLED (sink.stop_requested) or TIMED_OUT
 
 `lines` are in input order, each a request to `Submit` or a record already `Settled` (a line
-that failed validation, a result an earlier run wrote). Requests are submitted in pipelined
-chunks, keeping at most `max_in_flight` unfinished at a time (None: all at once), and followed
-together (`Client.follow_many`: one reader for all of them). As each request ends, in whatever
-order, the sink makes its record (`finished`); records go to `sink.write` strictly in input
-order, each as soon as every line before it has one, so a run stopped half way has written a
-prefix. Request ids are the caller's, so a rerun or an rq retry queues nothing twice (the
-broker's submit is idempotent).
+that failed validation, a result an earlier run wrote): a list, or any iterable, taken from only
+as the window opens (a dataset job renders its rows as they are needed), and at most
+`max_unwritten` lines ahead of the last record written (None: no bound), so a long input runs
+in bounded memory with no pause between parts of it. Requests are submitted in pipelined chunks,
+keeping at most `max_in_flight` unfinished at a time (None: all at once), and followed together
+(`Client.follow_many`: one reader for all of them). As each request ends, in whatever order, the
+sink makes its record (`finished`); records go to `sink.write` strictly in input order, each as
+soon as every line before it has one, so a run stopped half way has written a prefix. Request
+ids are the caller's, so a rerun or an rq retry queues nothing twice (the broker's submit is
+idempotent).
+
+A bounded window is refilled once an eighth of it is free (`_REFILL_FRACTION`), not after each
+request that ends: every submission makes the reader subscribe new streams, wake its blocked
+read (`CLIENT UNBLOCK`) and send it again with every key it follows, a cost of the window's size;
+refilling a request at a time paid it per request (bench/dataset_job.py: the CLI's CPU per row
+half as much again as `llmq submit -f`'s, and on a starved CPU the pool waited for it).
 
 Follow-ups (the pipelines of llmq.jobs): `finished` may return a `Submit` instead of a record:
 the line goes on with that request (its next stage), queued ahead of new lines within the
@@ -29,8 +38,10 @@ with the same ids picks them up.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -45,6 +56,7 @@ R = TypeVar("R")
 
 _SUBMIT_CHUNK = 1000  # requests per pipelined round trip
 _POLL_MS = 250
+_REFILL_FRACTION = 8  # a bounded window is refilled once this fraction of it is free
 CANCEL_GRACE = 3.0  # s to wait for cancelled requests' final events
 
 
@@ -92,25 +104,30 @@ class RunSink(Protocol[R]):
 
 
 class OrderedRun(Generic[R]):
-    def __init__(self, client: Client, lines: list[Submit | Settled[R]], sink: RunSink[R], *,
-                 max_in_flight: int | None = None, timeout: float | None = None,
-                 cancel_grace: float = CANCEL_GRACE) -> None:
-        if max_in_flight is not None and max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1 (or None), got {max_in_flight}")
+    def __init__(self, client: Client, lines: Iterable[Submit | Settled[R]], sink: RunSink[R],
+                 *, max_in_flight: int | None = None, max_unwritten: int | None = None,
+                 timeout: float | None = None, cancel_grace: float = CANCEL_GRACE) -> None:
+        for name, value in (("max_in_flight", max_in_flight), ("max_unwritten", max_unwritten)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {value}")
         self.client = client
-        self.lines = lines
         self.sink = sink
         self.max_in_flight = max_in_flight
+        self.max_unwritten = max_unwritten
         self.timeout = timeout
         self.cancel_grace = cancel_grace
         self.written = 0  # lines whose records went to the sink, in input order
         self.unfinished = 0  # after a timeout: requests still queued or running
-        self._ready: dict[int, R] = {i: line.record for i, line in enumerate(lines)
-                                     if isinstance(line, Settled)}
-        self._to_submit = [i for i, line in enumerate(lines) if isinstance(line, Submit)]
-        self._submitted = 0  # of _to_submit
-        self._index_of: dict[str, int] = {}  # request id -> line index
-        self._follow_ups: list[tuple[int, Submit]] = []  # (line index, request) to submit
+        self._lines = enumerate(lines)
+        self._num_taken = 0  # lines taken from `lines`
+        self._exhausted = False  # every line taken
+        self._ready: dict[int, R] = {}  # records not yet written, by line index
+        self._queued: deque[tuple[int, Submit]] = deque()  # lines taken, not yet submitted
+        self._submitted = 0  # lines whose first request was submitted
+        self._index_of: dict[str, int] = {}  # request id -> line index, while it runs
+        self._follow_ups: deque[tuple[int, Submit]] = deque()  # (line index, request) to submit
+        self._refill = (1 if max_in_flight is None
+                        else max(1, max_in_flight // _REFILL_FRACTION))
 
     def run(self) -> RunEnd:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -122,9 +139,9 @@ class OrderedRun(Generic[R]):
                     self._stop(gatherer)
                     return RunEnd.CANCELLED
                 self._submit_some(gatherer)
-                if self.written == len(self.lines) or (
-                        not gatherer and not self._follow_ups
-                        and self._submitted == len(self._to_submit)):
+                if (not gatherer and not self._follow_ups and not self._queued
+                        and self._exhausted):
+                    self._flush()
                     return RunEnd.COMPLETED
                 if deadline is not None and time.monotonic() > deadline:
                     self.unfinished = len(gatherer)
@@ -134,44 +151,55 @@ class OrderedRun(Generic[R]):
         finally:
             gatherer.close()
 
+    def _take(self, wanted: int) -> None:
+        """Take lines until `wanted` requests wait to be submitted, the input ends, or the
+        lines taken run `max_unwritten` ahead of the output; settled lines go to `_ready`."""
+        while (len(self._queued) < wanted and not self._exhausted
+               and (self.max_unwritten is None
+                    or self._num_taken - self.written < self.max_unwritten)):
+            taken = next(self._lines, None)
+            if taken is None:
+                self._exhausted = True
+                return
+            self._num_taken += 1
+            index, line = taken
+            if isinstance(line, Settled):
+                self._ready[index] = line.record
+            else:
+                self._queued.append((index, line))
+
     def _submit_some(self, gatherer: FollowerGroup) -> None:
         """Submit while the window has room: follow-ups first, so started lines finish first."""
-        while self._follow_ups or self._submitted < len(self._to_submit):
+        while True:
             room = (_SUBMIT_CHUNK if self.max_in_flight is None
                     else min(_SUBMIT_CHUNK, self.max_in_flight - len(gatherer)))
-            if room <= 0:
+            self._take(max(room, self._refill) - len(self._follow_ups))
+            self._flush()  # settled lines taken just now
+            waiting = len(self._follow_ups) + len(self._queued)
+            # NOTE: with nothing in flight any room will do (the last few, a tiny window).
+            if waiting == 0 or room <= 0 or (room < min(self._refill, waiting) and gatherer):
                 return
-            if self._follow_ups:
-                chunk, self._follow_ups = self._follow_ups[:room], self._follow_ups[room:]
-            else:
-                indexes = self._to_submit[self._submitted:self._submitted + room]
-                self._submitted += len(indexes)
-                chunk = []
-                for index in indexes:
-                    line = self.lines[index]
-                    assert isinstance(line, Submit)
-                    chunk.append((index, line))
+            chunk = [self._follow_ups.popleft() for _ in range(min(room,
+                                                                   len(self._follow_ups)))]
+            while len(chunk) < room and self._queued:
+                chunk.append(self._queued.popleft())
+                self._submitted += 1
             # NOTE: one round trip per run of requests to the same queue (a pipeline's stages
             # may each have their own).
-            start = 0
-            while start < len(chunk):
-                queue = chunk[start][1].queue
-                end = start
-                while end < len(chunk) and chunk[end][1].queue == queue:
-                    end += 1
+            for queue, run in itertools.groupby(chunk, key=lambda item: item[1].queue):
+                same_queue = list(run)
                 # NOTE: every run is batch work (the Batch API, `llmq batch`, `llmq submit -f`,
                 # `llmq run`): its lane (broker/work_lanes.py), unless a line names its own.
                 request_ids = self.client.submit_many(
-                    [{"lane": BATCH, **s.body} for _, s in chunk[start:end]], queue=queue)
+                    [{"lane": BATCH, **s.body} for _, s in same_queue], queue=queue)
                 gatherer.add(request_ids)
-                self._index_of.update(zip(request_ids, [i for i, _ in chunk[start:end]],
+                self._index_of.update(zip(request_ids, [i for i, _ in same_queue],
                                           strict=True))
-                start = end
             self.sink.tick(self._submitted)
 
     def _gather(self, gatherer: FollowerGroup) -> None:
         for transcript in gatherer.poll(block_ms=_POLL_MS):
-            index = self._index_of[transcript.request_id]
+            index = self._index_of.pop(transcript.request_id)
             outcome = self.sink.finished(index, transcript)
             if isinstance(outcome, Submit):
                 self._follow_ups.append((index, outcome))
@@ -194,6 +222,9 @@ class OrderedRun(Generic[R]):
             self._ready[index] = self.sink.not_run(index, submitted=True)
         for index, _ in self._follow_ups:
             self._ready[index] = self.sink.not_run(index, submitted=False)
-        for index in self._to_submit[self._submitted:]:
+        for index, _ in self._queued:
             self._ready[index] = self.sink.not_run(index, submitted=False)
+        for index, line in self._lines:  # the lines not taken yet
+            self._ready[index] = (line.record if isinstance(line, Settled)
+                                  else self.sink.not_run(index, submitted=False))
         self._flush()

@@ -3,14 +3,16 @@
     job = DatasetJob(client, load_job("job.yaml"), on_tick=print_progress)
     job.run()        # every row in the output or the errors file, once
 
-The rows are read a chunk at a time (`chunk_rows`, 10,000 by default) and each chunk runs as one
-`OrderedRun` (broker/ordered_run.py), the runner behind `llmq submit -f`: a row is one of its
-lines. The line's first request is the row's first stage; when that ends, the row's next stage
-is rendered from its columns so far and returned to the run as a follow-up request, queued ahead
-of new rows, so a row enters stage 2 as soon as stage 1 finishes it (on the stage's own queue
-when it names one). A stage whose `when:` is false for the row is skipped (its columns null);
-the row's record is made when no stage is left, and the run writes records strictly in input
-order. At most `max_in_flight` requests are queued or running at a time.
+The rows run as the lines of one `OrderedRun` (broker/ordered_run.py), the runner behind
+`llmq submit -f`: read and rendered as the run's window opens, never more than `chunk_rows`
+(10,000 by default) ahead of the last row written, so memory stays bounded and the pool never
+waits for one part of the dataset to finish before the next starts. A line's first request is
+the row's first stage; when that ends, the row's next stage is rendered from its columns so far
+and returned to the run as a follow-up request, queued ahead of new rows, so a row enters stage
+2 as soon as stage 1 finishes it (on the stage's own queue when it names one). A stage whose
+`when:` is false for the row is skipped (its columns null); the row's record is made when no
+stage is left, and the run writes records strictly in input order. At most `max_in_flight`
+requests are queued or running at a time.
 
 Exactly once, across kills: every request id is derived from the job's name, the row number,
 the stage and a hash of the request itself (`<job>.<row>.<stage>.<hash>`), so a rerun asks for
@@ -30,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +91,7 @@ class _RowState:
 
 @dataclass(frozen=True)
 class _Record:
-    index: int  # the line in this chunk's run
+    index: int  # the line in the job's run
     error: bool  # True: for the errors file
     data: dict[str, Any]
 
@@ -106,7 +108,7 @@ class DatasetJob:
         self.writer = RowWriter(spec.output, spec.errors_path)
         self.progress = DatasetProgress(None, [stage.name for stage in spec.stages])
         self.finished_before = False  # an earlier run finished it: nothing was done
-        self._states: list[_RowState | None] = []  # the chunk's rows, by line index
+        self._states: dict[int, _RowState] = {}  # rows not written yet, by line index
         self._checked_columns = False
 
     def run(self) -> None:
@@ -126,24 +128,32 @@ class DatasetJob:
         frontier = self.writer.resume()
         self.progress.num_resumed = self.writer.num_rows + self.writer.num_errors
         self.progress.num_resumed_errors = self.writer.num_errors
-        self._set_phase("reading rows")
+        self._set_phase("running")
         try:
-            chunk: list[_RowState | _Record] = []
-            for number, row in enumerate(source.rows()):
-                item = self._admit(number, row, dedup)
-                if item is None or number <= frontier:
-                    continue
-                chunk.append(item)
-                if len(chunk) == spec.chunk_rows:
-                    self._run_chunk(chunk)
-                    chunk = []
-            if chunk:
-                self._run_chunk(chunk)
+            lines = self._lines(source.rows(), frontier, dedup)
+            OrderedRun(self.client, lines, self, max_in_flight=spec.max_in_flight,
+                       max_unwritten=spec.chunk_rows).run()
             self._set_phase("writing output")
             self.writer.finish()
             self._set_phase("done")
         finally:
             self.writer.close()
+
+    def _lines(self, rows: Iterator[dict[str, Any] | BadRow], frontier: int,
+               dedup: NearDuplicates | None) -> Iterator[Submit | Settled[_Record]]:
+        """The run's lines, one per row after `frontier`, rendered as the run takes them."""
+        index = 0
+        for number, row in enumerate(rows):
+            item = self._admit(number, row, dedup)
+            if item is None or number <= frontier:
+                continue
+            if isinstance(item, _RowState):
+                self._states[index] = item
+                outcome = self._advance(index, item, 0)
+                yield outcome if isinstance(outcome, Submit) else Settled(outcome)
+            else:
+                yield Settled(_Record(index, item.error, item.data))
+            index += 1
 
     def _admit(self, number: int, row: dict[str, Any] | BadRow,
                dedup: NearDuplicates | None) -> _RowState | _Record | None:
@@ -173,22 +183,6 @@ class DatasetJob:
         self.progress.phase = phase
         if self.on_tick is not None:
             self.on_tick(self.progress)
-
-    def _run_chunk(self, chunk: list[_RowState | _Record]) -> None:
-        self._set_phase("running")
-        self._states = []
-        lines: list[Submit | Settled[_Record]] = []
-        for index, item in enumerate(chunk):
-            if isinstance(item, _RowState):
-                self._states.append(item)
-                outcome = self._advance(index, item, 0)
-                lines.append(outcome if isinstance(outcome, Submit) else Settled(outcome))
-            else:
-                self._states.append(None)
-                lines.append(Settled(_Record(index, item.error, item.data)))
-        OrderedRun(self.client, lines, self, max_in_flight=self.spec.max_in_flight).run()
-        self._states = []
-        self._set_phase("reading rows")
 
     def _check_columns(self, columns: dict[str, Any]) -> None:
         """Once, on the first row: no stage may overwrite an input column."""
@@ -232,11 +226,10 @@ class DatasetJob:
         return {ROW_COLUMN: row, "stage": stage, "id": request_id,
                 "error": {"code": code, "message": message}}
 
-    # -- the RunSink of each chunk's OrderedRun -----------------------------------------------
+    # -- the RunSink of the job's OrderedRun ---------------------------------------------------
 
     def finished(self, index: int, transcript: Transcript) -> _Record | Submit:
         state = self._states[index]
-        assert state is not None
         stage = self.spec.stages[state.stage]
         counts = self.progress.stages[stage.name]
         counts.num_done += 1
@@ -274,8 +267,7 @@ class DatasetJob:
         else:
             self.writer.write_row(record.data)
         self.progress.num_written += 1
-        if 0 <= record.index < len(self._states):
-            self._states[record.index] = None  # NOTE: a written row's columns are not needed
+        self._states.pop(record.index, None)  # NOTE: a written row's columns are not needed
 
     def tick(self, submitted: int) -> None:
         if self.on_tick is not None:

@@ -35,7 +35,7 @@ class DatasetProgress:
     num_written: int = 0  # rows this run wrote to the output or the errors file
     num_errors: int = 0  # of those, to the errors file (this run)
     num_duplicates: int = 0  # rows dedup dropped or flagged (this run and earlier ones)
-    phase: str = "starting"  # starting, reading rows, running, writing output, done
+    phase: str = "starting"  # starting, running, writing output, done
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # unix s, for other hosts to read
     stages: dict[str, StageProgress] = field(default_factory=dict)

@@ -145,3 +145,49 @@ def test_a_stop_cancels_and_records_the_rest_as_not_run(redis_server: Any,
     assert sink.written == ["not_run:0:True", "not_run:1:True", "not_run:2:False"]
     assert redis_client.exists(KEYS.cancel_flag("r-0"), KEYS.cancel_flag("r-1")) == 2
     assert not redis_client.exists(KEYS.cancel_flag("r-2"))
+
+
+def test_lines_are_taken_as_the_window_opens_never_far_ahead_of_the_output(
+        redis_server: Any, worker: FakeWorker) -> None:
+    # Given 30 lines from a generator (a dataset job renders its rows as they are taken), at
+    # most 4 requests in flight and 6 lines taken ahead of the output
+    sink = Sink()
+    ahead_when_taken: list[int] = []
+
+    def lines() -> Any:
+        for number, line in enumerate(_lines(30)):
+            ahead_when_taken.append(number - len(sink.written))
+            yield line
+
+    with Client(redis_server.url) as client:
+        # When they run
+        run = OrderedRun(client, lines(), sink, max_in_flight=4, max_unwritten=6)
+        assert run.run() is RunEnd.COMPLETED
+    # Then every record came, in input order, and no line was taken 6 ahead of the output:
+    # the run held a window's worth of rows, not the input, with no pause between parts of it
+    assert sink.written == [f"ok:r-{i}" for i in range(30)]
+    assert max(ahead_when_taken) < 6
+
+
+def test_a_bounded_window_is_refilled_in_steps_not_a_request_at_a_time(
+        redis_server: Any, worker: FakeWorker) -> None:
+    # Given 100 lines, 32 in flight at most, answered a few at a time
+    submitted: list[int] = []  # the count of lines submitted, each time it changed
+
+    class CountingSink(Sink):
+        def tick(self, submitted_now: int) -> None:
+            if not submitted or submitted[-1] != submitted_now:
+                submitted.append(submitted_now)
+
+    sink = CountingSink()
+    with Client(redis_server.url) as client:
+        # When they run
+        assert OrderedRun(client, _lines(100), sink, max_in_flight=32).run() is RunEnd.COMPLETED
+    # Then the window was filled, then refilled an eighth of it (4) or more at a time, but for
+    # the last few: each refill wakes the result reader and re-sends its read of every stream
+    # followed, a cost of the window's size, so a refill per answer made the client's CPU per
+    # request grow with the window
+    assert len(sink.written) == 100
+    refills = [b - a for a, b in zip(submitted, submitted[1:], strict=False)]
+    assert submitted[0] == 32 and submitted[-1] == 100
+    assert all(refill >= 4 for refill in refills[:-1]), refills
