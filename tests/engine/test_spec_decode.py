@@ -95,6 +95,22 @@ def _two_sample_chi_square(a: collections.Counter, b: collections.Counter) -> tu
     return stat, len(cells) - 1
 
 
+def assert_same_sampled_tokens(base: list, spec: list) -> None:
+    """Outputs of one sampled prompt with and without drafts: the tokens at the drafted
+    positions 1..3 have the same frequencies position by position, and so do the pairs at
+    (1, 2), by a chi-square test at p = 0.001."""
+    for position in (1, 2, 3):
+        a = collections.Counter(o.new_token_ids[position] for o in base)
+        b = collections.Counter(o.new_token_ids[position] for o in spec)
+        stat, dof = _two_sample_chi_square(a, b)
+        assert dof >= 3
+        assert stat < _chi_square_critical(dof), (position, stat, dof, a, b)
+    a = collections.Counter(tuple(o.new_token_ids[1:3]) for o in base)
+    b = collections.Counter(tuple(o.new_token_ids[1:3]) for o in spec)
+    stat, dof = _two_sample_chi_square(a, b)
+    assert stat < _chi_square_critical(dof), (stat, dof)
+
+
 def test_unseeded_and_differently_seeded_outputs_have_the_same_distribution(
         tiny_model, tiny_model_path):
     # Given one prompt sampled 1500 times without speculation (seeds 0..1499), and 1500 times
@@ -114,20 +130,11 @@ def test_unseeded_and_differently_seeded_outputs_have_the_same_distribution(
     speculator = use_oracle(engine, greedy, corrupt_every=0)
     spec = engine.generate([prompt] * n, [params(10_000 + s) for s in range(n)])
     # Then the tokens at the drafted positions 1..3 (position 0 comes from the prefill) have
-    # the same frequencies, by a chi-square test at p = 0.001, position by position
+    # the same frequencies, by a chi-square test at p = 0.001, position by position, and so do
+    # the pairs (position 1, position 2), the draft's first two verdicts together
     assert speculator.stats.num_accepted_tokens > 100
     assert speculator.stats.num_accepted_tokens < speculator.stats.num_draft_tokens
-    for position in (1, 2, 3):
-        a = collections.Counter(o.new_token_ids[position] for o in base)
-        b = collections.Counter(o.new_token_ids[position] for o in spec)
-        stat, dof = _two_sample_chi_square(a, b)
-        assert dof >= 3
-        assert stat < _chi_square_critical(dof), (position, stat, dof, a, b)
-    # And so do the pairs (position 1, position 2), the draft's first two verdicts together
-    a = collections.Counter(tuple(o.new_token_ids[1:3]) for o in base)
-    b = collections.Counter(tuple(o.new_token_ids[1:3]) for o in spec)
-    stat, dof = _two_sample_chi_square(a, b)
-    assert stat < _chi_square_critical(dof), (stat, dof)
+    assert_same_sampled_tokens(base, spec)
 
 
 def test_preemption_and_prefix_cache_hits_in_the_middle_of_speculation(
