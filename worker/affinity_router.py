@@ -23,17 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from llmq.worker.engine.prefix_landmarks import prompt_landmarks
+from llmq.worker.engine.prefix_landmarks import MAX_LANDMARKS, prompt_landmarks
 
 __all__ = ["AffinityRouter", "PeerCache", "Route"]
 
 # Seconds a prompt admitted here counts as held before its blocks show in the cache (a prefill
 # longer than this is rare; after it the cache itself says).
 CLAIM_TTL_S = 20.0
-# The most landmarks a summary carries (8 bytes each: 32 KiB). A cache holds about log2(depth)
-# of them per distinct prefix, so only a cache of thousands of distinct long prompts reaches it;
-# then the smallest hashes are published, a stable subset.
-MAX_LANDMARKS = 4096
 
 
 class Route(NamedTuple):

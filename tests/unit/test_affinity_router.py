@@ -20,7 +20,11 @@ from llmq.worker.affinity_keeper import (
 )
 from llmq.worker.affinity_router import AffinityRouter, PeerCache
 from llmq.worker.engine.kv_cache_manager import KVCacheManager
-from llmq.worker.engine.prefix_landmarks import landmark_depths, prompt_landmarks
+from llmq.worker.engine.prefix_landmarks import (
+    MAX_LANDMARKS,
+    landmark_depths,
+    prompt_landmarks,
+)
 from llmq.worker.engine.request import Request
 from llmq.worker.engine.sampling_params import SamplingParams
 
@@ -66,6 +70,37 @@ def test_evicted_and_reset_prefixes_leave_the_summary():
     # When the cache is reset, nothing is published any more
     assert manager.reset_prefix_cache()
     assert manager.cached_landmarks() == []
+
+
+def run_once(manager: KVCacheManager, request_id: str, tokens: list[int]) -> None:
+    request = Request(request_id, tokens, SamplingParams(), arrival_time=0.0)
+    blocks, hit = manager.get_computed_blocks(request)
+    manager.allocate_slots(request, request.num_tokens - hit, blocks)
+    request.num_computed_tokens = request.num_tokens
+    manager.free(request)
+
+
+def test_a_cache_that_holds_a_long_history_publishes_only_its_most_recent_prefixes():
+    # Given a cache big enough to keep every prefix a long-lived pool has served (a small
+    # model's): more distinct prompts than a summary carries, one block each
+    manager = KVCacheManager(num_blocks=2 * MAX_LANDMARKS + 2_000, block_size=BLOCK)
+    history = [[7, i // 1000, i % 1000, *range(BLOCK)] for i in range(MAX_LANDMARKS + 500)]
+    for i, tokens in enumerate(history):
+        run_once(manager, f"r{i}", tokens)
+    assert len(manager.block_pool.cached_block_hash_to_block) >= len(history)
+    # Then the snapshot the busy loop takes four times a second stays at the bound, whatever
+    # the history: the most recent prefixes, not the oldest
+    published = set(manager.cached_landmarks())
+    assert len(published) == MAX_LANDMARKS
+    assert prompt_landmarks(history[-1], BLOCK)[0][1] in published
+    assert prompt_landmarks(history[0], BLOCK)[0][1] not in published
+    # And an old prefix asked again (still cached: a hit) is published again
+    again = [*history[0][:BLOCK], 99]
+    run_once(manager, "again", again)
+    assert manager.num_prefix_hits == BLOCK
+    published = manager.cached_landmarks()
+    assert prompt_landmarks(history[0], BLOCK)[0][1] in published
+    assert len(published) == MAX_LANDMARKS
 
 
 def test_a_prompt_goes_to_the_peer_holding_its_prefix_deepest():

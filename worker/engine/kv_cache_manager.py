@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from llmq.worker.engine.block_pool import BlockPool, KVCacheBlock
-from llmq.worker.engine.prefix_landmarks import is_landmark, short_hash
+from llmq.worker.engine.prefix_landmarks import MAX_LANDMARKS, is_landmark, short_hash
 from llmq.worker.engine.request import Request
 
 NONE_HASH = 0  # the parent of a request's first block
@@ -58,9 +59,12 @@ class KVCacheManager:
         # Counted once per (re)admission of a request: tokens looked up, tokens found.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
-        # Hashes of landmark blocks offered to the cache (worker/engine/prefix_landmarks.py),
-        # pruned of evicted ones by `cached_landmarks`: what a worker tells its peers it holds.
-        self._landmarks: set[int] = set()
+        # Hashes of the landmark blocks most recently offered to the cache or hit in it
+        # (worker/engine/prefix_landmarks.py), least recent first, at most MAX_LANDMARKS, pruned
+        # of evicted ones by `cached_landmarks`: what a worker tells its peers it holds.
+        # NOTE: bounded, not every landmark the cache holds: the busy loop snapshots them four
+        # times a second, and a cache of many blocks holds every prefix a pool ever served.
+        self._landmarks: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -130,6 +134,9 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 self.num_prefix_queries += request.num_tokens
                 self.num_prefix_hits += len(new_computed) * self.block_size
+                for i, block in enumerate(new_computed):
+                    if is_landmark(i) and block.block_hash is not None:
+                        self._note_landmark(block.block_hash)
         added = new_computed + new_blocks
         req_blocks.extend(added)
         self._cache_full_blocks(request)
@@ -185,8 +192,17 @@ class KVCacheManager:
     def cached_landmarks(self) -> list[int]:
         """Short hashes of the landmark blocks the prefix cache holds now (cache affinity)."""
         cached = self.block_pool.cached_block_hash_to_block
-        self._landmarks = {h for h in self._landmarks if h in cached}
+        for evicted in [h for h in self._landmarks if h not in cached]:
+            del self._landmarks[evicted]
         return [short_hash(h) for h in self._landmarks]
+
+    def _note_landmark(self, block_hash: int) -> None:
+        """A landmark block was cached or hit: the most recent one now; the least recent
+        beyond MAX_LANDMARKS are forgotten (their blocks stay cached, only unpublished)."""
+        self._landmarks[block_hash] = None
+        self._landmarks.move_to_end(block_hash)
+        if len(self._landmarks) > MAX_LANDMARKS:
+            self._landmarks.popitem(last=False)
 
     def _free_out_of_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
         """Free the request's blocks that hold only keys no later query can see.
@@ -224,7 +240,7 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
             if is_landmark(i):
-                self._landmarks.add(request.block_hashes[i])
+                self._note_landmark(request.block_hashes[i])
         self.num_cached_blocks[request_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> None:

@@ -18,9 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["is_landmark", "landmark_depths", "prompt_landmarks", "short_hash"]
+__all__ = ["MAX_LANDMARKS", "is_landmark", "landmark_depths", "prompt_landmarks", "short_hash"]
 
 _MASK64 = (1 << 64) - 1
+# The most landmarks a worker keeps track of and publishes (8 bytes each: a 32 KiB summary): the
+# most recently cached or hit ones. A cache holds about log2(depth) of them per distinct prefix,
+# and a cache of many blocks (a small model's, or a large KV budget) keeps the prefixes of every
+# request a long-lived pool has served: an unbounded summary cost the busy loop time in
+# proportion to the pool's history (bench/results/pool-rounds-2026-12-02.txt).
+MAX_LANDMARKS = 4096
 
 
 def is_landmark(block_index: int) -> bool:
