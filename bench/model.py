@@ -5,7 +5,8 @@
 
 A config is `dtype:weights` (KV cache dtype, `--weights`). Each runs in its own process so load
 time and RSS are not skewed by the other; "RSS" is the process after loading (weights, no KV
-cache), "weights" what the projections and the embedding hold. A batch size B decodes B copies
+cache), "peak" its peak RSS over the whole run (VmHWM: loading, and every batch's KV cache and
+steps), "weights" what the projections and the embedding hold. A batch size B decodes B copies
 of the prompt (different tokens) together, as the engine would. Figures are printed, never
 asserted.
 """
@@ -20,10 +21,11 @@ import sys
 import time
 
 
-def rss_mib() -> float:
+def rss_mib(field: str = "VmRSS") -> float:
+    """The process's resident memory now (VmRSS), or its peak so far (VmHWM)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -103,7 +105,7 @@ def run_one(args: argparse.Namespace) -> dict:
             "decode_tok_s": batch * args.decode_steps / decode_s,
             "decode_ms_per_step": 1e3 * decode_s / args.decode_steps,
         })
-    result["rss_peak_mib"] = rss_mib()
+    result["rss_peak_mib"] = rss_mib("VmHWM")
     return result
 
 
@@ -131,7 +133,7 @@ def main() -> None:
     print(f"model {os.path.basename(model)}  threads={args.threads}  "
           f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps, paged KV "
           f"(block 16)  torch threads via --threads", flush=True)
-    print(f"{'config':<16} {'load s':>7} {'RSS MiB':>8} {'weights':>8} {'batch':>6} "
+    print(f"{'config':<16} {'load s':>7} {'RSS MiB':>8} {'peak':>6} {'weights':>8} {'batch':>6} "
           f"{'prefill tok/s':>14} {'decode tok/s':>13} {'ms/step':>8}", flush=True)
     for config in args.configs.split(","):
         dtype, weights = config.split(":")
@@ -143,6 +145,7 @@ def main() -> None:
         r = json.loads(out.strip().splitlines()[-1])
         for run in r["runs"]:
             print(f"{config:<16} {r['load_s']:>7.2f} {r['rss_mib']:>8.0f} "
+                  f"{r['rss_peak_mib']:>6.0f} "
                   f"{r['weights_mib']:>8.0f} {run['batch']:>6} "
                   f"{run['prefill_tok_s']:>14.0f} {run['decode_tok_s']:>13.1f} "
                   f"{run['decode_ms_per_step']:>8.1f}", flush=True)

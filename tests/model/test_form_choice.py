@@ -183,3 +183,17 @@ def test_chosen_forms_decode_like_the_float32_model(forms_dir, tiny_path):
 
     # Then a batch decodes alike, within the int8 form's precision (the least exact choosable)
     assert_decodes_alike(native, dense, 0.06)
+
+
+def test_a_form_is_held_only_where_it_wins_by_more_than_the_memory_slack():
+    # Given per-bucket costs (seconds a call) where int8 wins the middle bucket by 1.1x over
+    # bfloat16, which is held anyway for the last bucket
+    costs = [{"quant": 1.0, "int8": 1.3, "bf16": 2.0}, {"quant": 2.0, "int8": 1.0, "bf16": 1.1},
+             {"int8": 2.0, "bf16": 1.0}]
+
+    # Then int8 gives its bucket up (no copy held for a 10% win), and each kept form is held
+    assert form_choice._fewest_forms(costs) == ["quant", "bf16", "bf16"]
+
+    # And where int8 wins by more than MEMORY_SLACK, it is held
+    costs[1]["bf16"] = 1.0 * form_choice.MEMORY_SLACK * 1.1
+    assert form_choice._fewest_forms(costs) == ["quant", "int8", "bf16"]

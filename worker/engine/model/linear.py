@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import packed_weight
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
 from .cpu_kernels import CpuKernels, QuantMatrix
 from .form_choice import BUCKETS, DENSE_DTYPES, FormChoice, Sample, bucket_of
@@ -82,6 +83,8 @@ class Linear(nn.Module):
         self.int8: Int8Matrix | None = None  # the int8 form, where a bucket chose it
         self._dense: dict[str, torch.Tensor] = {}  # chosen dense forms: "bf16" -> packed weight
         self._dense_bias: dict[str, torch.Tensor | None] = {}
+        # the repack cache's maps that dense forms' packed tensors wrap (not owned by them)
+        self._backing: list[np.ndarray] = []
         self.forms: tuple[str, ...] | None = None  # the form of each BUCKETS bucket, if chosen
         self._form_by_rows: list[str] = []  # forms[bucket of rows], rows 0..ROUTED_ROWS
         self._kernels: CpuKernels | None = None
@@ -228,25 +231,36 @@ class Linear(nn.Module):
                                      torch.from_numpy(arrays["scale"]), self.bias)
 
     def _dense_form(self, form: str, cache: RepackCache | None, name: str) -> torch.Tensor:
-        """The weight in `form`'s dtype packed for oneDNN; its plain copy comes from the
-        repack cache (`<name>.<form>`, bfloat16 stored as int16) or the blocks."""
+        """The weight in `form`'s dtype packed for oneDNN: mapped from the repack cache
+        (`<name>.<form>`, the packed bytes, packed_weight.py) where it has them for this CPU,
+        else dequantized from the blocks and packed (then stored there, and mapped back)."""
         dtype, shape = DENSE_DTYPES[form], (self.out_features, self.in_features)
         found = cache.get(f"{name}.{form}") if cache is not None else None
-        stored = found[1].get("weight") if found is not None else None
-        if stored is not None and stored.shape == shape:
-            weight = torch.from_numpy(stored)
-            weight = weight.view(dtype) if dtype == torch.bfloat16 else weight
-        else:
-            bq = self._blocks()
-            assert bq is not None
-            weight = torch.empty(shape, dtype=dtype)
-            for start in range(0, self.out_features, DENSE_CHUNK_ROWS):
-                stop = min(start + DENSE_CHUNK_ROWS, self.out_features)
-                weight[start:stop] = _rows(bq, start, stop).dequantize_torch()
-            if cache is not None:
-                plain = weight.view(torch.int16) if dtype == torch.bfloat16 else weight
-                cache.put(f"{name}.{form}", {"shape": list(shape)}, {"weight": plain.numpy()})
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if found is not None:
+            mapped = packed_weight.from_arrays(found[1], shape, dtype)
+            if mapped is not None:
+                self._backing.append(found[1]["packed"])  # the map outlives the tensor
+                return mapped
+        bq = self._blocks()
+        assert bq is not None
+        weight = torch.empty(shape, dtype=dtype)
+        for start in range(0, self.out_features, DENSE_CHUNK_ROWS):
+            stop = min(start + DENSE_CHUNK_ROWS, self.out_features)
+            weight[start:stop] = _rows(bq, start, stop).dequantize_torch()
+        packed = packed_weight.pack(weight)
+        if cache is None or not packed_weight.available():
+            return packed
+        # NOTE: this start, too, runs from the map: its anonymous copy is freed, so a cold
+        # start ends with a warm one's RSS
+        arrays = cache.put(f"{name}.{form}", {"shape": list(shape)},
+                           packed_weight.to_arrays(packed))
+        if not isinstance(arrays["packed"], np.memmap):
+            return packed  # not written (a warm entry, a full disk): keep the copy
+        mapped = packed_weight.from_arrays(arrays, shape, dtype)
+        if mapped is None:
+            return packed
+        self._backing.append(arrays["packed"])
+        return mapped
 
     def _blocks(self) -> BlockQuant | None:
         """The GGUF blocks decoded (once per finalize: the forms built from them share it)."""
