@@ -135,7 +135,10 @@ class AsyncResultReader(ReaderBase):
                 continue
             try:
                 if self._polled:
-                    reply = await self._poll(self._mux.read_command(state.lane, None))
+                    command = self._mux.read_command(state.lane, None)
+                    if command is None:
+                        continue  # its last follower left: back to the idle wait
+                    reply = await self._poll(command)
                 else:
                     if state.conn is None:
                         state.conn = dedicated_connection(self._redis)
@@ -144,6 +147,8 @@ class AsyncResultReader(ReaderBase):
                     block = self._block_ms(state)
                     command = self._mux.read_command(state.lane, block)
                     state.wake_pending = False
+                    if command is None:
+                        continue
                     await state.conn.send_command(*command)
                     reply = await state.conn.read_response()
             except (redis.RedisError, OSError) as exc:

@@ -140,9 +140,14 @@ class ReadMux:
             lane.subscriptions.pop(subscription.key, None)
             self._lane_of.pop(subscription.key, None)
 
-    def read_command(self, lane: Lane, block_ms: int | None) -> list[Any]:
-        """The XREAD of the lane's next round (None: no BLOCK); marks the lane as reading."""
+    def read_command(self, lane: Lane, block_ms: int | None) -> list[Any] | None:
+        """The XREAD of the lane's next round (`block_ms` None: no BLOCK); marks the lane as
+        reading. None when the lane follows no key any more: its last follower can leave
+        between the reader's idle check and this call, and an XREAD naming no stream is a
+        syntax error (Redis 7), which would fail the lane's next followers."""
         keys = list(lane.subscriptions)
+        if not keys:
+            return None
         ids = [format_entry_id(min(s.position for s in lane.subscriptions[key])) for key in keys]
         lane.covered = set(keys)
         lane.reading = True

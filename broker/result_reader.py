@@ -142,6 +142,8 @@ class ResultReader(ReaderBase):
                 if self._polled:
                     with self._lock:
                         command = self._mux.read_command(state.lane, None)
+                    if command is None:
+                        continue  # its last follower left: back to the idle wait
                     reply = self._poll(command)
                 else:
                     conn = state.conn
@@ -153,6 +155,8 @@ class ResultReader(ReaderBase):
                     with self._lock:
                         command = self._mux.read_command(state.lane, block)
                         state.wake_pending = False
+                    if command is None:
+                        continue
                     conn.send_command(*command)
                     reply = conn.read_response()
             except (redis.RedisError, OSError, ValueError, AttributeError) as exc:

@@ -51,6 +51,23 @@ def test_a_stream_followed_during_a_read_asks_for_the_read_to_be_woken() -> None
     assert not lane.reading and "r:b" in mux.read_command(lane, None)
 
 
+def test_a_lane_whose_last_follower_left_sends_no_read() -> None:
+    # Given a lane whose reader saw a follower, which then leaves before the read is built
+    mux = ReadMux()
+    subscription, _ = mux.subscribe("r:a", "a")
+    lane = mux.lanes[0]
+    mux.unsubscribe(subscription)
+    # When the reader builds its read, Then there is none (an XREAD naming no stream is a
+    # syntax error on Redis 7, which used to fail the lane's next followers) and the lane is
+    # not reading
+    assert mux.read_command(lane, 5000) is None
+    assert not lane.reading
+    # And a stream followed again is read as usual
+    mux.subscribe("r:b", "b")
+    assert mux.read_command(lane, 5000) == ["XREAD", "COUNT", 512, "BLOCK", 5000, "STREAMS",
+                                            "r:b", "0-0"]
+
+
 def test_each_follower_gets_each_entry_once_in_resp2_and_resp3_shapes() -> None:
     mux = ReadMux()
     early, _ = mux.subscribe("r:a", "early")
