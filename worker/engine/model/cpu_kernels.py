@@ -282,15 +282,19 @@ class CpuKernels:
         return out
 
     def quant_matmul(self, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
-        """x [rows <= 8, in] float32 -> x W^T [rows, out] float32, in float32 arithmetic."""
+        """x [rows, in] float32 -> x W^T [rows, out] float32, in float32 arithmetic; more than
+        MAX_QUANT_ROWS rows run as calls of that many (the kernels' largest), each row's
+        numbers the same whatever shares its call."""
         rows = x.shape[0]
         y = torch.empty(rows, w.out_features)
         if x.dtype != torch.float32 or x.stride(1) != 1:
             raise ValueError("quant_matmul: x must be float32 with contiguous rows")
-        if not self._quant_matmul(x.data_ptr(), x.stride(0), rows, ctypes.byref(w.struct),
-                                  y.data_ptr(), y.stride(0)):
-            raise ValueError(f"quant_matmul: no kernel for {rows} rows, {w.bits}-bit groups "
-                             f"of {w.group}")
+        for start in range(0, rows, self.MAX_QUANT_ROWS):
+            part = min(self.MAX_QUANT_ROWS, rows - start)
+            if not self._quant_matmul(x[start].data_ptr(), x.stride(0), part,
+                                      ctypes.byref(w.struct), y[start].data_ptr(), y.stride(0)):
+                raise ValueError(f"quant_matmul: no kernel for {part} rows, {w.bits}-bit "
+                                 f"groups of {w.group}")
         return y
 
     def int8_matmul(self, x: torch.Tensor, w: Int8Matrix) -> torch.Tensor:

@@ -241,8 +241,7 @@ def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None,
     the kernel before it writes bfloat16), as linear.py runs them."""
     forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     if quant is not None and "quant" in names:
-        forms["quant"] = lambda x: torch.cat([kernels.quant_matmul(part, quant) for part in
-                                              x.split(CpuKernels.MAX_QUANT_ROWS)])
+        forms["quant"] = lambda x: kernels.quant_matmul(x, quant)
     if Int8Matrix.available() and "int8" in names:
         int8 = Int8Matrix(w)
         forms["int8"] = lambda x: kernels.int8_matmul(x, int8)

@@ -353,9 +353,6 @@ class Linear(nn.Module):
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forms is not None:
             return self._chosen_forward(x, self._form_by_rows[min(x.shape[0], ROUTED_ROWS)])
-        if isinstance(self.quant, QuantMatrix) and self.quant_only and x.shape[0] > QUANT_MAX_ROWS:
-            # NOTE: the kernel takes up to QUANT_MAX_ROWS rows a call
-            return torch.cat([self._base_forward(rows) for rows in x.split(QUANT_MAX_ROWS)])
         if self.quant is not None and (x.shape[0] <= QUANT_MAX_ROWS or self.quant_only):
             if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
                 assert self._kernels is not None
@@ -373,12 +370,7 @@ class Linear(nn.Module):
         assert kernels is not None
         if form == "quant":  # the kernels add the bias themselves
             assert isinstance(self.quant, QuantMatrix)
-            x = x.float()
-            if x.shape[0] <= QUANT_MAX_ROWS:
-                return kernels.quant_matmul(x, self.quant)
-            # NOTE: the kernel takes up to QUANT_MAX_ROWS rows a call
-            return torch.cat([kernels.quant_matmul(rows, self.quant)
-                              for rows in x.split(QUANT_MAX_ROWS)])
+            return kernels.quant_matmul(x.float(), self.quant)
         if form == "int8":
             assert self.int8 is not None
             return kernels.int8_matmul(x.float(), self.int8)
