@@ -10,6 +10,15 @@ requests. The rest stays unread in the stream, where the group's lag shows it an
 blocking read takes it. Entries start when the engine has produced their first token; a full KV
 cache leaves them waiting, so a worker short of KV room reads nothing more either.
 
+The mean starts from an assumed length that counts as `PRIOR_PROMPTS` prompts, so a few short
+ones (a client's 8-token warm-ups) cannot open the window to every seat before a burst of long
+ones.
+
+A burst submitted at once (MULTI/EXEC, one pipeline) wakes every idle worker with one entry, and
+each then reads the rest without blocking: the first to get there would take a whole window. So
+each read takes at most an even share of the room among the pool's live workers (`per_read`);
+what a busy peer leaves, the next read takes.
+
 Lanes (broker/work_lanes.py): interactive entries are read first and see the whole window
 (counting only the interactive entries that wait); batch entries fill what is left of it, and
 never take the last `interactive_headroom` of the engine's seats, so an interactive request that
@@ -29,7 +38,10 @@ __all__ = ["IntakeWindow"]
 STEPS_AHEAD = 2
 # A prompt length to plan with before the first request of this worker is tokenized.
 ASSUMED_PROMPT_TOKENS = 256
-# Weight of the newest prompt in the running mean (about the last 20 prompts count).
+# The assumed length weighs as much as this many prompts in the mean.
+PRIOR_PROMPTS = 4
+# Weight of the newest prompt in the running mean once it is past the prior (about the last 20
+# prompts count).
 SMOOTHING = 0.05
 
 
@@ -43,24 +55,32 @@ class IntakeWindow:
         self.headroom_seats = min(max_num_seqs - 1, max(
             1 if interactive_headroom > 0 else 0, round(max_num_seqs * interactive_headroom)))
         self.mean_prompt_tokens = float(ASSUMED_PROMPT_TOKENS)
-        self._seen = False
+        self._num_prompts = PRIOR_PROMPTS
+        # Live workers in the pool (the lease keeper counts heartbeats); reads are shared by them.
+        self.num_workers = 1
 
     def note_prompt(self, num_tokens: int) -> None:
-        """A request was tokenized at admission: its length updates the running mean."""
-        if not self._seen:
-            self.mean_prompt_tokens, self._seen = float(max(1, num_tokens)), True
-        else:
-            self.mean_prompt_tokens += SMOOTHING * (max(1, num_tokens) - self.mean_prompt_tokens)
+        """A request was tokenized at admission: its length updates the running mean (a plain
+        mean with the prior at first, then one that follows a change of workload)."""
+        self._num_prompts += 1
+        weight = max(SMOOTHING, 1.0 / self._num_prompts)
+        self.mean_prompt_tokens += weight * (max(1, num_tokens) - self.mean_prompt_tokens)
 
     @property
     def window(self) -> int:
         """Requests the engine can start within STEPS_AHEAD steps (at least one)."""
-        startable = STEPS_AHEAD * self.max_num_batched_tokens / self.mean_prompt_tokens
+        mean_tokens = max(1, round(self.mean_prompt_tokens))  # in whole tokens, as prompts are
+        startable = STEPS_AHEAD * self.max_num_batched_tokens / mean_tokens
         return max(1, min(self.max_num_seqs, int(startable)))
 
     def room(self, num_held: int, num_not_started: int) -> int:
         """Entries to read now, holding `num_held` entries of which `num_not_started` wait."""
         return max(0, min(self.max_num_seqs - num_held, self.window - num_not_started))
+
+    def per_read(self, room: int) -> int:
+        """Of `room` entries, how many one read takes: an even share among the live workers
+        (at least one while there is room)."""
+        return -(-room // max(1, self.num_workers)) if room > 0 else room
 
     def lane_rooms(self, num_held: int, num_not_started: int,
                    num_interactive_not_started: int) -> tuple[int, int]:

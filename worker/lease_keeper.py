@@ -123,7 +123,11 @@ class LeaseKeeper(IOThread):
         pipe.hset(key, mapping=as_fields(fields))
         pipe.pexpire(key, self.heartbeat_ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms})
-        pipe.execute()
+        # NOTE: the live workers of the prefix, other queues' too (an overcount only makes this
+        # worker's reads smaller, never leaves work unread); ZRANGE, which the worker's ACL
+        # already grants, not ZCOUNT, so an upgrade needs no new rule.
+        pipe.zrange(self.keys.workers(), now_ms - self.heartbeat_ttl_ms, "+inf", byscore=True)
+        self.ctx.intake.num_workers = max(1, len(pipe.execute()[-1]))
 
     # -- 2. fence and renew -----------------------------------------------------------------------
 

@@ -174,7 +174,8 @@ class StreamReader:
             interactive_waiting + just_read)
         # NOTE: seats kept for entries peers hand this worker for its cache (cache affinity)
         reserved = self.reserved()
-        return interactive - reserved, batch - reserved
+        return (self.intake.per_read(interactive - reserved),
+                self.intake.per_read(batch - reserved))
 
     def _read_lanes(self, interactive_room: int, batch_room: int
                     ) -> list[tuple[WorkLane, StreamEntry]]:

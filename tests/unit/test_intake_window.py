@@ -9,11 +9,15 @@ from __future__ import annotations
 from llmq.worker.intake_window import ASSUMED_PROMPT_TOKENS, STEPS_AHEAD, IntakeWindow
 
 
+def _seen(window: IntakeWindow, num_tokens: int, times: int = 200) -> IntakeWindow:
+    for _ in range(times):
+        window.note_prompt(num_tokens)
+    return window
+
+
 def test_a_burst_of_128_token_prompts_is_read_a_few_steps_at_a_time() -> None:
     # Given an engine of 64 seats and 1,024 tokens a step that has seen 128-token prompts
-    window = IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024)
-    for _ in range(5):
-        window.note_prompt(128)
+    window = _seen(IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024), 128)
     # Then an idle worker reads what two steps can prefill, not 64
     assert window.room(num_held=0, num_not_started=0) == STEPS_AHEAD * 1024 // 128 == 16
     # and reads nothing more while those 16 wait to start, however many seats are free
@@ -23,8 +27,7 @@ def test_a_burst_of_128_token_prompts_is_read_a_few_steps_at_a_time() -> None:
 
 
 def test_short_prompts_fill_the_seats_and_never_more() -> None:
-    window = IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024)
-    window.note_prompt(10)
+    window = _seen(IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024), 10)
     assert window.window == 64
     assert window.room(num_held=60, num_not_started=0) == 4
     assert window.room(num_held=64, num_not_started=0) == 0
@@ -40,8 +43,31 @@ def test_a_prompt_longer_than_a_step_is_still_read_one_at_a_time() -> None:
 def test_before_any_prompt_it_plans_with_an_assumed_length_then_follows_the_prompts() -> None:
     window = IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024)
     assert window.window == STEPS_AHEAD * 1024 // ASSUMED_PROMPT_TOKENS
-    window.note_prompt(64)  # the first real prompt replaces the assumption
-    assert window.window == 32
-    for _ in range(200):  # then a running mean follows a change of workload
-        window.note_prompt(512)
+    window.note_prompt(64)  # one prompt moves the plan a fifth of the way: the prior counts 4
+    assert window.mean_prompt_tokens == (4 * ASSUMED_PROMPT_TOKENS + 64) / 5
+    _seen(window, 512)  # then a running mean follows a change of workload
     assert window.window == 4
+
+
+def test_a_few_short_warm_ups_do_not_open_the_window_to_every_seat() -> None:
+    # Given a worker that has seen only a client's four 8-token warm-up prompts (seen: the
+    # window became all 64 seats and one worker took 63 of a 64-request burst of 128-token
+    # prompts while its peer sat idle)
+    window = _seen(IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024), 8, times=4)
+    # Then it still plans with prompts of about the assumed length
+    assert window.window == STEPS_AHEAD * 1024 // ((4 * ASSUMED_PROMPT_TOKENS + 4 * 8) // 8) == 15
+
+
+def test_with_two_live_workers_each_read_takes_half_the_room() -> None:
+    # Given a pool of two live workers, and room for 64 short prompts
+    window = _seen(IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024), 10)
+    window.num_workers = 2
+    # Then one read after a burst woke both takes 32, so the peer's read finds the other 32
+    assert window.per_read(window.room(num_held=0, num_not_started=0)) == 32
+    # and a last free seat is still read
+    assert window.per_read(window.room(num_held=63, num_not_started=0)) == 1
+    assert window.per_read(window.room(num_held=64, num_not_started=0)) == 0
+    window.num_workers = 3
+    assert window.per_read(16) == 6
+    window.num_workers = 1  # alone, a read takes all the room
+    assert window.per_read(64) == 64
