@@ -215,12 +215,15 @@ def main() -> None:
     other_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
     bandwidth, peak8 = stream_bandwidth(), int8_peak()
+    # NOTE: float16 only where oneDNN runs it (not on an AMD Zen 5: no avx512_fp16)
     peaks = {"fp32": gemm_peak(), "bf16": dense_peak(torch.bfloat16),
-             "fp16": dense_peak(torch.float16), "int8": peak8 / 2}  # int8: two terms a row
+             "fp16": (dense_peak(torch.float16) if form_choice.dense_form_runs("fp16")
+                      else float("nan")),
+             "int8": peak8 / 2}  # int8: two terms a row
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
           f"read {bandwidth / 1e9:.1f} GB/s, GEMM peaks float32 {peaks['fp32'] / 1e9:.0f}, "
-          f"bfloat16 {peaks['bf16'] / 1e9:.0f}, float16 {peaks['fp16'] / 1e9:.0f} GFLOP/s, "
-          f"int8 {peak8 / 1e9:.0f} GOP/s")
+          f"bfloat16 {peaks['bf16'] / 1e9:.0f}, float16 {peaks['fp16'] / 1e9:.0f} GFLOP/s "
+          f"(nan: this CPU's oneDNN has none), int8 {peak8 / 1e9:.0f} GOP/s")
     print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, other forms "
           f"{other_bytes / 2**20:.0f} MiB, {flops_per_token / 1e6:.0f} MFLOP per token "
           "(LM head included)")

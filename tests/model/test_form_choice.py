@@ -115,6 +115,9 @@ def test_each_form_forced_gives_the_float32_models_logits(forms_dir, tiny_path, 
     monkeypatch.setenv(form_choice.ENV, form)
     native = load_model(tiny_path, "float32", weights="native").model
     dense = load_model(tiny_path, "float32", weights="fp32").model
+    # (a dense form this CPU's oneDNN cannot run, float16 on an AMD Zen 5, runs as float32)
+    if form in form_choice.DENSE_DTYPES and not form_choice.dense_form_runs(form):
+        form = "fp32"
     assert all(p.forms == (form,) * len(BUCKETS) for p in projections(native))
 
     # Then only that form is held: no quantized, int8 or dense copy beside it
@@ -197,3 +200,25 @@ def test_a_form_is_held_only_where_it_wins_by_more_than_the_memory_slack():
     # And where int8 wins by more than MEMORY_SLACK, it is held
     costs[1]["bf16"] = 1.0 * form_choice.MEMORY_SLACK * 1.1
     assert form_choice._fewest_forms(costs) == ["quant", "int8", "bf16"]
+
+
+def test_a_dense_form_the_cpu_cannot_run_is_never_a_candidate(forms_dir, tiny_path, monkeypatch,
+                                                              caplog):
+    # Given a CPU whose oneDNN refuses to pack float16 (an AMD Zen 5 has neither avx512_fp16
+    # nor avx_ne_convert: "fp16 path needs the cpu support", seen as a crash at load)
+    monkeypatch.setattr(form_choice, "dense_form_runs", lambda form: form != "fp16")
+
+    # When a model is loaded and its forms are measured
+    model = load_model(tiny_path, "float32", weights="native").model
+
+    # Then float16 was neither measured nor chosen, and the model loaded with the others
+    assert model.forms is not None and model.forms.num_measured == 5
+    for shape in model.forms.shapes.values():
+        assert "fp16" not in shape["errors"] and "fp16" not in shape["chosen"]
+
+    # When float16 is forced on that CPU, then it runs float32 and the log says why
+    monkeypatch.setenv(form_choice.ENV, "fp16")
+    with caplog.at_level(logging.WARNING, logger=form_choice.__name__):
+        forced = load_model(tiny_path, "float32", weights="native").model
+    assert all(p.forms == ("fp32",) * len(BUCKETS) for p in projections(forced))
+    assert "LLMQ_FORMS=fp16 does not run on this CPU" in caplog.text

@@ -152,7 +152,10 @@ class FormChoice:
             return fixed_forms(head)
         if self.mode != "measure":
             forced = self.mode
-            if forced == "int8" and not Int8Matrix.available():
+            if (forced == "int8" and not Int8Matrix.available()) or (
+                    forced in DENSE_DTYPES and not dense_form_runs(forced)):
+                logger.warning("kernel forms: %s=%s does not run on this CPU; float32 instead",
+                               ENV, forced)
                 forced = "fp32"
             return (forced,) * len(BUCKETS)
         # NOTE: the quantized form's bytes follow its blocks (a Q6_K layer's are twice a
@@ -246,10 +249,24 @@ def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None,
         int8 = Int8Matrix(w)
         forms["int8"] = lambda x: kernels.int8_matmul(x, int8)
     for form, dtype in DENSE_DTYPES.items():
-        if form in names:
+        if form in names and dense_form_runs(form):
             forms[form] = _dense(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None),
                                  dtype)
     return forms
+
+
+@functools.cache
+def dense_form_runs(form: str) -> bool:
+    """Whether oneDNN runs this dense form on this CPU: float16 needs avx512_fp16 or
+    avx_ne_convert (an AMD Zen 5 has neither, and packing refuses), bfloat16 its own support."""
+    dtype = DENSE_DTYPES[form]
+    try:
+        _dense(torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), None),
+               dtype)(torch.ones(1, 16))
+    except RuntimeError as exc:
+        logger.info("kernel forms: %s is not available on this CPU (%s)", form, exc)
+        return False
+    return True
 
 
 def _dense(packed: torch.Tensor, dtype: torch.dtype
