@@ -131,10 +131,11 @@ class FormChoice:
             self._read()
 
     @classmethod
-    def for_model(cls, model_path: Path, fingerprint: str, kernels: CpuKernels | None
-                  ) -> FormChoice:
-        """The choice for this model file on this CPU, read from its file if there is one."""
-        mode = os.environ.get(ENV, "measure").strip().lower() or "measure"
+    def for_model(cls, model_path: Path, fingerprint: str, kernels: CpuKernels | None,
+                  mode: str | None = None) -> FormChoice:
+        """The choice for this model file on this CPU, read from its file if there is one.
+        `mode`: one of MODES in place of LLMQ_FORMS's."""
+        mode = mode or os.environ.get(ENV, "measure").strip().lower() or "measure"
         key = {"model": str(model_path.resolve()), "fingerprint": fingerprint, "cpu": _cpu(),
                "threads": torch.get_num_threads(),
                "kernels": kernels.build_id if kernels is not None else "",
@@ -247,8 +248,14 @@ def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None,
         forms["int8"] = lambda x: kernels.int8_matmul(x, int8)
     for form, dtype in DENSE_DTYPES.items():
         if form in names:
-            forms[form] = _dense(torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None),
-                                 dtype)
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), None)
+            except RuntimeError as exc:
+                # NOTE: oneDNN packs float16 only on a CPU with avx_ne_convert or
+                # avx512_fp16; elsewhere the form is no candidate (it raised at every start)
+                logger.debug("form %s is no candidate on this CPU: %s", form, exc)
+                continue
+            forms[form] = _dense(packed, dtype)
     return forms
 
 
