@@ -96,6 +96,9 @@ class Linear(nn.Module):
         # name among their weights (`3.qkv`); None for projections no adapter targets.
         self.lora_slot: LoraSlot | None = None
         self.lora_key = ""
+        # Batch-invariant decoding (`make_batch_invariant`): one row-invariant form for calls
+        # of every size
+        self.batch_invariant = False
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows: `finalize` builds the forms from them and
@@ -315,6 +318,24 @@ class Linear(nn.Module):
         int8 = self.int8.nbytes if self.int8 is not None else 0
         chosen = sum(t.numel() * t.element_size() for t in self._dense.values())
         return dense.numel() * dense.element_size() + quant + int8 + chosen
+
+    def make_batch_invariant(self) -> None:
+        """Run every call, whatever its rows, on the quantized kernels: each output row is a
+        fixed-order float32 sum over its own input row, bitwise the same alone or inside a
+        call of any size (CpuKernels.quant_matmul). The other forms are not: which one runs
+        follows the call's rows (form_choice.py), and oneDNN's and the int8 GEMM's blocking
+        of a row's sums follows them too (bench/batch_invariance.py). Raises ValueError
+        where this projection has no quantized form (dense weights, torch's int4 kernel)."""
+        if not isinstance(self.quant, QuantMatrix) or self._kernels is None:
+            raise ValueError("batch-invariant decoding runs the projections on the quantized "
+                             "kernels: it needs a GGUF model with --weights native (and a C++ "
+                             "compiler for the kernels)")
+        self.batch_invariant = True
+        if self.forms is not None:
+            self.forms = ("quant",) * len(self.forms)
+            self._form_by_rows = ["quant"] * len(self._form_by_rows)
+        else:
+            self.quant_only = True
 
     def form_of(self, num_rows: int) -> str:
         """The form a call of `num_rows` rows runs: one of form_choice.FORMS, or `int4`
