@@ -2,9 +2,11 @@
 greedy request's tokens and logprobs are bitwise the same alone, inside batches of other
 requests, with its prompt chunked at any budget, and after a prefix-cache hit.
 
-The tiny random Llama with native weights (the quantized kernels), as a worker runs a GGUF:
-its near ties make a row computed by other arithmetic flip tokens, so these fail when the mode
-is off in any of the paths they cross (projections, LM head, attention).
+The tiny random Llama with native weights (the quantized kernels), as a worker runs a GGUF,
+and with float32 dense weights (oneDNN, as a Hugging Face folder or --dtype float32 runs): a
+row computed by other arithmetic changes its logprobs' bits (and at its near ties, tokens), so
+these fail when the mode is off in any of the paths they cross (projections, LM head,
+attention).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import random
 import struct
 
 import pytest
+import torch
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
@@ -25,16 +28,20 @@ PROMPT = [100 + (i * 13) % 300 for i in range(70)]
 Answer = tuple[list[int], list[bytes]]  # tokens, and each step's logprobs as float32 bytes
 
 
-@pytest.fixture(scope="module")
-def invariant_model(tiny_model_path):
+@pytest.fixture(scope="module", params=["bfloat16:native", "float32:fp32"])
+def invariant_model(tiny_model_path, request):
+    """The tiny model loaded batch-invariant, as `dtype:weights` (its own, not the session's
+    shared `tiny_model`: the mode changes the model)."""
     from llmq.worker.engine.model.loader import load_model
 
     one_torch_thread()
-    return load_model(tiny_model_path, "bfloat16", "native", batch_invariant=True)
+    dtype, weights = request.param.split(":")
+    return load_model(tiny_model_path, dtype, weights, batch_invariant=True)
 
 
 def make_engine(model, path, **overrides) -> EngineCore:
-    fields = {"model": str(path), "dtype": "bfloat16", "num_kv_blocks": 1024,
+    dtype = "float32" if model.model.dtype == torch.float32 else "bfloat16"
+    fields = {"model": str(path), "dtype": dtype, "num_kv_blocks": 1024,
               "batch_invariant": True} | overrides
     return EngineCore(EngineConfig(**fields), loaded=model)
 
@@ -125,9 +132,13 @@ def test_a_preempted_request_answers_the_same(invariant_model, tiny_model_path):
     assert answers == roomy
 
 
-def test_a_model_without_the_quantized_kernels_is_refused(tiny_model, tiny_model_path):
-    # Given the tiny model held as float32 dense weights (not its GGUF blocks)
+def test_the_all_bfloat16_path_is_refused(tiny_model_path):
+    from llmq.worker.engine.model.loader import load_model
+
+    # Given the tiny model on the all-bfloat16 path (bf16 weights and cache: torch ops, no
+    # per-row kernels)
+    loaded = load_model(tiny_model_path, "bfloat16", "bf16")
     # When an engine is asked to run it batch-invariant
     # Then it says what the mode needs instead of running variant arithmetic
-    with pytest.raises(ValueError, match="batch-invariant decoding"):
-        make_engine(tiny_model, tiny_model_path, dtype="float32")
+    with pytest.raises(ValueError, match="batch-invariant decoding needs"):
+        make_engine(loaded, tiny_model_path)

@@ -38,7 +38,7 @@ from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
-from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
+from .cpu_kernels import CpuKernels, DecoderLayer
 from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
 from .form_choice import FormChoice
 from .gguf_loader import QuantizedTensor
@@ -336,11 +336,13 @@ class LlamaForCausalLM(nn.Module):
         """Batch-invariant decoding (vLLM's VLLM_BATCH_INVARIANT): from now on every token's
         hidden states and logits are bitwise the same whatever else its step holds, however
         its prompt was chunked, and whether its prefix came from the cache. Each op runs one
-        fixed arithmetic per row: the projections and the LM head on the quantized kernels
-        (Linear.make_batch_invariant), attention on the decode kernel for every query row,
-        prompt rows too (PagedAttention.attend), and the norms, RoPE and SwiGLU on the fused
-        per-row kernels (the one-call decode step runs those same functions). Raises
-        ValueError for a model or setting that cannot run so."""
+        fixed arithmetic per row: the projections and the LM head on the quantized kernels, or
+        dense weights in calls of a fixed number of rows (Linear.make_batch_invariant),
+        attention on the decode kernel for every query row, prompt rows too
+        (PagedAttention.attend), and the norms, RoPE and SwiGLU on the fused per-row kernels
+        (the one-call decode step runs those same functions). Raises
+        ValueError for a model or setting that cannot run so (the all-bfloat16 path, families
+        off the fused kernels, sliding windows)."""
         problem = None
         if self.kernels is None:
             problem = "the compiled CPU kernels (a C++ compiler) and float32 activations"
@@ -350,9 +352,9 @@ class LlamaForCausalLM(nn.Module):
             problem = ("the decode attention kernel, which sliding-window or soft-capped "
                        "layers (or more than 8 query heads per kv head) do not run on")
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if problem is None and not all(isinstance(m.quant, QuantMatrix) for m in linears):
-            problem = ("every projection on the quantized kernels: a GGUF model with --weights "
-                       "native")
+        if problem is None and not all(m.can_be_batch_invariant for m in linears):
+            problem = ("the quantized kernels for projections whose forms were chosen without "
+                       "them (load the model with batch_invariant)")
         if problem is not None:
             raise ValueError(f"batch-invariant decoding needs {problem}")
         for linear in linears:
