@@ -176,7 +176,8 @@ def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
     where = Counter(first_difference(a, b) for a, b in pairs)
     counts = [f"{stage or 'another column'} ({'the same' if same else 'a different'} request "
               f"in both runs): {n}" for (stage, same), n in sorted(where.items())]
-    lines = [f"rows that differ: {len(pairs)}; first at " + ", ".join(counts)]
+    lines = [f"rows that differ: {len(pairs)}" + ("; first at " if counts else "")
+             + ", ".join(counts)]
     with Client() as client:
         for a, b in pairs[:limit]:
             stage, same_request = first_difference(a, b)
