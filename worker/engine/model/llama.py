@@ -361,6 +361,10 @@ class LlamaForCausalLM(nn.Module):
             linear.make_batch_invariant()
         for attention in self._layer_attention:
             attention.batch_invariant = True
+        logger.info("batch-invariant decoding: projections on the %s, attention on the decode "
+                    "kernel for every query row",
+                    "quantized kernels" if all(m.quant is not None for m in linears)
+                    else "dense weights in calls of 16 rows")
 
     @property
     def batch_invariant(self) -> bool:
