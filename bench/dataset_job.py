@@ -6,6 +6,8 @@
         --words 12-24 --save bench/results/dataset_job-DATE.txt  # the bar, short rows/outputs
     flock /tmp/bench.lock .venv/bin/python bench/dataset_job.py --tiny --only-throughput \
         --rounds 2 --fresh-pool                                  # the throughput bar alone
+    flock /tmp/bench.lock .venv/bin/python bench/dataset_job.py --tiny --batch-invariant
+                                          # the pool batch-invariant: a rerun is exact
 
 Starts `llmq up --workers 2` under a private run folder, writes a Parquet file of `--rows`
 synthetic articles, then in one run:
@@ -17,7 +19,9 @@ synthetic articles, then in one run:
    compared without the job's name; usage without prefix-cache hits), and how many of its texts
    are exactly the results the broker stored for their request ids. NOTE: two separate runs
    agree only as far as greedy decoding does across batch compositions (bf16 on the default
-   model may flip a near-tie token; a flipped summary also changes the label's request id);
+   model may flip a near-tie token; a flipped summary also changes the label's request id),
+   unless the pool runs `--batch-invariant` (this script's flag passes it to `llmq up`: every
+   row's logits the same whatever shares its step, so both runs agree row for row);
    the stored-results check is the resume's own exactness. Each row that differs is shown
    with where it first differs: a stage whose request was the same in both runs (the same id
    but for the job's name: an id ends with a hash of the request) and whose answer differs is
@@ -172,7 +176,8 @@ def differing_rows(killed: list[dict[str, Any]], whole: list[dict[str, Any]],
     where = Counter(first_difference(a, b) for a, b in pairs)
     counts = [f"{stage or 'another column'} ({'the same' if same else 'a different'} request "
               f"in both runs): {n}" for (stage, same), n in sorted(where.items())]
-    lines = [f"rows that differ: {len(pairs)}; first at " + ", ".join(counts)]
+    lines = [f"rows that differ: {len(pairs)}" + ("; first at " if counts else "")
+             + ", ".join(counts)]
     with Client() as client:
         for a, b in pairs[:limit]:
             stage, same_request = first_difference(a, b)
@@ -277,10 +282,12 @@ class Pool:
     a new pool over an empty Redis (the throughput runs: a pool that has served earlier runs
     holds their result streams for a day, and each run on it was slower than the one before)."""
 
-    def __init__(self, folder: Path, workers: int, dtype: str, model: str) -> None:
+    def __init__(self, folder: Path, workers: int, dtype: str, model: str,
+                 batch_invariant: bool = False) -> None:
         self.folder = folder
         self.up = [*LLMQ, "up", "--workers", str(workers), "--detach", "--dtype", dtype,
-                   *(["--model", model] if model else [])]
+                   *(["--model", model] if model else []),
+                   *(["--batch-invariant"] if batch_invariant else [])]
         self.count = 0
         self.env: dict[str, str] = {}
 
@@ -385,6 +392,8 @@ def main() -> None:
                         help="each throughput run on a pool started for it (an empty Redis)")
     parser.add_argument("--only-throughput", action="store_true",
                         help="skip the pipeline and kill runs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the pool's workers run --batch-invariant (docs/datasets.md)")
     parser.add_argument("--save", default=None, help="append the figures to this file")
     args = parser.parse_args()
     SUMMARY_TOKENS = args.summary_tokens
@@ -398,13 +407,14 @@ def main() -> None:
 
         model = str(folder / "tiny.gguf")
         write_tiny_llama(model)
-    pool = Pool(folder, args.workers, args.dtype, model)
+    pool = Pool(folder, args.workers, args.dtype, model, args.batch_invariant)
     pool.start()
     env = pool.env
     try:
         write_dataset(folder / "in.parquet", args.rows, args.words)
         say(f"rows: {args.rows} ({args.words[0]}-{args.words[1]} words), workers: "
-            f"{args.workers}, model: {model or 'default'} ({args.dtype}), summary "
+            f"{args.workers}{' (batch-invariant)' if args.batch_invariant else ''}, model: "
+            f"{model or 'default'} ({args.dtype}), summary "
             f"{SUMMARY_TOKENS} tokens, folder: {folder}")
         if args.only_throughput:
             run_throughput(folder, env, args, say, pool)

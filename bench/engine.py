@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/engine.py                       # 64 x 128/128, bf16, 1 thread
     .venv/bin/python bench/engine.py --num-requests 16 --skip-baseline
+    .venv/bin/python bench/engine.py --skip-baseline --batch-invariant   # the mode's cost
 
 Prints output tokens/s, total (prompt + output) tokens/s, TTFT and inter-token latency
 percentiles, single-sequence decode tokens/s, and the ratio to transformers. The machine is
@@ -111,17 +112,21 @@ def main() -> None:
     ap.add_argument("--baseline-requests", type=int, default=16,
                     help="transformers runs only this many requests (it is slow); tok/s compare")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine batch-invariant (EngineConfig.batch_invariant)")
     args = ap.parse_args()
 
     model_path = args.model or str(ensure_default_model())
     config = EngineConfig(model=model_path, dtype=args.dtype, weights=args.weights,
                           threads=args.threads,
                           max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          batch_invariant=args.batch_invariant)
     t0 = time.perf_counter()
     engine = EngineCore(config)
     print(f"model {os.path.basename(model_path)}  dtype {args.dtype}  weights "
           f"{engine.runner.model.weights}  threads {args.threads}  "
+          f"{'batch-invariant  ' if args.batch_invariant else ''}"
           f"load {time.perf_counter() - t0:.1f}s")
     prompts = make_prompts(engine.arch.vocab_size, args.num_requests, args.prompt_len)
     run_engine(engine, prompts[:2], 4)  # warm-up: first-call allocations, lazy inits

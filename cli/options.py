@@ -110,13 +110,20 @@ engine_options = _apply([
     click.option("--max-lora-rank", envvar="LLMQ_MAX_LORA_RANK", type=click.IntRange(min=1),
                  default=64, show_default=True,
                  help="The largest LoRA rank accepted (a larger adapter is refused)."),
+    click.option("--batch-invariant", envvar="LLMQ_BATCH_INVARIANT", is_flag=True,
+                 default=False,
+                 help="Every request's tokens and logprobs bitwise the same whatever shares "
+                      "its step, however its prompt was chunked, with or without a prefix-"
+                      "cache hit (a batch job killed and rerun gives the same output); "
+                      "slower prefill: docs/operations.md."),
 ])
 
 ENGINE_FIELDS = ("model", "dtype", "weights", "threads", "max_num_seqs", "max_num_batched_tokens",
                  "max_batch_prefill_tokens", "max_model_len", "block_size",
                  "kv_cache_memory_bytes", "scheduling_policy",
                  "speculative_method", "draft_model", "num_speculative_tokens",
-                 "prompt_lookup_max", "prompt_lookup_min", "lora_dir", "max_loras", "max_lora_rank")
+                 "prompt_lookup_max", "prompt_lookup_min", "lora_dir", "max_loras", "max_lora_rank",
+                 "batch_invariant")
 
 
 def engine_config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -77,9 +77,11 @@ def _engine_argv(kwargs: dict) -> list[str]:
     """The engine flags given to `llmq up`, passed on to each `llmq worker` as they were."""
     argv: list[str] = []
     for name in ENGINE_FIELDS:
-        value = kwargs.pop(name)
-        if value is not None and value != "":
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+        value, flag = kwargs.pop(name), f"--{name.replace('_', '-')}"
+        if value is True:  # an on/off flag
+            argv.append(flag)
+        elif value is not None and value != "" and value is not False:
+            argv += [flag, str(value)]
     return argv
 
 

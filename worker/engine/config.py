@@ -49,6 +49,10 @@ class EngineConfig:
     lora_dir: str | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Batch-invariant decoding (model/llama.py `make_batch_invariant`): every row's logits
+    # bitwise the same whatever shares its step, however its prompt was chunked and whether
+    # its prefix came from the cache, at a cost in speed (docs/operations.md)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

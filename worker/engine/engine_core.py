@@ -86,9 +86,11 @@ class EngineCore:
             torch.set_num_threads(config.threads)
             started = time.perf_counter()
             loaded = load_model(config.model or ensure_default_model(), config.dtype,
-                                config.weights)
+                                config.weights, config.batch_invariant)
             logger.info("loaded %s in %.1f s", config.model or "default model",
                         time.perf_counter() - started)
+        if config.batch_invariant:  # (a model loaded by the caller is switched here)
+            loaded.model.make_batch_invariant()
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
         max_model_len = config.max_model_len or min(
@@ -266,7 +268,8 @@ class EngineCore:
             from llmq.worker.engine.model.default_model import ensure_default_model
             from llmq.worker.engine.model.loader import load_model
 
-            loaded = load_model(self.config.model or ensure_default_model(), self.config.dtype)
+            loaded = load_model(self.config.model or ensure_default_model(), self.config.dtype,
+                                self.config.weights, self.config.batch_invariant)
             self.runner.wake_up(loaded.model)
         else:
             self.runner.wake_up()

@@ -68,6 +68,7 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     _decode_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+    _token_queries: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def windowed(self, window: int) -> AttentionMetadata:
         """This step's metadata for a sliding-window layer: a query at position p sees keys
@@ -101,6 +102,18 @@ class AttentionMetadata:
                 self.decode_pad_mask, float("-inf"))  # [num_decodes, ctx]
             self._decode_biases[key] = bias.repeat(num_kv_heads, 1)[:, None, :]
         return self._decode_biases[key]
+
+    def token_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of the step as a one-query "decode" of its own: (block tables
+        [num_tokens, max_num_blocks], seq_lens [num_tokens], position + 1), for the
+        batch-invariant attention (`PagedAttention.attend`). Built on the first layer's call,
+        then shared."""
+        if self._token_queries is None:
+            seq_of_token = torch.repeat_interleave(  # [num_tokens]
+                torch.arange(self.num_seqs), torch.tensor(self.query_lens))
+            self._token_queries = (self.block_tables.index_select(0, seq_of_token),
+                                   self.positions + 1)
+        return self._token_queries
 
     @property
     def num_prefills(self) -> int:
@@ -236,6 +249,9 @@ class PagedAttention:
         # scores: a sliding-window or soft-capped layer decodes on the torch path.
         self.kernels = (kernels if self.group <= CpuKernels.MAX_GROUP and window is None
                         and softcap is None else None)
+        # Batch-invariant decoding (EngineConfig.batch_invariant): every query row, a prompt's
+        # too, attends on the decode kernel over the cache (set by the model)
+        self.batch_invariant = False
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """K and V of `block_ids`, in order, as rows: [2, num_kv_heads, len(block_ids) *
@@ -275,6 +291,17 @@ class PagedAttention:
         kv_heads, group, head_dim = self.num_kv_heads, self.group, self.head_dim
         if self.window is not None:
             meta = meta.windowed(self.window)
+        if self.batch_invariant:
+            # NOTE: a prompt's rows as one-query decodes over the cache (the step's K/V are
+            # in it): each row's scores, softmax and weighted sum run in one fixed order over
+            # its keys, whatever else the step holds, however the prompt was chunked, and
+            # whether its first blocks came from the prefix cache. SDPA's order follows the
+            # chunk's length and the cached context (its blocking), so a prompt chunked
+            # differently attends to rounding-different sums.
+            assert self.kernels is not None and q.dtype == torch.float32
+            tables, seq_lens = meta.token_queries()
+            self.kernels.decode_attention(q, kv_cache, tables, seq_lens, self.scale, out)
+            return out.view(num_tokens, self.num_heads * head_dim)
         nd = meta.num_decodes
         if nd and self.kernels is not None and q.dtype == torch.float32:
             # K/V read where they lie, through the block tables: no gather.

@@ -131,10 +131,11 @@ class FormChoice:
             self._read()
 
     @classmethod
-    def for_model(cls, model_path: Path, fingerprint: str, kernels: CpuKernels | None
-                  ) -> FormChoice:
-        """The choice for this model file on this CPU, read from its file if there is one."""
-        mode = os.environ.get(ENV, "measure").strip().lower() or "measure"
+    def for_model(cls, model_path: Path, fingerprint: str, kernels: CpuKernels | None,
+                  mode: str | None = None) -> FormChoice:
+        """The choice for this model file on this CPU, read from its file if there is one.
+        `mode`: one of MODES in place of LLMQ_FORMS's."""
+        mode = mode or os.environ.get(ENV, "measure").strip().lower() or "measure"
         key = {"model": str(model_path.resolve()), "fingerprint": fingerprint, "cpu": _cpu(),
                "threads": torch.get_num_threads(),
                "kernels": kernels.build_id if kernels is not None else "",

@@ -50,6 +50,10 @@ QUANT_MAX_ROWS = 8
 # rows past the last finite bucket's bound share its form (Linear._form_by_rows)
 ROUTED_ROWS = BUCKETS[-2][0] + 1
 DENSE_CHUNK_ROWS = 4096  # rows dequantized at a time into a dense form (bounds the peak RSS)
+# Batch-invariant dense projections run in calls of exactly this many rows (the last padded):
+# oneDNN's and MKL's float32 and bfloat16 GEMMs sum a row in an order that follows the call's
+# rows (one row: a GEMV), never the row's place in the call (bench/batch_invariance.py)
+INVARIANT_TILE_ROWS = 16
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -96,6 +100,9 @@ class Linear(nn.Module):
         # name among their weights (`3.qkv`); None for projections no adapter targets.
         self.lora_slot: LoraSlot | None = None
         self.lora_key = ""
+        # Batch-invariant decoding (`make_batch_invariant`): one row-invariant form for calls
+        # of every size
+        self.batch_invariant = False
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows: `finalize` builds the forms from them and
@@ -316,6 +323,29 @@ class Linear(nn.Module):
         chosen = sum(t.numel() * t.element_size() for t in self._dense.values())
         return dense.numel() * dense.element_size() + quant + int8 + chosen
 
+    @property
+    def can_be_batch_invariant(self) -> bool:
+        """Whether `make_batch_invariant` has a form to run every call on."""
+        quant = isinstance(self.quant, QuantMatrix) and self._kernels is not None
+        return quant or (self.forms is None and self.quant is None)
+
+    def make_batch_invariant(self) -> None:
+        """Every call, whatever its rows, computes each output row by one arithmetic: on the
+        quantized kernels where this projection has them (a fixed-order float32 sum over the
+        row, bitwise the same alone or inside a call of any size: CpuKernels.quant_matmul),
+        else the dense weight in calls of INVARIANT_TILE_ROWS rows. The forms chosen per
+        bucket are not: which one runs follows the call's rows (form_choice.py), and a GEMM's
+        order of sums follows them too (bench/batch_invariance.py)."""
+        if not self.can_be_batch_invariant:
+            raise ValueError("batch-invariant decoding needs the quantized kernels for a "
+                             "projection whose forms were chosen without them")
+        self.batch_invariant = True
+        if self.forms is not None:
+            self.forms = ("quant",) * len(self.forms)
+            self._form_by_rows = ["quant"] * len(self._form_by_rows)
+        elif self.quant is not None:
+            self.quant_only = True
+
     def form_of(self, num_rows: int) -> str:
         """The form a call of `num_rows` rows runs: one of form_choice.FORMS, or `int4`
         (torch's kernel) or `dense` where no choice was made."""
@@ -359,11 +389,24 @@ class Linear(nn.Module):
                 return self._kernels.quant_matmul(x.float(), self.quant)
             y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
+        if self.batch_invariant:
+            return self._dense_tiles(x)
+        return self._dense_forward(x)
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self._packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _dense_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense form in calls of exactly INVARIANT_TILE_ROWS rows (batch-invariant)."""
+        rows, tile = x.shape[0], INVARIANT_TILE_ROWS
+        padded = x.new_zeros(-(-rows // tile) * tile, x.shape[1])  # [rows rounded up, in]
+        padded[:rows] = x
+        return torch.cat([self._dense_forward(padded[start:start + tile])  # [rows, out]
+                          for start in range(0, padded.shape[0], tile)])[:rows]
 
     def _chosen_forward(self, x: torch.Tensor, form: str) -> torch.Tensor:
         kernels = self._kernels

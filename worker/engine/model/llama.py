@@ -330,6 +330,46 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    # ---- batch invariance ----------------------------------------------------------------
+
+    def make_batch_invariant(self) -> None:
+        """Batch-invariant decoding (vLLM's VLLM_BATCH_INVARIANT): from now on every token's
+        hidden states and logits are bitwise the same whatever else its step holds, however
+        its prompt was chunked, and whether its prefix came from the cache. Each op runs one
+        fixed arithmetic per row: the projections and the LM head on the quantized kernels, or
+        dense weights in calls of a fixed number of rows (Linear.make_batch_invariant),
+        attention on the decode kernel for every query row, prompt rows too
+        (PagedAttention.attend), and the norms, RoPE and SwiGLU on the fused per-row kernels
+        (the one-call decode step runs those same functions). Raises
+        ValueError for a model or setting that cannot run so (the all-bfloat16 path, families
+        off the fused kernels, sliding windows)."""
+        problem = None
+        if self.kernels is None:
+            problem = "the compiled CPU kernels (a C++ compiler) and float32 activations"
+        elif not self._fused_able:
+            problem = f"the fused kernels, which {self.arch.family.name} models do not run on"
+        elif any(a.kernels is None for a in self._layer_attention):
+            problem = ("the decode attention kernel, which sliding-window or soft-capped "
+                       "layers (or more than 8 query heads per kv head) do not run on")
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if problem is None and not all(m.can_be_batch_invariant for m in linears):
+            problem = ("the quantized kernels for projections whose forms were chosen without "
+                       "them (load the model with batch_invariant)")
+        if problem is not None:
+            raise ValueError(f"batch-invariant decoding needs {problem}")
+        for linear in linears:
+            linear.make_batch_invariant()
+        for attention in self._layer_attention:
+            attention.batch_invariant = True
+        logger.info("batch-invariant decoding: projections on the %s, attention on the decode "
+                    "kernel for every query row",
+                    "quantized kernels" if all(m.quant is not None for m in linears)
+                    else "dense weights in calls of 16 rows")
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.paged_attention.batch_invariant
+
     # ---- caches ---------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

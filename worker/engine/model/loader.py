@@ -35,8 +35,8 @@ class LoadedModel:
     arch: ModelArchConfig
 
 
-def load_model(path: str | Path, dtype: str = "float32", weights: str | None = None
-               ) -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "float32", weights: str | None = None,
+               batch_invariant: bool = False) -> LoadedModel:
     """Load a .gguf file or a Hugging Face folder (config.json + *.safetensors +
     tokenizer.json). Unsupported architectures, quant types or dtypes raise ValueError.
 
@@ -68,7 +68,10 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
             model.load_weights(
                 iter_gguf_weights(reader, arch, keep_quantized=native),
                 RepackCache.for_model(path, fingerprint) if native else None,
-                FormChoice.for_model(path, fingerprint, model.kernels) if native else None)
+                FormChoice.for_model(path, fingerprint, model.kernels,
+                                     # the one form whose rows are bitwise batch-invariant
+                                     "quant" if batch_invariant else None)
+                if native else None)
             tokenizer = building.result()
     elif path.is_dir():
         arch = read_hf_arch(path)
@@ -78,6 +81,8 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str | None = N
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
     model.eval()
+    if batch_invariant:
+        model.make_batch_invariant()
     _return_freed_memory()
     logger.info("loaded %s (%s, %d layers, %s cache, %s weights) in %.2f s", path.name,
                 arch.architecture, arch.num_layers, dtype, weights, time.perf_counter() - start)
