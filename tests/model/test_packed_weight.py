@@ -56,6 +56,8 @@ def assert_mapped(model, form: str) -> None:
 def test_a_warm_start_maps_the_packed_forms_and_packs_nothing(tiny_path, monkeypatch, form):
     # Given every projection on one dense form, loaded once (cold: packed, stored, mapped)
     monkeypatch.setenv(form_choice.ENV, form)
+    if not form_choice.dense_form_runs(form):
+        form = "fp32"  # forced where oneDNN cannot run it (float16 on an AMD Zen 5): float32
     cold = load(tiny_path)
     assert_mapped(cold, form)
     cold_tokens, cold_logits = greedy_paged(cold, PROMPTS, 5)
