@@ -236,7 +236,7 @@ class Linear(nn.Module):
         self._dense_bias = {form: [None if b is None else b.to(DENSE_DTYPES[form])
                                    for b in biases] for form in self._dense}
         self._quant_parts = [] if self.quant is None else [
-            self.quant if part == (0, self.out_features) else self._quant_rows(*part)
+            quant if part == (0, self.out_features) else self._quant_rows(*part)
             for part in self.parts]
         self._int8_parts = [] if self.int8 is None else [
             self.int8 if part == (0, self.out_features) else Int8Matrix.from_parts(
