@@ -1,10 +1,13 @@
 """Steps paused for an interactive arrival (worker/engine/step_interrupt.py), through the whole
-engine (tiny random Llama, float32): a batch step stopped after any decoder layer, with
+engine (tiny random Llama, float32): a batch step stopped after any decoder layer or any
+vocabulary slice of its LM head (llama.py `logits_parts`), with
 interactive requests run beside it, resumed or dropped, leaves every request's greedy tokens
 what they are when it runs alone, with speculation, n > 1, chunked prefill, the prefix cache,
 preemption and aborts in play."""
 
 from __future__ import annotations
+
+import pytest
 
 from llmq.worker.engine.config import EngineConfig
 from llmq.worker.engine.engine_core import EngineCore
@@ -29,8 +32,8 @@ LONGER = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
 
 class PauseAfterLayer(StepInterrupt):
-    """Pauses the next pausable step after decoder layer `layer`, once per `arm()`: an
-    interactive arrival at a chosen point of a step."""
+    """Pauses the next pausable step at its pause point `layer` (decoder layers, then the LM
+    head's slices), once per `arm()`: an interactive arrival at a chosen point of a step."""
 
     def __init__(self, layer: int) -> None:
         super().__init__()
@@ -89,14 +92,22 @@ class Run:
         return [self.tokens.get((name, index), []) for index in range(n)]
 
 
-def test_batch_steps_paused_after_any_layer_give_every_request_its_solo_tokens(
+def pause_points(tiny_model) -> list[int]:
+    """After each decoder layer, and after the first, a middle and the last slice of the LM
+    head (after the last, the logits are in and sampling is left)."""
+    num_layers, num_parts = tiny_model.arch.num_layers, len(tiny_model.model.lm_head.parts)
+    assert num_parts > 1
+    return [*range(num_layers), *(num_layers + k for k in (0, num_parts // 2, num_parts - 1))]
+
+
+def test_batch_steps_paused_after_any_layer_or_head_slice_give_every_request_its_solo_tokens(
         tiny_model, tiny_model_path):
     # Given batch prompts (shared prefixes, a long one in chunks, one asking for 2 completions),
     # interactive prompts, and each one's greedy tokens run alone
     expected = solo_tokens(tiny_model, tiny_model_path, {**BATCH, **ONLINE})
-    for layer in range(tiny_model.arch.num_layers):
+    for layer in pause_points(tiny_model):
         # When batch steps (with speculation, 32-token steps, 8 batch prompt tokens a step)
-        # pause after `layer` and each pause lets an interactive request in
+        # pause after `layer` (or head slice) and each pause lets an interactive request in
         engine = make_engine(tiny_model, tiny_model_path, speculative_method="ngram",
                              max_num_batched_tokens=32, max_batch_prefill_tokens=8)
         speculator = use_oracle(engine, {tuple(p): expected[name][0]
@@ -219,8 +230,9 @@ def test_an_abort_while_a_step_is_paused_drops_it_and_the_others_run_exactly(
     assert engine.stats().kv_cache_usage == 0.0
 
 
+@pytest.mark.parametrize("point", ["layer", "head"])
 def test_a_paused_constrained_batch_request_resumes_where_its_grammar_stood(
-        tiny_model, tiny_model_path):
+        tiny_model, tiny_model_path, point):
     # Given batch requests whose output a regex constrains, and what each writes alone
     regex = StructuredOutputParams("regex", "[a-z]{4}( [a-z]{2,6}){16}")
     params = SamplingParams(max_tokens=120, temperature=0.0, structured_output=regex)
@@ -228,10 +240,11 @@ def test_a_paused_constrained_batch_request_resumes_where_its_grammar_stood(
     plain = make_engine(tiny_model, tiny_model_path)
     alone = {name: plain.generate([prompt], params)[0] for name, prompt in prompts.items()}
     engine = make_engine(tiny_model, tiny_model_path)
-    run = Run(engine, 1)
+    run = Run(engine, 1 if point == "layer" else pause_points(tiny_model)[-1])
     for name, prompt in prompts.items():
         engine.add_request(name, prompt, params, batch=True)
-    # When their steps pause, again and again, each time for an interactive request
+    # When their steps pause (after layer 1, or with their logits in and the grammars not yet
+    # applied), again and again, each time for an interactive request
     for i in range(6):
         if not any(r.batch for r in engine.scheduler.requests.values()):
             break

@@ -66,11 +66,12 @@ class _StepRows:
 
 @dataclass
 class PausedForward:
-    """A step stopped between two decoder layers: `ModelRunner.resume` runs the rest."""
+    """A step stopped between two decoder layers or two slices of its LM head (its pause
+    points, `ModelRunner._stages`): `ModelRunner.resume` runs the rest."""
 
     rows: _StepRows
-    layers: Generator[int, None, torch.Tensor]  # the model's forward, suspended
-    num_layers_done: int
+    layers: Generator[int, None, torch.Tensor | None]  # `_stages`, suspended
+    num_layers_done: int  # pause points passed: decoder layers, then LM head slices
     grammar_errors: dict[str, str]  # from starting its requests' grammars, delivered with it
 
     def drop(self) -> None:
@@ -161,10 +162,26 @@ class ModelRunner:
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
         lora = LoraBatch.from_rows([(n, state.sampling_params.lora)
                                     for (_, n), state in zip(scheduled, states, strict=True)])
+        rows = _StepRows(states, drafts, sample_rows, logits_indices)
         layers = self.model.forward_layers(  # -> [num_tokens, hidden_size]
             torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches, lora)
-        return self._run_layers(_StepRows(states, drafts, sample_rows, logits_indices), layers,
-                                pause_after)
+        return self._run_layers(rows, self._stages(rows, layers), pause_after)
+
+    def _stages(self, rows: _StepRows, layers: Generator[int, None, torch.Tensor]
+                ) -> Generator[int, None, torch.Tensor | None]:
+        """A step's pause points: after each decoder layer, then after each vocabulary slice of
+        the LM head (llama.py `logits_parts`), numbered on. Returns the logits of the rows that
+        sample [num_rows, vocab] (None: no row does)."""
+        hidden = yield from layers  # [num_tokens, hidden_size]
+        if not rows.sample_rows:
+            return None
+        num_layers = len(self.model.layers)
+        head = self.model.logits_parts(hidden[rows.logits_indices])
+        try:
+            while True:
+                yield num_layers + next(head)
+        except StopIteration as done:
+            return done.value
 
     @torch.inference_mode()
     def resume(self, paused: PausedForward, pause_after: PauseCheck | None = None
@@ -173,7 +190,7 @@ class ModelRunner:
         self._grammar_errors.update(paused.grammar_errors)
         return self._run_layers(paused.rows, paused.layers, pause_after)
 
-    def _run_layers(self, rows: _StepRows, layers: Generator[int, None, torch.Tensor],
+    def _run_layers(self, rows: _StepRows, layers: Generator[int, None, torch.Tensor | None],
                     pause_after: PauseCheck | None) -> ModelRunnerOutput | PausedForward:
         while True:
             try:
@@ -186,15 +203,14 @@ class ModelRunner:
                 errors, self._grammar_errors = self._grammar_errors, {}
                 return PausedForward(rows, layers, layer + 1, errors)
 
-    def _sample(self, rows: _StepRows, hidden: torch.Tensor) -> ModelRunnerOutput:
-        """Sample each row due a token from the step's hidden states [num_tokens, hidden]."""
+    def _sample(self, rows: _StepRows, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        """Sample each row due a token from its logits [num_rows, vocab] (`_stages`)."""
         states, drafts = rows.states, rows.drafts
-        sample_rows, logits_indices = rows.sample_rows, rows.logits_indices
+        sample_rows = rows.sample_rows
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[list[TokenLogprob]] = [[] for _ in states]
         errors: dict[str, str] = {}
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[logits_indices])  # [num_rows, vocab]
+        if logits is not None:
             # One row per sampled position: a drafting request has one per draft token + 1,
             # conditioned on the draft before it (worker/engine/spec_decode/rejection_sampler.py).
             # NOTE: the scheduler drafts only where min_tokens and grammars do not apply.

@@ -18,11 +18,18 @@ Forms, chosen per call by the number of rows (tokens) in x:
   bfloat16 in and out) up to `QUANT_MAX_ROWS` rows where the type maps onto it, float32
   oneDNN above.
 - dense (`fp32`, `bf16`, a Hugging Face folder): the weight prepacked for oneDNN in its dtype.
+
+Parts (`split`, the LM head's): every form is held as slices of the output rows, one call each,
+so `forward_parts` can hand each slice's output back before computing the next: the busy loop
+pauses a batch step between them for an interactive arrival (worker/engine/step_interrupt.py),
+as it does between decoder layers. Each output element is the same dot product over the same
+input either way; tests/model/test_linear_parts.py checks the parts against one call.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +61,7 @@ DENSE_CHUNK_ROWS = 4096  # rows dequantized at a time into a dense form (bounds 
 # oneDNN's and MKL's float32 and bfloat16 GEMMs sum a row in an order that follows the call's
 # rows (one row: a GEMV), never the row's place in the call (bench/batch_invariance.py)
 INVARIANT_TILE_ROWS = 16
+PART_ROWS = 16  # a part's rows start at a multiple of this (QuantMatrix's tiles)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -82,11 +90,16 @@ class Linear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
-        self._packed: torch.Tensor | None = None
+        # output rows run as one call each: [(start, stop)], one part unless `split`
+        self.parts: list[tuple[int, int]] = [(0, out_features)]
+        self._packed: list[torch.Tensor] | None = None  # the dense weight, a tensor a part
         self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
         self.int8: Int8Matrix | None = None  # the int8 form, where a bucket chose it
-        self._dense: dict[str, torch.Tensor] = {}  # chosen dense forms: "bf16" -> packed weight
-        self._dense_bias: dict[str, torch.Tensor | None] = {}
+        # chosen dense forms, a tensor a part: "bf16" -> [packed weight rows of the part]
+        self._dense: dict[str, list[torch.Tensor]] = {}
+        self._dense_bias: dict[str, list[torch.Tensor | None]] = {}
+        self._quant_parts: list[QuantMatrix] = []  # the quantized form's tiles of each part
+        self._int8_parts: list[Int8Matrix] = []
         # the repack cache's maps that dense forms' packed tensors wrap (not owned by them)
         self._backing: list[np.ndarray] = []
         self.forms: tuple[str, ...] | None = None  # the form of each BUCKETS bucket, if chosen
@@ -103,6 +116,17 @@ class Linear(nn.Module):
         # Batch-invariant decoding (`make_batch_invariant`): one row-invariant form for calls
         # of every size
         self.batch_invariant = False
+
+    def split(self, num_parts: int) -> None:
+        """Hold every form as `num_parts` slices of the output rows (before `finalize`)."""
+        tiles = -(-self.out_features // PART_ROWS)
+        bounds = [min(self.out_features, tiles * k // num_parts * PART_ROWS)
+                  for k in range(num_parts + 1)]
+        self.parts = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+    def _slices(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """t's rows (views) of each part."""
+        return [t[a:b] for a, b in self.parts]
 
     def add_quantized(self, rows: slice | None, tensor: QuantizedTensor) -> None:
         """Remember the GGUF blocks of some rows: `finalize` builds the forms from them and
@@ -147,8 +171,9 @@ class Linear(nn.Module):
             # NOTE: a float32 dense form decoded from GGUF blocks runs oneDNN on the plain
             # weight (see _build_chosen)
             dense = self.weight.detach()
-            self._packed = (dense if from_blocks
-                            else torch.ops.mkldnn._reorder_linear_weight(dense, None))
+            self._packed = [part if from_blocks
+                            else torch.ops.mkldnn._reorder_linear_weight(part, None)
+                            for part in self._slices(dense)]
             if not keep_dense:
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
@@ -200,17 +225,38 @@ class Linear(nn.Module):
                 # packed one for a 1B model's head at 9-256 rows, and a warm start keeps it
                 # mapped from the repack cache (no packing, no copy in every worker's RSS).
                 self._fill_dense(cache, name)
-                self._dense[form] = self.weight.detach()
+                self._dense[form] = self._slices(self.weight.detach())
             else:
-                self._dense[form] = self._dense_form(form, cache, name)
+                self._dense[form] = [self._dense_form(form, cache, name, part)
+                                     for part in self.parts]
         if "quant" not in chosen:
             self.quant = None
-        self._dense_bias = {form: None if self.bias is None else
-                            self.bias.detach().to(DENSE_DTYPES[form]) for form in self._dense}
+        biases = ([None] * len(self.parts) if self.bias is None
+                  else self._slices(self.bias.detach()))
+        self._dense_bias = {form: [None if b is None else b.to(DENSE_DTYPES[form])
+                                   for b in biases] for form in self._dense}
+        self._quant_parts = [] if self.quant is None else [
+            quant if part == (0, self.out_features) else self._quant_rows(*part)
+            for part in self.parts]
+        self._int8_parts = [] if self.int8 is None else [
+            self.int8 if part == (0, self.out_features) else Int8Matrix.from_parts(
+                self.int8.q[part[0]:part[1]], self.int8.scale[part[0]:part[1]],
+                None if self.int8.bias is None else self.int8.bias[part[0]:part[1]])
+            for part in self.parts]
         self.forms = chosen
         self._form_by_rows = [chosen[bucket_of(rows)] for rows in range(ROUTED_ROWS + 1)]
         self._quantized_rows, self._decoded = [], None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def _quant_rows(self, start: int, stop: int) -> QuantMatrix:
+        """Output rows [start, stop) of the quantized form (its tiles, no copy); start a
+        multiple of the 16-row tiles."""
+        quant = self.quant
+        assert isinstance(quant, QuantMatrix)
+        tiles = slice(start // 16, -(-stop // 16))
+        return QuantMatrix.from_tiles(quant.q[tiles], quant.scales[tiles], quant.offsets[tiles],
+                                      (stop - start, self.in_features), quant.group, quant.bits,
+                                      None if self.bias is None else self.bias[start:stop])
 
     def _sample(self, rows: int) -> Sample:
         """The first `rows` output rows, float32 and quantized (what form_choice.py times)."""
@@ -237,12 +283,19 @@ class Linear(nn.Module):
         return Int8Matrix.from_parts(torch.from_numpy(arrays["q"]),
                                      torch.from_numpy(arrays["scale"]), self.bias)
 
-    def _dense_form(self, form: str, cache: RepackCache | None, name: str) -> torch.Tensor:
-        """The weight in `form`'s dtype packed for oneDNN: mapped from the repack cache
-        (`<name>.<form>`, the packed bytes, packed_weight.py) where it has them for this CPU,
-        else dequantized from the blocks and packed (then stored there, and mapped back)."""
-        dtype, shape = DENSE_DTYPES[form], (self.out_features, self.in_features)
-        found = cache.get(f"{name}.{form}") if cache is not None else None
+    def _dense_form(self, form: str, cache: RepackCache | None, name: str,
+                    rows: tuple[int, int]) -> torch.Tensor:
+        """Output rows [start, stop) of the weight in `form`'s dtype packed for oneDNN: mapped
+        from the repack cache (`<name>.<form>`, or `<name>.<form>.<start>-<stop>` for a part,
+        the packed bytes, packed_weight.py) where it has them for this CPU, else dequantized
+        from the blocks and packed (then stored there, and mapped back)."""
+        start, stop = rows
+        dtype, shape = DENSE_DTYPES[form], (stop - start, self.in_features)
+        if rows != (0, self.out_features):
+            name = f"{name}.{form}.{start}-{stop}"
+        else:
+            name = f"{name}.{form}"
+        found = cache.get(name) if cache is not None else None
         if found is not None:
             mapped = packed_weight.from_arrays(found[1], shape, dtype)
             if mapped is not None:
@@ -251,16 +304,15 @@ class Linear(nn.Module):
         bq = self._blocks()
         assert bq is not None
         weight = torch.empty(shape, dtype=dtype)
-        for start in range(0, self.out_features, DENSE_CHUNK_ROWS):
-            stop = min(start + DENSE_CHUNK_ROWS, self.out_features)
-            weight[start:stop] = _rows(bq, start, stop).dequantize_torch()
+        for first in range(start, stop, DENSE_CHUNK_ROWS):
+            last = min(first + DENSE_CHUNK_ROWS, stop)
+            weight[first - start:last - start] = _rows(bq, first, last).dequantize_torch()
         packed = packed_weight.pack(weight)
         if cache is None or not packed_weight.available():
             return packed
         # NOTE: this start, too, runs from the map: its anonymous copy is freed, so a cold
         # start ends with a warm one's RSS
-        arrays = cache.put(f"{name}.{form}", {"shape": list(shape)},
-                           packed_weight.to_arrays(packed))
+        arrays = cache.put(name, {"shape": list(shape)}, packed_weight.to_arrays(packed))
         if not isinstance(arrays["packed"], np.memmap):
             return packed  # not written (a warm entry, a full disk): keep the copy
         mapped = packed_weight.from_arrays(arrays, shape, dtype)
@@ -317,11 +369,12 @@ class Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of every form held (the RSS the weights cost)."""
-        dense = self._packed if self._packed is not None else self.weight
+        dense = self._packed if self._packed is not None else [self.weight]
         quant = self.quant.nbytes if self.quant is not None else 0
         int8 = self.int8.nbytes if self.int8 is not None else 0
-        chosen = sum(t.numel() * t.element_size() for t in self._dense.values())
-        return dense.numel() * dense.element_size() + quant + int8 + chosen
+        chosen = sum(t.numel() * t.element_size() for parts in self._dense.values()
+                     for t in parts)
+        return sum(t.numel() * t.element_size() for t in dense) + quant + int8 + chosen
 
     @property
     def can_be_batch_invariant(self) -> bool:
@@ -380,46 +433,70 @@ class Linear(nn.Module):
             self.lora_slot.add_(self.lora_key, x, y)
         return y
 
+    def forward_parts(self, x: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`forward` a part at a time (the LM head's vocabulary slices, `split`): yields
+        (start, stop, its [num_rows, stop - start] output) once each is computed, the next
+        only when asked for. Without LoRA (no adapter targets the head)."""
+        if len(self.parts) == 1 or not self._has_parts(x.shape[0]):
+            yield 0, self.out_features, self.forward(x)
+            return
+        x = self._as_read(x)
+        for k, (start, stop) in enumerate(self.parts):
+            yield start, stop, self._part_rows(x, k)
+
+    def _has_parts(self, num_rows: int) -> bool:
+        """Whether the form for `num_rows` rows is held a part at a time (torch's int4
+        kernel, where there are no compiled kernels, is held whole)."""
+        return self.forms is not None or self.form_of(num_rows) == "dense"
+
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.forms is not None:
-            return self._chosen_forward(x, self._form_by_rows[min(x.shape[0], ROUTED_ROWS)])
-        if self.quant is not None and (x.shape[0] <= QUANT_MAX_ROWS or self.quant_only):
+        if not self._has_parts(x.shape[0]):
             if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
                 assert self._kernels is not None
                 return self._kernels.quant_matmul(x.float(), self.quant)
+            assert self.quant is not None
             y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
-        if self.batch_invariant:
-            return self._dense_tiles(x)
-        return self._dense_forward(x)
+        x = self._as_read(x)
+        ys = [self._part_rows(x, k) for k in range(len(self.parts))]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
-    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.weight.dtype)
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self._packed, self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)
+    def _as_read(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the dtype the form for its rows computes in (float32 for the compiled kernels),
+        contiguous."""
+        form = self.form_of(x.shape[0])
+        dtype = DENSE_DTYPES.get(form, torch.float32 if form != "dense" else self.weight.dtype)
+        return x.to(dtype).contiguous()
 
-    def _dense_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """The dense form in calls of exactly INVARIANT_TILE_ROWS rows (batch-invariant)."""
+    def _part_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Part k's output [num_rows, its rows] of x (`_as_read`); a batch-invariant dense
+        projection's in calls of exactly INVARIANT_TILE_ROWS rows, the last padded."""
+        if not (self.batch_invariant and self.forms is None):
+            return self._part_forward(x, k)
         rows, tile = x.shape[0], INVARIANT_TILE_ROWS
         padded = x.new_zeros(-(-rows // tile) * tile, x.shape[1])  # [rows rounded up, in]
         padded[:rows] = x
-        return torch.cat([self._dense_forward(padded[start:start + tile])  # [rows, out]
+        return torch.cat([self._part_forward(padded[start:start + tile], k)  # [tile, its rows]
                           for start in range(0, padded.shape[0], tile)])[:rows]
 
-    def _chosen_forward(self, x: torch.Tensor, form: str) -> torch.Tensor:
+    def _part_forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Part k's output [num_rows, its rows] of x [num_rows, in] (`_as_read`)."""
+        if self.forms is None:  # the dense weight
+            if self._packed is None:
+                return F.linear(x, self._slices(self.weight)[k],
+                                None if self.bias is None else self._slices(self.bias)[k])
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self._packed[k], None if self.bias is None else self._slices(self.bias)[k],
+                "none", [None], "")
+        form = self._form_by_rows[min(x.shape[0], ROUTED_ROWS)]
         kernels = self._kernels
         assert kernels is not None
         if form == "quant":  # the kernels add the bias themselves
-            assert isinstance(self.quant, QuantMatrix)
-            return kernels.quant_matmul(x.float(), self.quant)
+            return kernels.quant_matmul(x, self._quant_parts[k])
         if form == "int8":
-            assert self.int8 is not None
-            return kernels.int8_matmul(x.float(), self.int8)
+            return kernels.int8_matmul(x, self._int8_parts[k])
         y = torch.ops.mkldnn._linear_pointwise(  # [rows, out] in the form's dtype
-            x.to(DENSE_DTYPES[form]).contiguous(), self._dense[form], self._dense_bias[form],
-            "none", [None], "")
+            x, self._dense[form][k], self._dense_bias[form][k], "none", [None], "")
         # NOTE: the fused kernels after a projection read float32 or bfloat16, not float16
         return y.float() if form == "fp16" else y
 

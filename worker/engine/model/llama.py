@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS = ("native", "bf16", "fp32")
+# NOTE: the LM head runs as this many vocabulary slices, with a pause point after each
+# (`logits_parts`): one GEMM over the whole vocabulary for every sampled row was the longest
+# stretch of a batch step an interactive arrival could not pause (docs/performance.md, lanes).
+HEAD_PARTS = 8
 
 
 def run_to_end(layers: Generator[int, None, torch.Tensor]) -> torch.Tensor:
@@ -104,6 +108,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self._layers)
         self.norm = _param(arch.hidden_size, dtype=self.act_dtype)
         self.lm_head = Linear(arch.vocab_size, arch.hidden_size, False, weight_dtype)
+        self.lm_head.split(HEAD_PARTS)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         # native: a quantized embedding is looked up from its blocks, not a dense table
@@ -322,7 +327,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] (only the rows being sampled) -> float32 logits [n, vocab]."""
-        logits = self.lm_head(hidden).float()
+        return run_to_end(self.logits_parts(hidden))
+
+    def logits_parts(self, hidden: torch.Tensor) -> Generator[int, None, torch.Tensor]:
+        """`compute_logits` a vocabulary slice at a time: yields each slice's index once its
+        logits are in, and returns them all. Between two slices the caller may run whole other
+        steps (worker/engine/step_interrupt.py); the logits so far wait in this generator."""
+        logits = hidden.new_empty(hidden.shape[0], self.arch.vocab_size,
+                                  dtype=torch.float32)  # [n, vocab]
+        for k, (start, stop, part) in enumerate(self.lm_head.forward_parts(hidden)):
+            logits[:, start:stop] = part  # [n, stop - start], cast as .float() casts it
+            yield k
         if self.arch.logits_scaling is not None:  # granite
             logits.div_(self.arch.logits_scaling)
         cap = self.arch.final_softcap
