@@ -37,6 +37,12 @@ def tiny_path(tmp_path: Path) -> Path:
     return path
 
 
+# How far a forced form's logits may stray from float32's while the greedy tokens agree.
+# NOTE: int8 here includes the LM head (the choice never puts it there: HEAD_TOLERANCE), and a
+# random model amplifies rounding (weights up to ~8, near one-hot attention)
+DECODE_BOUNDS = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "int8": 0.1}
+
+
 def projections(model) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
@@ -129,10 +135,7 @@ def test_each_form_forced_gives_the_float32_models_logits(forms_dir, tiny_path, 
 
     # When both prefill and decode a batch, then every step's logits are within the form's
     # precision of float32's, and the greedy tokens are float32's
-    # NOTE: int8 here includes the LM head (the choice never puts it there: HEAD_TOLERANCE),
-    # and a random model amplifies rounding (weights up to ~8, near one-hot attention)
-    bound = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "int8": 0.1}[form]
-    assert_decodes_alike(native, dense, bound)
+    assert_decodes_alike(native, dense, DECODE_BOUNDS[form])
 
 
 def test_fixed_keeps_the_forms_by_assumption(forms_dir, tiny_path, monkeypatch):
@@ -184,8 +187,13 @@ def test_chosen_forms_decode_like_the_float32_model(forms_dir, tiny_path):
     native = load_model(tiny_path, "float32", weights="native").model
     dense = load_model(tiny_path, "float32", weights="fp32").model
 
-    # Then a batch decodes alike, within the int8 form's precision (the least exact choosable)
-    assert_decodes_alike(native, dense, 0.06)
+    # Then a batch decodes alike, within the bound of the least exact form chosen (the bound
+    # each form meets forced alone, above: a mix is no worse than its least exact member)
+    # NOTE: a fixed 0.06 failed now and then (seen twice in make test, at the fifth decode
+    # step): under load the measurement may choose int8 for more buckets, and int8's own
+    # bound is 0.1
+    chosen = {form for p in projections(native) for form in p.forms}
+    assert_decodes_alike(native, dense, max(DECODE_BOUNDS[form] for form in chosen))
 
 
 def test_a_form_is_held_only_where_it_wins_by_more_than_the_memory_slack():
