@@ -112,6 +112,37 @@ def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, 
         assert torch.equal(y, alone[:rows]), rows
 
 
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q8_0, Q.Q5_0], ids=lambda t: t.name)
+def test_a_symmetric_types_tiles_hold_no_offsets_and_give_the_same_bits(tmp_path, qtype):
+    # Given a matrix of a type whose offsets are all zero (40 rows: a partial 16-row tile)
+    tensor = write_and_read(tmp_path, qtype, (40, 512), seed=5)
+    bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
+    assert not bq.offsets.any()
+
+    # When laid out for the kernels
+    matrix = QuantMatrix(bq)
+
+    # Then its tiles hold no offsets: smaller by exactly their float32 bytes (3 tiles of
+    # [groups, 16]; a lone decode reads every byte of them once a token)
+    assert matrix.offsets is None and matrix.kind == f"q8g{bq.group}s"
+    zeros = torch.zeros(3, 512 // bq.group, 16)
+    with_offsets = QuantMatrix.from_tiles(matrix.q, matrix.scales, zeros, bq.shape, bq.group,
+                                          bq.bits)
+    assert with_offsets.nbytes - matrix.nbytes == zeros.nbytes == 3 * 512 // bq.group * 64
+    # And the products are those with the zero offsets added, to float32 rounding (the
+    # compiler may fuse the scaling into the running total now that nothing is added to it),
+    # and the float32 product's; every row the same bits alone or in a call of 8 rows
+    kernels = CpuKernels.load()
+    x = torch.randn(CpuKernels.MAX_QUANT_ROWS, 512, generator=torch.Generator().manual_seed(3))
+    y = kernels.quant_matmul(x, matrix)
+    w = tensor.dequantize()
+    tolerance = {"rtol": 1e-5, "atol": 1e-5 * float(w.abs().max())}
+    torch.testing.assert_close(y, kernels.quant_matmul(x, with_offsets), **tolerance)
+    torch.testing.assert_close(y, x @ w.t(), **tolerance)
+    assert torch.equal(y, torch.cat([kernels.quant_matmul(row[None], matrix) for row in x]))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_torch_int4_kernel_runs_the_types_that_map_onto_it(tmp_path, qtype):
     # Given a quantized matrix

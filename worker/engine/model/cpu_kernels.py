@@ -156,7 +156,11 @@ class QuantMatrix:
     """A BlockQuant laid out for `CpuKernels.quant_matmul`: tiles of 16 rows (zero-padded),
     each [in / 2, 16] bytes of 4-bit q (byte r of entry p: column 2p of row r in the low
     nibble, 2p + 1 in the high) or [in, 16] int8, with float32 scales and offsets
-    [in / group, 16] per tile; plus the projection's bias, which the kernel adds."""
+    [in / group, 16] per tile; plus the projection's bias, which the kernel adds.
+
+    `offsets` is None where they are all zero (the symmetric types: Q6_K, Q8_0, Q5_0): a lone
+    decode reads every byte of the tiles once a token, and a Q6_K tile's zero offsets were
+    1/6 of them (q8g16: 1.5 -> 1.25 bytes a weight). The kernel then adds no offset term."""
 
     def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
         out_features, in_features = bq.shape
@@ -173,10 +177,11 @@ class QuantMatrix:
         q = bq.q.astype(np.uint8)  # int8 keeps its bits
         if bq.bits == 4:
             q = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # [out, in / 2]
-        self._bind(tiled(q), tiled(bq.scales), tiled(bq.offsets), bias)
+        offsets = tiled(bq.offsets) if bq.offsets.any() else None
+        self._bind(tiled(q), tiled(bq.scales), offsets, bias)
 
     @classmethod
-    def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+    def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                    shape: tuple[int, int], group: int, bits: int,
                    bias: torch.Tensor | None = None) -> QuantMatrix:
         """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
@@ -186,11 +191,12 @@ class QuantMatrix:
         self._bind(q, scales, offsets, bias)
         return self
 
-    def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+    def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
               bias: torch.Tensor | None) -> None:
         self.q, self.scales, self.offsets = q, scales, offsets
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+        self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(),
+                           0 if offsets is None else offsets.data_ptr(),
                            0 if self.bias is None else self.bias.data_ptr(), self.out_features,
                            self.in_features, self.group, self.bits, 0)
 
@@ -200,7 +206,13 @@ class QuantMatrix:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes + self.offsets.nbytes
+        offsets = 0 if self.offsets is None else self.offsets.nbytes
+        return self.q.nbytes + self.scales.nbytes + offsets
+
+    @property
+    def kind(self) -> str:
+        """`q<bits>g<group>`, `s` after it without offsets: what decides the tiles' bytes."""
+        return f"q{self.bits}g{self.group}{'' if self.offsets is not None else 's'}"
 
 
 class CpuKernels:

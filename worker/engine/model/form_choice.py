@@ -160,9 +160,9 @@ class FormChoice:
                 forced = "fp32"
             return (forced,) * len(BUCKETS)
         # NOTE: the quantized form's bytes follow its blocks (a Q6_K layer's are twice a
-        # Q4_K one's), so a shape is measured once per quantization
+        # Q4_K one's), so a shape is measured once per quantization (and per symmetric or not)
         shape = f"{'head:' if head else ''}{out_features}x{in_features}"
-        name = f"{shape}/q{quant.bits}g{quant.group}"
+        name = f"{shape}/{quant.kind}"
         if name not in self.shapes:
             started, cpu_started = time.perf_counter(), time.process_time()
             if self.bandwidth is None:

@@ -188,8 +188,9 @@ class Linear(nn.Module):
             self.quant = Int4Weight.from_block_quant(bq)
         if cache is not None and isinstance(self.quant, QuantMatrix):
             quant = self.quant
-            arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy(),
-                      "offsets": quant.offsets.numpy()}
+            arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy()}
+            if quant.offsets is not None:  # none where all zero (QuantMatrix)
+                arrays["offsets"] = quant.offsets.numpy()
             meta = {"shape": [quant.out_features, quant.in_features], "group": quant.group,
                     "bits": quant.bits}
             self._bind_quant(meta, cache.put(name, meta, arrays))
@@ -207,7 +208,7 @@ class Linear(nn.Module):
 
     def _bind_quant(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         t = {part: torch.from_numpy(a) for part, a in arrays.items()}
-        self.quant = QuantMatrix.from_tiles(t["q"], t["scales"], t["offsets"],
+        self.quant = QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"),
                                             (self.out_features, self.in_features),
                                             meta["group"], meta["bits"], self.bias)
 
@@ -254,7 +255,8 @@ class Linear(nn.Module):
         quant = self.quant
         assert isinstance(quant, QuantMatrix)
         tiles = slice(start // 16, -(-stop // 16))
-        return QuantMatrix.from_tiles(quant.q[tiles], quant.scales[tiles], quant.offsets[tiles],
+        return QuantMatrix.from_tiles(quant.q[tiles], quant.scales[tiles],
+                                      None if quant.offsets is None else quant.offsets[tiles],
                                       (stop - start, self.in_features), quant.group, quant.bits,
                                       None if self.bias is None else self.bias[start:stop])
 
@@ -264,7 +266,8 @@ class Linear(nn.Module):
         assert bq is not None and isinstance(quant, QuantMatrix)
         tiles = -(-rows // 16)
         part = QuantMatrix.from_tiles(quant.q[:tiles], quant.scales[:tiles],
-                                      quant.offsets[:tiles], (rows, self.in_features),
+                                      None if quant.offsets is None else quant.offsets[:tiles],
+                                      (rows, self.in_features),
                                       quant.group, quant.bits)
         return _rows(bq, 0, rows).dequantize_torch(), part
 

@@ -320,8 +320,11 @@ inline v16 widen_int8(const uint8_t* p) {
 // torch's int4 "tinygemm" does): no horizontal sums, and one unpack serves all M rows of x.
 // Tile layout: BITS 4: [K / 2][16] bytes, byte r of entry p holding q[r][2p] (low nibble) and
 // q[r][2p + 1] (high nibble); BITS 8: [K][16] int8. scales, offsets: [groups][16] per tile.
-// x [M, K] float32 (rows x_stride apart), xsum [M, groups] its sums per group; y [M, N]
-// float32 (rows y_stride apart). All arithmetic in float32.
+// OFF false: a symmetric type's (Q6_K, Q8_0, Q5_0), whose offsets are all zero, held without
+// them (a lone decode reads every byte of its tiles once a token: q8g16's 1.5 bytes a weight
+// become 1.25) and with no offset term, the same bits as `+ 0 * xsum`.
+// x [M, K] float32 (rows x_stride apart), xsum [M, groups] its sums per group (OFF only);
+// y [M, N] float32 (rows y_stride apart). All arithmetic in float32.
 //
 // Every row is summed in the same order whatever M is, so a row's products are the same bits
 // alone or beside 7 others (a speculative verification's rows equal the decodes they stand
@@ -332,7 +335,7 @@ inline v16 widen_int8(const uint8_t* p) {
 // row's total. Only how many partial sums run at once (C) depends on M: all while their
 // accumulators fit in the 32 registers (short FMA chains for a lone decode), fewer for more
 // rows (then the M rows' own chains are plenty).
-template <int M, int BITS>
+template <int M, int BITS, bool OFF>
 void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
                 const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
                 int64_t y_stride, int64_t rows, const uint8_t* q_next, const float* scales_next,
@@ -351,7 +354,7 @@ void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8
             const uint8_t* next = q_next + g * group_bytes;
             for (int64_t b = 0; b < group_bytes; b += 64) __builtin_prefetch(next + b);
             __builtin_prefetch(scales_next + g * 16);
-            __builtin_prefetch(offsets_next + g * 16);
+            if (OFF) __builtin_prefetch(offsets_next + g * 16);
         }
         v16 sum[M];
         // NOTE: the partial-sum indices are compile-time constants (unrolled loops), so t
@@ -390,14 +393,19 @@ void quant_tile(const float* x, int64_t x_stride, const float* xsum, const uint8
                     sum[m] = i0 + c == 0 ? part : sum[m] + part;
                 }
         }
-        const v16 sc = load16(scales + g * 16), off = load16(offsets + g * 16);
-        for (int m = 0; m < M; ++m) acc[m] += sum[m] * sc + off * xsum[m * groups + g];
+        const v16 sc = load16(scales + g * 16);
+        if (OFF) {
+            const v16 off = load16(offsets + g * 16);
+            for (int m = 0; m < M; ++m) acc[m] += sum[m] * sc + off * xsum[m * groups + g];
+        } else {
+            for (int m = 0; m < M; ++m) acc[m] += sum[m] * sc;
+        }
     }
     for (int m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = acc[m][r];
 }
 
-template <int M, int BITS>
+template <int M, int BITS, bool OFF>
 void quant_matmul(const float* x, int64_t x_stride, const float* xsum, const uint8_t* q,
                   const float* scales, const float* offsets, int64_t N, int64_t K,
                   int64_t group, float* y, int64_t y_stride) {
@@ -406,23 +414,26 @@ void quant_matmul(const float* x, int64_t x_stride, const float* xsum, const uin
     for (int64_t n = 0; n < N; n += 16) {
         const int64_t t = n / 16;
         const bool next = n + 16 < N;
-        quant_tile<M, BITS>(x, x_stride, xsum, q + t * tile_bytes, scales + t * tile_scales,
-                            offsets + t * tile_scales, K, group, y + n, y_stride,
-                            N - n < 16 ? N - n : 16, next ? q + (t + 1) * tile_bytes : nullptr,
-                            scales + (t + 1) * tile_scales, offsets + (t + 1) * tile_scales);
+        quant_tile<M, BITS, OFF>(x, x_stride, xsum, q + t * tile_bytes,
+                                 scales + t * tile_scales,
+                                 OFF ? offsets + t * tile_scales : nullptr,
+                                 K, group, y + n, y_stride, N - n < 16 ? N - n : 16,
+                                 next ? q + (t + 1) * tile_bytes : nullptr,
+                                 scales + (t + 1) * tile_scales,
+                                 OFF ? offsets + (t + 1) * tile_scales : nullptr);
     }
 }
 
-template <int BITS, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
+template <int BITS, bool OFF, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
     switch (rows) {
-        case 1: quant_matmul<1, BITS>(a...); return true;
-        case 2: quant_matmul<2, BITS>(a...); return true;
-        case 3: quant_matmul<3, BITS>(a...); return true;
-        case 4: quant_matmul<4, BITS>(a...); return true;
-        case 5: quant_matmul<5, BITS>(a...); return true;
-        case 6: quant_matmul<6, BITS>(a...); return true;
-        case 7: quant_matmul<7, BITS>(a...); return true;
-        case 8: quant_matmul<8, BITS>(a...); return true;
+        case 1: quant_matmul<1, BITS, OFF>(a...); return true;
+        case 2: quant_matmul<2, BITS, OFF>(a...); return true;
+        case 3: quant_matmul<3, BITS, OFF>(a...); return true;
+        case 4: quant_matmul<4, BITS, OFF>(a...); return true;
+        case 5: quant_matmul<5, BITS, OFF>(a...); return true;
+        case 6: quant_matmul<6, BITS, OFF>(a...); return true;
+        case 7: quant_matmul<7, BITS, OFF>(a...); return true;
+        case 8: quant_matmul<8, BITS, OFF>(a...); return true;
         default: return false;
     }
 }
@@ -432,7 +443,7 @@ template <int BITS, typename... A> bool quant_matmul_m(int64_t rows, A... a) {
 struct QMat {
     const uint8_t* q;
     const float* scales;
-    const float* offsets;
+    const float* offsets;  // or null: all zero (a symmetric type's)
     const float* bias;  // or null
     int64_t out_features, in_features, group;
     int32_t bits, unused;
@@ -444,18 +455,25 @@ bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, flo
     const int64_t K = w.in_features, group = w.group, N = w.out_features;
     if (K % group || group % 8 || (w.bits != 4 && w.bits != 8)) return false;
     const int64_t groups = K / group;
-    std::vector<float> xsum((size_t)(rows * groups));  // [rows, groups]: sum of x per group
-    for (int64_t m = 0; m < rows; ++m)
+    // [rows, groups]: sum of x per group, for the offsets' term (none without offsets)
+    std::vector<float> xsum(w.offsets ? (size_t)(rows * groups) : 0);
+    for (int64_t m = 0; m < rows && w.offsets; ++m)
         for (int64_t g = 0; g < groups; ++g) {
             float s = 0.0f;
             for (int64_t k = 0; k < group; ++k) s += x[m * x_stride + g * group + k];
             xsum[m * groups + g] = s;
         }
+    // NOTE: with offsets or without is chosen once per call (a template argument), not per group
+    const float* xs = xsum.data();
     const bool done = w.bits == 4
-        ? quant_matmul_m<4>(rows, x, x_stride, xsum.data(), w.q, w.scales, w.offsets, N, K,
-                            group, y, y_stride)
-        : quant_matmul_m<8>(rows, x, x_stride, xsum.data(), w.q, w.scales, w.offsets, N, K,
-                            group, y, y_stride);
+        ? (w.offsets ? quant_matmul_m<4, true>(rows, x, x_stride, xs, w.q, w.scales, w.offsets,
+                                               N, K, group, y, y_stride)
+                     : quant_matmul_m<4, false>(rows, x, x_stride, xs, w.q, w.scales, w.offsets,
+                                                N, K, group, y, y_stride))
+        : (w.offsets ? quant_matmul_m<8, true>(rows, x, x_stride, xs, w.q, w.scales, w.offsets,
+                                               N, K, group, y, y_stride)
+                     : quant_matmul_m<8, false>(rows, x, x_stride, xs, w.q, w.scales, w.offsets,
+                                                N, K, group, y, y_stride));
     if (done && w.bias)
         for (int64_t m = 0; m < rows; ++m)
             for (int64_t n = 0; n < N; ++n) y[m * y_stride + n] += w.bias[n];
