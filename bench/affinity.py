@@ -22,9 +22,12 @@ over the summed `prompt_tokens` of the done events, per worker (the worker of ea
 to the last terminal event (server clock). Same work in every scenario, so the tokens/s ratio is
 the wall-time ratio.
 
-The KV cache is sized (`--kv-blocks`, 768 blocks of 16 tokens by default) so one worker holds
-about half of the eight prefixes next to its running requests: the case affinity is for, a pool
-whose prefixes outgrow one worker's cache. With the default 1 GiB budget each worker holds all
+The KV cache is sized (`--kv-blocks`, 384 blocks of 16 tokens by default: six 64-block prefixes
+with no request running) so one worker holds about half of the eight prefixes next to its
+running requests: the case affinity is for, a pool whose prefixes outgrow one worker's cache.
+(768 blocks, the default before, held all eight beside the few requests the intake window lets
+start at once: with affinity off each worker hit 90.7% and affinity changed nothing, 1.00x;
+bench/results/affinity-full-2026-12-02.txt.) With the default 1 GiB budget each worker holds all
 eight and affinity can only save the second copy of each prefix (`--kv-blocks 0` measures that).
 The machine is shared: run it under `flock /tmp/bench.lock`, and read the ratios.
 """
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefixes", type=int, default=8)
     parser.add_argument("--per-prefix", type=int, default=32)
-    parser.add_argument("--kv-blocks", type=int, default=768,
+    parser.add_argument("--kv-blocks", type=int, default=384,
                         help="KV blocks per worker (0: the default 1 GiB budget)")
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--skip-single", action="store_true")
