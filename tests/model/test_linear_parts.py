@@ -63,8 +63,8 @@ def test_a_head_run_a_slice_at_a_time_gives_the_whole_heads_logits(
         # Then it paused after each slice (but in a form held whole, quantized or int8,
         # which runs in one call: a lone decode's head in 8 calls cost it ~10% of its speed)
         # and its logits are the whole head's, bit for bit
-        assert slices == (1 if split.lm_head.held_whole(rows) else llama.HEAD_PARTS), rows
-        assert split.lm_head.held_whole(rows) == (
+        assert slices == (llama.HEAD_PARTS if split.lm_head.sliced(rows) else 1), rows
+        assert (not split.lm_head.sliced(rows)) == (
             weights == "native" and split.lm_head.form_of(rows) in ("quant", "int8"))
         assert logits.dtype == torch.float32 and torch.equal(logits, expected), (rows, form)
         assert torch.equal(split.compute_logits(hidden[:rows]), expected)

@@ -19,11 +19,13 @@ Forms, chosen per call by the number of rows (tokens) in x:
   oneDNN above.
 - dense (`fp32`, `bf16`, a Hugging Face folder): the weight prepacked for oneDNN in its dtype.
 
-Parts (`split`, the LM head's): every form is held as slices of the output rows, one call each,
-so `forward_parts` can hand each slice's output back before computing the next: the busy loop
-pauses a batch step between them for an interactive arrival (worker/engine/step_interrupt.py),
-as it does between decoder layers. Each output element is the same dot product over the same
-input either way; tests/model/test_linear_parts.py checks the parts against one call.
+Parts (`split`, the LM head's): the dense forms are held as slices of the output rows, one call
+each, so `forward_parts` can hand each slice's output back before computing the next: the busy
+loop pauses a batch step between them for an interactive arrival (worker/engine/step_interrupt.py),
+as it does between decoder layers. The quantized and int8 forms run whole: they serve calls of
+few rows, where 8 calls instead of one cost a lone decode ~10% of its speed. Each output element
+is the same dot product over the same input either way; tests/model/test_linear_parts.py checks
+the parts against one call.
 """
 
 from __future__ import annotations
@@ -98,8 +100,6 @@ class Linear(nn.Module):
         # chosen dense forms, a tensor a part: "bf16" -> [packed weight rows of the part]
         self._dense: dict[str, list[torch.Tensor]] = {}
         self._dense_bias: dict[str, list[torch.Tensor | None]] = {}
-        self._quant_parts: list[QuantMatrix] = []  # the quantized form's tiles of each part
-        self._int8_parts: list[Int8Matrix] = []
         # the repack cache's maps that dense forms' packed tensors wrap (not owned by them)
         self._backing: list[np.ndarray] = []
         self.forms: tuple[str, ...] | None = None  # the form of each BUCKETS bucket, if chosen
@@ -236,29 +236,10 @@ class Linear(nn.Module):
                   else self._slices(self.bias.detach()))
         self._dense_bias = {form: [None if b is None else b.to(DENSE_DTYPES[form])
                                    for b in biases] for form in self._dense}
-        self._quant_parts = [] if self.quant is None else [
-            quant if part == (0, self.out_features) else self._quant_rows(*part)
-            for part in self.parts]
-        self._int8_parts = [] if self.int8 is None else [
-            self.int8 if part == (0, self.out_features) else Int8Matrix.from_parts(
-                self.int8.q[part[0]:part[1]], self.int8.scale[part[0]:part[1]],
-                None if self.int8.bias is None else self.int8.bias[part[0]:part[1]])
-            for part in self.parts]
         self.forms = chosen
         self._form_by_rows = [chosen[bucket_of(rows)] for rows in range(ROUTED_ROWS + 1)]
         self._quantized_rows, self._decoded = [], None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def _quant_rows(self, start: int, stop: int) -> QuantMatrix:
-        """Output rows [start, stop) of the quantized form (its tiles, no copy); start a
-        multiple of the 16-row tiles."""
-        quant = self.quant
-        assert isinstance(quant, QuantMatrix)
-        tiles = slice(start // 16, -(-stop // 16))
-        return QuantMatrix.from_tiles(quant.q[tiles], quant.scales[tiles],
-                                      None if quant.offsets is None else quant.offsets[tiles],
-                                      (stop - start, self.in_features), quant.group, quant.bits,
-                                      None if self.bias is None else self.bias[start:stop])
 
     def _sample(self, rows: int) -> Sample:
         """The first `rows` output rows, float32 and quantized (what form_choice.py times)."""
@@ -440,39 +421,29 @@ class Linear(nn.Module):
         """`forward` a part at a time (the LM head's vocabulary slices, `split`): yields
         (start, stop, its [num_rows, stop - start] output) once each is computed, the next
         only when asked for. Without LoRA (no adapter targets the head)."""
-        if len(self.parts) == 1 or not self._has_parts(x.shape[0]) or self.held_whole(
-                x.shape[0]):
+        if len(self.parts) == 1 or not self.sliced(x.shape[0]):
             yield 0, self.out_features, self.forward(x)
             return
         x = self._as_read(x)
         for k, (start, stop) in enumerate(self.parts):
             yield start, stop, self._part_rows(x, k)
 
-    def _has_parts(self, num_rows: int) -> bool:
-        """Whether the form for `num_rows` rows is held a part at a time (torch's int4
-        kernel, where there are no compiled kernels, is held whole)."""
-        return self.forms is not None or self.form_of(num_rows) == "dense"
-
-    def held_whole(self, num_rows: int) -> bool:
-        """Whether the chosen form for `num_rows` rows is also held whole (the quantized and
-        int8 forms: their parts are views of one matrix). A sliced head in those forms cost a
-        lone decode 8 kernel calls a token instead of one (single-sequence decode on SmolLM2:
-        156 -> 131-138 tok/s), and the steps of up to 8 rows they serve are short anyway."""
-        return self.forms is not None and self.form_of(num_rows) in ("quant", "int8")
+    def sliced(self, num_rows: int) -> bool:
+        """Whether a call of `num_rows` rows runs a part at a time: a dense form (chosen, or
+        the dense weight); the quantized, int8 and int4 forms run whole."""
+        form = self.form_of(num_rows)
+        return form in DENSE_DTYPES or form == "dense"
 
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.held_whole(x.shape[0]):
-            assert self._kernels is not None
-            if self.form_of(x.shape[0]) == "quant":  # the kernels add the bias themselves
-                assert isinstance(self.quant, QuantMatrix)
-                return self._kernels.quant_matmul(x.float().contiguous(), self.quant)
-            assert self.int8 is not None
+        form = self.form_of(x.shape[0])
+        if form == "quant":  # the kernels add the bias themselves
+            assert self._kernels is not None and isinstance(self.quant, QuantMatrix)
+            return self._kernels.quant_matmul(x.float().contiguous(), self.quant)
+        if form == "int8":
+            assert self._kernels is not None and self.int8 is not None
             return self._kernels.int8_matmul(x.float().contiguous(), self.int8)
-        if not self._has_parts(x.shape[0]):
-            if isinstance(self.quant, QuantMatrix):  # it adds the bias itself
-                assert self._kernels is not None
-                return self._kernels.quant_matmul(x.float(), self.quant)
-            assert self.quant is not None
+        if form == "int4":
+            assert isinstance(self.quant, Int4Weight)
             y = self.quant(x.to(torch.bfloat16))
             return y if self.bias is None else y.add_(self.bias)
         x = self._as_read(x)
@@ -480,11 +451,9 @@ class Linear(nn.Module):
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
 
     def _as_read(self, x: torch.Tensor) -> torch.Tensor:
-        """x in the dtype the form for its rows computes in (float32 for the compiled kernels),
-        contiguous."""
+        """x in the dtype the dense form for its rows computes in, contiguous."""
         form = self.form_of(x.shape[0])
-        dtype = DENSE_DTYPES.get(form, torch.float32 if form != "dense" else self.weight.dtype)
-        return x.to(dtype).contiguous()
+        return x.to(DENSE_DTYPES.get(form, self.weight.dtype)).contiguous()
 
     def _part_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Part k's output [num_rows, its rows] of x (`_as_read`); a batch-invariant dense
@@ -507,12 +476,6 @@ class Linear(nn.Module):
                 x, self._packed[k], None if self.bias is None else self._slices(self.bias)[k],
                 "none", [None], "")
         form = self._form_by_rows[min(x.shape[0], ROUTED_ROWS)]
-        kernels = self._kernels
-        assert kernels is not None
-        if form == "quant":  # the kernels add the bias themselves
-            return kernels.quant_matmul(x, self._quant_parts[k])
-        if form == "int8":
-            return kernels.int8_matmul(x, self._int8_parts[k])
         y = torch.ops.mkldnn._linear_pointwise(  # [rows, out] in the form's dtype
             x, self._dense[form][k], self._dense_bias[form][k], "none", [None], "")
         # NOTE: the fused kernels after a projection read float32 or bfloat16, not float16
