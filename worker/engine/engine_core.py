@@ -89,8 +89,8 @@ class EngineCore:
                                 config.weights, config.batch_invariant)
             logger.info("loaded %s in %.1f s", config.model or "default model",
                         time.perf_counter() - started)
-        if config.batch_invariant:  # (a model loaded by the caller is switched here)
-            loaded.model.make_batch_invariant()
+        if config.batch_invariant and not loaded.model.batch_invariant:
+            loaded.model.make_batch_invariant()  # a model the caller loaded is switched here
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
         max_model_len = config.max_model_len or min(
