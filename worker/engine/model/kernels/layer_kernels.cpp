@@ -26,12 +26,14 @@ namespace {
 thread_local std::vector<float> scratch;
 
 // Ask for a block's rows before they are needed: a sequence's blocks lie anywhere in the
-// cache, so the hardware prefetcher cannot guess the next one.
+// cache, so the hardware prefetcher cannot guess the next one. Into L2 (hint 2), not L1:
+// decode attention asks 8 blocks ahead, more lines than L1 has room to wait for (on a Zen 5
+// 30 layers' batch-64 attention took 15.3 ms so against 17.9 ms into L1 2 blocks ahead).
 template <typename C>
 inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) {
     const char* p = (const char*)rows;
     const int64_t bytes = block_size * head_dim * (int64_t)sizeof(C);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
 inline float hmax(v16 v) {
@@ -136,7 +138,7 @@ void decode_attention(const float* q, int64_t q_stride, const C* cache, const in
                       int64_t head_dim, float scale, O* out) {
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const int64_t block_stride = block_size * head_dim;
-    const int64_t ahead = 2;
+    const int64_t ahead = 8;
     int64_t max_len = 0;
     for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     const int64_t stride = (max_len + 15) / 16 * 16;
