@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmq.worker.engine.model import form_choice
 from llmq.worker.engine.model.cpu_kernels import QuantMatrix
@@ -87,6 +88,30 @@ def test_the_choice_is_measured_once_and_read_at_later_starts(forms_dir, tiny_pa
     # Then nothing is measured, and every projection runs the same forms
     assert second.forms is not None and second.forms.num_measured == 0
     assert [p.forms for p in projections(second)] == [p.forms for p in projections(first)]
+
+
+def test_workers_of_another_thread_count_keep_their_own_choice(forms_dir, tiny_path):
+    # Given a model measured by a one-thread worker, then by a two-thread worker
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        load_model(tiny_path, "float32", weights="native")
+        torch.set_num_threads(2)
+        two = load_model(tiny_path, "float32", weights="native").model
+        assert two.forms is not None and two.forms.num_measured == 5
+
+        # When one-thread and two-thread workers start again
+        torch.set_num_threads(1)
+        again_one = load_model(tiny_path, "float32", weights="native").model
+        torch.set_num_threads(2)
+        again_two = load_model(tiny_path, "float32", weights="native").model
+    finally:
+        torch.set_num_threads(threads)
+
+    # Then each reads its own choice: nothing is measured again, and there is a file for each
+    assert again_one.forms is not None and again_one.forms.num_measured == 0
+    assert again_two.forms is not None and again_two.forms.num_measured == 0
+    assert len(list(forms_dir.glob("*.json"))) == 2
 
 
 def test_every_chosen_form_is_within_the_tolerance(forms_dir, tiny_path):

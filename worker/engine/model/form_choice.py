@@ -17,9 +17,9 @@ a call has, so each distinct projection shape (out, in) is measured once per lay
 blocks (a Q4_K_M model's Q6_K layers take twice its Q4_K layers' bytes; the dense forms'
 figures are shared between layouts), for each bucket of rows in `BUCKETS`, on the first start
 of a model on a CPU; the choice is kept in a small JSON
-file (`<LLMQ_FORMS_DIR or ~/.cache/llmq/forms>/<model and CPU>.json`, next to the kernel
-cache) keyed by the model's fingerprint, the CPU (model name and flags), torch's thread count,
-the kernels' build and this module's code, so every later start reads it and measures nothing.
+file (`<LLMQ_FORMS_DIR or ~/.cache/llmq/forms>/<key>.json`, next to the kernel cache) keyed
+by the model's fingerprint, the CPU (model name and flags), torch's thread count, the kernels'
+build and this module's code, so every later start reads it and measures nothing.
 
 How a form is measured: its time on the first (at most) `SLICE_ROWS` output rows of the
 projection, scaled to all of them, at least the time to stream the whole form's bytes once at
@@ -141,7 +141,10 @@ class FormChoice:
                "kernels": kernels.build_id if kernels is not None else "",
                "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
                "tolerance": [TOLERANCE, HEAD_TOLERANCE]}
-        name = hashlib.sha256(f"{key['model']}\0{fingerprint}\0{key['cpu']}".encode())
+        # NOTE: named by the whole key: workers of one model with another thread count, or
+        # two installs of llmq (kernel builds) on one machine, each keep their own choice
+        # instead of measuring again at every start, each over the other's file.
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
         return cls(mode, forms_dir() / f"{name.hexdigest()[:16]}.json", key, kernels)
 
     def choose(self, out_features: int, in_features: int, head: bool, quant: QuantMatrix,
