@@ -18,6 +18,7 @@ import click
 from llmq.broker import tracing
 from llmq.cli.options import connection_options, engine_config_kwargs, engine_options
 from llmq.cli.tracing_option import otlp_traces_endpoint_option, start_tracing
+from llmq.worker.startup_gc import startup_gc
 
 
 def parse_cpus(value: str | None) -> set[int] | None:
@@ -100,48 +101,49 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
     if cpus:
         # NOTE: before torch starts its threads: they inherit the process's affinity.
         os.sched_setaffinity(0, cpus)
-    from llmq.broker.connection import resolve_redis_url
-    from llmq.protocol.errors import LLMQError
-    from llmq.worker.engine.config import EngineConfig
-    from llmq.worker.worker_config import WorkerConfig, default_worker_id
+    with startup_gc():  # no cyclic GC while torch is imported and the model loaded
+        from llmq.broker.connection import resolve_redis_url
+        from llmq.protocol.errors import LLMQError
+        from llmq.worker.engine.config import EngineConfig
+        from llmq.worker.worker_config import WorkerConfig, default_worker_id
 
-    try:
-        engine_config = EngineConfig(**engine_config_kwargs(kwargs))
-        config = WorkerConfig(
-            redis_url=resolve_redis_url(redis_url), prefix=prefix, queue=queue,
-            worker_id=worker_id or default_worker_id(), lease_timeout=lease_timeout,
-            renew_interval=renew_interval, heartbeat_timeout=heartbeat_timeout,
-            claim_interval=claim_interval,
-            drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
-            result_maxlen=result_maxlen, metrics_port=metrics_port,
-            interactive_headroom=interactive_headroom, tenant_weights=tenant_weights,
-            affinity=affinity, affinity_steal_delay=affinity_steal_delay,
-            affinity_min_tokens=affinity_min_tokens)
-    except LLMQError as e:
-        raise click.ClickException(str(e)) from None
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        try:
+            engine_config = EngineConfig(**engine_config_kwargs(kwargs))
+            config = WorkerConfig(
+                redis_url=resolve_redis_url(redis_url), prefix=prefix, queue=queue,
+                worker_id=worker_id or default_worker_id(), lease_timeout=lease_timeout,
+                renew_interval=renew_interval, heartbeat_timeout=heartbeat_timeout,
+                claim_interval=claim_interval,
+                drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
+                result_maxlen=result_maxlen, metrics_port=metrics_port,
+                interactive_headroom=interactive_headroom, tenant_weights=tenant_weights,
+                affinity=affinity, affinity_steal_delay=affinity_steal_delay,
+                affinity_min_tokens=affinity_min_tokens)
+        except LLMQError as e:
+            raise click.ClickException(str(e)) from None
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
 
-    from llmq.worker.engine.engine_core import EngineCore
-    from llmq.worker.worker import Worker
-    from llmq.worker.worker_status import start_observability
+        from llmq.worker.engine.engine_core import EngineCore
+        from llmq.worker.worker import Worker
+        from llmq.worker.worker_status import start_observability
 
-    # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr: the first thing to look
-    # at when a worker seems stuck.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr: the first thing to look
+        # at when a worker seems stuck.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-    model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
-    from llmq.worker.health_server import MetricsPortInUse
+        model_name = os.path.basename(engine_config.model.rstrip("/")) or "SmolLM2-135M-Instruct"
+        from llmq.worker.health_server import MetricsPortInUse
 
-    try:
-        observability = start_observability(metrics_port, model_name, queue)
-    except MetricsPortInUse as e:
-        raise click.ClickException(e.strerror or str(e)) from None
-    start_tracing("llmq-worker", otlp_traces_endpoint)
-    try:
-        engine = EngineCore(engine_config)
-    except ValueError as e:  # a model or draft model that cannot be served (docs/models.md)
-        raise click.ClickException(str(e)) from None
+        try:
+            observability = start_observability(metrics_port, model_name, queue)
+        except MetricsPortInUse as e:
+            raise click.ClickException(e.strerror or str(e)) from None
+        start_tracing("llmq-worker", otlp_traces_endpoint)
+        try:
+            engine = EngineCore(engine_config)
+        except ValueError as e:  # a model or draft model that cannot be served (docs/models.md)
+            raise click.ClickException(str(e)) from None
     code = Worker(config, engine, model_name=model_name, observability=observability).run()
     # NOTE: everything is written and handed back by now; the interpreter's own teardown of
     # torch and the model (about a second) would only push the exit past the drain budget.

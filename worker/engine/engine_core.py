@@ -73,7 +73,6 @@ class EngineCore:
         """`loaded` / `draft`: the model and the draft model already loaded (tests share
         them); by default `config.model` and `config.draft_model` are loaded here."""
         # Imported here so `llmq.worker.engine.engine_core` stays cheap to import for type users.
-        from llmq.worker.engine.lora.lora_manager import LoraManager
         from llmq.worker.engine.model.default_model import ensure_default_model
         from llmq.worker.engine.model.loader import load_model
         from llmq.worker.engine.model_runner import ModelRunner
@@ -123,6 +122,9 @@ class EngineCore:
         # LoRA adapters, loaded by the gate on first use (None: no adapter directory)
         self.loras: LoraManager | None = None
         if config.lora_dir:
+            # NOTE: imported only here: its adapter loaders are ~0.1 s of a worker's start
+            from llmq.worker.engine.lora.lora_manager import LoraManager
+
             self.loras = LoraManager(config.lora_dir, loaded.arch, config.max_loras,
                                      config.max_lora_rank)
         # a model whose every layer slides (Mistral) frees the blocks that fall out of its window

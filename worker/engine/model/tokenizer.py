@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from llmq.worker.engine.model.chat_template import ChatTemplate
 from llmq.worker.engine.model.tokenizer_vocab import (
     CONTROL,
     END_OF_GENERATION_TEXTS,
@@ -45,6 +44,8 @@ from llmq.worker.engine.model.tokenizer_vocab import (
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
+
+    from llmq.worker.engine.model.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +260,10 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt instead of "
                              "messages, or use a model that ships one")
         if self._compiled_template is None:
+            # NOTE: imported on the first chat request, not at load: jinja2's import is ~30 ms
+            # of a worker's start, and prompt-only work never needs it.
+            from llmq.worker.engine.model.chat_template import ChatTemplate
+
             self._compiled_template = ChatTemplate(self.chat_template, self._template_tokens)
         return self._compiled_template.render(messages, add_generation_prompt, **kwargs)
 
