@@ -469,13 +469,13 @@ class Linear(nn.Module):
     def _part_forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Part k's output [num_rows, its rows] of x [num_rows, in] (`_as_read`)."""
         if self.forms is None:  # the dense weight
+            start, stop = self.parts[k]
+            bias = None if self.bias is None else self.bias[start:stop]
             if self._packed is None:
-                return F.linear(x, self._slices(self.weight)[k],
-                                None if self.bias is None else self._slices(self.bias)[k])
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self._packed[k], None if self.bias is None else self._slices(self.bias)[k],
-                "none", [None], "")
-        form = self._form_by_rows[min(x.shape[0], ROUTED_ROWS)]
+                return F.linear(x, self.weight[start:stop], bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed[k], bias, "none", [None],
+                                                      "")
+        form = self.form_of(x.shape[0])
         y = torch.ops.mkldnn._linear_pointwise(  # [rows, out] in the form's dtype
             x, self._dense[form][k], self._dense_bias[form][k], "none", [None], "")
         # NOTE: the fused kernels after a projection read float32 or bfloat16, not float16
