@@ -58,7 +58,8 @@ engine_options = _apply([
                  help="KV-cache dtype; float32 also means float32 weights and activations."),
     click.option("--weights", envvar="LLMQ_WEIGHTS", type=click.Choice(["native", "bf16", "fp32"]),
                  default=None, help="How the projections are held: native (a GGUF's own "
-                 "quantization: 4/8-bit kernels for small batches, int8 GEMMs for large ones), "
+                 "quantization, each projection on the kernel form measured fastest on this CPU: "
+                 "LLMQ_FORMS), "
                  "bf16 or fp32. Default: native (fp32 with --dtype float32)."),
     click.option("--threads", envvar="LLMQ_THREADS", type=click.IntRange(min=1), default=1,
                  show_default=True, help="torch threads (run one worker per core instead)."),

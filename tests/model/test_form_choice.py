@@ -41,7 +41,8 @@ def tiny_path(tmp_path: Path) -> Path:
 # How far a forced form's logits may stray from float32's while the greedy tokens agree.
 # NOTE: int8 here includes the LM head (the choice never puts it there: HEAD_TOLERANCE), and a
 # random model amplifies rounding (weights up to ~8, near one-hot attention)
-DECODE_BOUNDS = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "int8": 0.1}
+DECODE_BOUNDS = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "qdot": 0.1,
+                 "int8": 0.1}
 
 
 def projections(model) -> list[Linear]:
@@ -51,8 +52,9 @@ def projections(model) -> list[Linear]:
 def assert_decodes_alike(native, dense, bound: float) -> None:
     """Prefill 3 prompts together (157 rows: the largest bucket), then decode them (3 rows):
     while a sequence's greedy tokens agree, its logits are within `bound` of the largest;
-    every sequence's first token agrees, and most tokens do (a random model has near ties,
-    where any rounding may pick the other token, and the texts go apart from there)."""
+    every sequence's first token agrees, and where a sequence's tokens go apart, float32's own
+    choice there was a near tie (its two best logits within 2 x `bound` of the largest: a
+    random model has such ties, where any rounding may pick the other token)."""
     prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([130, 7, 20])]
     ours, our_logits = greedy_paged(native, prompts, 6)
     theirs, their_logits = greedy_paged(dense, prompts, 6)
@@ -62,10 +64,11 @@ def assert_decodes_alike(native, dense, bound: float) -> None:
         for step in range(same + 1):
             a, b = our_logits[step][seq], their_logits[step][seq]
             assert (a - b).abs().max() <= bound * b.abs().max(), (seq, step)
+        if mine != oracle:
+            b = their_logits[same][seq]
+            best, second = b.topk(2).values
+            assert best - second <= 2 * bound * b.abs().max(), (seq, same)
     assert [mine[0] for mine in ours] == [oracle[0] for oracle in theirs]
-    agree = sum(a == b for mine, oracle in zip(ours, theirs, strict=True)
-                for a, b in zip(mine, oracle, strict=True))
-    assert agree >= 0.75 * sum(len(oracle) for oracle in theirs)
 
 
 def test_the_choice_is_measured_once_and_read_at_later_starts(forms_dir, tiny_path, caplog):
@@ -154,6 +157,7 @@ def test_each_form_forced_gives_the_float32_models_logits(forms_dir, tiny_path, 
     # Then only that form is held: no quantized, int8 or dense copy beside it
     for p in projections(native):
         assert isinstance(p.quant, QuantMatrix) == (form == "quant")
+        assert (p.qdot is not None) == (form == "qdot")
         assert (p.int8 is not None) == (form == "int8")
         assert set(p._dense) == ({form} if form in form_choice.DENSE_DTYPES else set())
         assert p.weight.numel() == 0
@@ -215,8 +219,8 @@ def test_chosen_forms_decode_like_the_float32_model(forms_dir, tiny_path):
     # Then a batch decodes alike, within the bound of the least exact form chosen (the bound
     # each form meets forced alone, above: a mix is no worse than its least exact member)
     # NOTE: a fixed 0.06 failed now and then (seen twice in make test, at the fifth decode
-    # step): under load the measurement may choose int8 for more buckets, and int8's own
-    # bound is 0.1
+    # step): under load the measurement may choose int8 (or qdot) for more buckets, and their
+    # own bound is 0.1
     chosen = {form for p in projections(native) for form in p.forms}
     assert_decodes_alike(native, dense, max(DECODE_BOUNDS[form] for form in chosen))
 

@@ -116,7 +116,7 @@ class QMat(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
-                ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("unused", ctypes.c_int32)]
+                ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("dot", ctypes.c_int32)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -160,12 +160,17 @@ class QuantMatrix:
 
     `offsets` is None where they are all zero (the symmetric types: Q6_K, Q8_0, Q5_0): a lone
     decode reads every byte of the tiles once a token, and a Q6_K tile's zero offsets were
-    1/6 of them (q8g16: 1.5 -> 1.25 bytes a weight). The kernel then adds no offset term."""
+    1/6 of them (q8g16: 1.5 -> 1.25 bytes a weight). The kernel then adds no offset term.
 
-    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None) -> None:
+    `dot`: the tiles laid out for the int8-activation kernel instead (kernels/qdot.h, the
+    `qdot` form: the same bytes, [in / 8, 16, 4] of nibbles or [in / 4, 16, 4] of q + 128), run
+    against x quantized to int8 per 32 columns; `supports_dot` says which shapes it takes."""
+
+    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None, dot: bool = False
+                 ) -> None:
         out_features, in_features = bq.shape
         self.out_features, self.in_features = out_features, in_features
-        self.group, self.bits = bq.group, bq.bits
+        self.group, self.bits, self.dot = bq.group, bq.bits, dot
         tiles = -(-out_features // 16)
         pad = tiles * 16 - out_features
 
@@ -174,20 +179,19 @@ class QuantMatrix:
             return torch.from_numpy(np.ascontiguousarray(
                 a.reshape(tiles, 16, -1).transpose(0, 2, 1)))
 
-        q = bq.q.astype(np.uint8)  # int8 keeps its bits
-        if bq.bits == 4:
-            q = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # [out, in / 2]
         offsets = tiled(bq.offsets) if bq.offsets.any() else None
-        self._bind(tiled(q), tiled(bq.scales), offsets, bias)
+        q = _dot_tiles(np.pad(bq.q, ((0, pad), (0, 0))), bq.bits) if dot else tiled(
+            _nibble_pairs(bq.q) if bq.bits == 4 else bq.q.astype(np.uint8))  # int8 keeps its bits
+        self._bind(q, tiled(bq.scales), offsets, bias)
 
     @classmethod
     def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                    shape: tuple[int, int], group: int, bits: int,
-                   bias: torch.Tensor | None = None) -> QuantMatrix:
+                   bias: torch.Tensor | None = None, dot: bool = False) -> QuantMatrix:
         """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = shape
-        self.group, self.bits = group, bits
+        self.group, self.bits, self.dot = group, bits, dot
         self._bind(q, scales, offsets, bias)
         return self
 
@@ -198,11 +202,18 @@ class QuantMatrix:
         self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(),
                            0 if offsets is None else offsets.data_ptr(),
                            0 if self.bias is None else self.bias.data_ptr(), self.out_features,
-                           self.in_features, self.group, self.bits, 0)
+                           self.in_features, self.group, self.bits, int(self.dot))
 
     @staticmethod
     def supports(bq: BlockQuant) -> bool:
         return bq.group % 8 == 0
+
+    @staticmethod
+    def supports_dot(in_features: int, group: int) -> bool:
+        """Whether the qdot kernel takes blocks of this shape (kernels/qdot.h
+        `qdot_supports`): whole 32-column blocks of x, and groups of 8 or 16 (whole ones to
+        a block) or of whole blocks."""
+        return in_features % 32 == 0 and (group in (8, 16) or group % 32 == 0)
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +224,26 @@ class QuantMatrix:
     def kind(self) -> str:
         """`q<bits>g<group>`, `s` after it without offsets: what decides the tiles' bytes."""
         return f"q{self.bits}g{self.group}{'' if self.offsets is not None else 's'}"
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """[out, in] of 0..15 -> [out, in / 2] bytes: column 2p in the low nibble, 2p + 1 high."""
+    q = q.astype(np.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << np.uint8(4))
+
+
+def _dot_tiles(q: np.ndarray, bits: int) -> torch.Tensor:
+    """[out (a multiple of 16), in] integers -> qdot.h's tiles [tiles, in / 8 | in / 4, 16, 4]
+    bytes: per lane of 4 bytes one row's columns 8e + j (low nibble) and 8e + 4 + j (high), or
+    its q + 128 of columns 4e + j."""
+    out_features, in_features = q.shape
+    if bits == 4:
+        q = q.astype(np.uint8).reshape(out_features // 16, 16, in_features // 8, 2, 4)
+        lanes = q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))  # [tiles, 16, in / 8, 4]
+    else:
+        lanes = (q.astype(np.int16) + 128).astype(np.uint8).reshape(
+            out_features // 16, 16, in_features // 4, 4)
+    return torch.from_numpy(np.ascontiguousarray(lanes.transpose(0, 2, 1, 3)))
 
 
 class CpuKernels:
@@ -294,15 +325,18 @@ class CpuKernels:
         return out
 
     def quant_matmul(self, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
-        """x [rows, in] float32 -> x W^T [rows, out] float32, in float32 arithmetic; more than
-        MAX_QUANT_ROWS rows run as calls of that many (the kernels' largest), each row's
-        numbers the same whatever shares its call."""
+        """x [rows, in] float32 -> x W^T [rows, out] float32, in float32 arithmetic (a `dot`
+        matrix: x in int8, kernels/qdot.h); more than MAX_QUANT_ROWS rows on float32 tiles run
+        as calls of that many (the kernels' largest), each row's numbers the same whatever
+        shares its call."""
         rows = x.shape[0]
         y = torch.empty(rows, w.out_features)
         if x.dtype != torch.float32 or x.stride(1) != 1:
             raise ValueError("quant_matmul: x must be float32 with contiguous rows")
-        for start in range(0, rows, self.MAX_QUANT_ROWS):
-            part = min(self.MAX_QUANT_ROWS, rows - start)
+        # NOTE: the qdot kernel takes any rows in one call (it reads W once for all of them)
+        most = max(rows, 1) if w.dot else self.MAX_QUANT_ROWS
+        for start in range(0, rows, most):
+            part = min(most, rows - start)
             if not self._quant_matmul(x[start].data_ptr(), x.stride(0), part,
                                       ctypes.byref(w.struct), y[start].data_ptr(), y.stride(0)):
                 raise ValueError(f"quant_matmul: no kernel for {part} rows, {w.bits}-bit "

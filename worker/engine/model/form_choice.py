@@ -8,6 +8,9 @@ A `--weights native` projection can run as any of these forms (linear.py):
 
 - `quant`: the GGUF's blocks on the compiled kernels (cpu_kernels.py `QuantMatrix`), float32
   arithmetic on the file's own numbers; up to 8 rows a call (more rows: calls of 8).
+- `qdot`: the same blocks (as many bytes) against the activations rounded to int8 per 32
+  columns, in integer dot products (kernels/qdot.h: AVX-512 VNNI, ~4x fewer instructions a
+  weight than `quant`'s float32); any rows in one call, the weights read once.
 - `int8`: torch's int8 GEMM with two int8 terms per activation row (int8_matrix.py).
 - `bf16`, `fp16`, `fp32`: the dequantized weight in that dtype, packed for oneDNN (on a CPU
   with AMX, oneDNN runs bfloat16 on it: several times float32 and int8 here).
@@ -32,7 +35,7 @@ Numerics: a form is a candidate only if its output for a random activation (stan
 `SAMPLE_ROWS` rows) is within `TOLERANCE` of the float32 form's, as ||y - y_fp32|| / ||y_fp32||;
 the LM head within `HEAD_TOLERANCE` (its error reaches the logits unattenuated). The two-term
 int8 form sets the bar: ~0.8% on SmolLM2's and the 1B model's shapes; bfloat16 ~0.3%,
-float16 ~0.04%, the quantized kernels ~1e-7 (the same numbers as float32, summed in another
+float16 ~0.04%, `qdot` ~0.5%, `quant` ~1e-7 (the same numbers as float32, summed in another
 order). docs/performance.md ("Kernel forms chosen by measurement") has what each host chose.
 
 `LLMQ_FORMS`: `measure` (default), `fixed` (the forms by assumption, as before this module:
@@ -59,7 +62,8 @@ from .int8_matrix import Int8Matrix
 
 logger = logging.getLogger(__name__)
 
-FORMS = ("quant", "int8", "bf16", "fp16", "fp32")
+FORMS = ("quant", "qdot", "int8", "bf16", "fp16", "fp32")
+QUANT_FORMS = ("quant", "qdot")  # the GGUF's blocks on the compiled kernels (QuantMatrix)
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (the most rows a bucket holds, the rows it is measured at); the last holds every larger step
 BUCKETS = ((1, 1), (4, 4), (8, 8), (32, 32), (128, 128), (1 << 62, 256))
@@ -81,8 +85,9 @@ MEMORY_SLACK = 1.15
 MODES = ("measure", "fixed", *FORMS)
 ENV, DIR_ENV = "LLMQ_FORMS", "LLMQ_FORMS_DIR"
 
-# a projection's first rows: float32 [rows, in], and their quantized form (None: none)
-Sample = tuple[torch.Tensor, QuantMatrix | None]
+# a projection's first rows: float32 [rows, in], and their quantized form on the float32
+# tiles and in the qdot layout (None: none)
+Sample = tuple[torch.Tensor, QuantMatrix | None, QuantMatrix | None]
 
 
 def forms_dir() -> Path:
@@ -148,14 +153,18 @@ class FormChoice:
         return cls(mode, forms_dir() / f"{name.hexdigest()[:16]}.json", key, kernels)
 
     def choose(self, out_features: int, in_features: int, head: bool, quant: QuantMatrix,
-               sample: Callable[[int], Sample]) -> tuple[str, ...]:
+               sample: Callable[[int], Sample], dot: bool = True) -> tuple[str, ...]:
         """The form of each bucket for a projection of this shape and quantization: from the
         file, else measured on `sample(rows)` (its first `rows` output rows, float32 and
-        quantized)."""
+        quantized). `dot`: whether the qdot kernel takes these blocks."""
         if self.mode == "fixed" or self.kernels is None:
             return fixed_forms(head)
         if self.mode != "measure":
             forced = self.mode
+            if forced == "qdot" and not dot:
+                logger.info("kernel forms: %s=qdot: not for %dx%d %s; quant instead", ENV,
+                            out_features, in_features, quant.kind)
+                forced = "quant"
             if (forced == "int8" and not Int8Matrix.available()) or (
                     forced in DENSE_DTYPES and not dense_form_runs(forced)):
                 logger.warning("kernel forms: %s=%s does not run on this CPU; float32 instead",
@@ -242,13 +251,16 @@ def _seconds(fn: Callable[[], object]) -> float:
     return max(clock() - start, 1e-9)
 
 
-def _candidates(kernels: CpuKernels, w: torch.Tensor, quant: QuantMatrix | None,
-                names: Collection[str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def _candidates(kernels: CpuKernels, w: torch.Tensor,
+                quant: tuple[QuantMatrix | None, QuantMatrix | None], names: Collection[str]
+                ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The named forms of w [rows, in] as functions of x [n, in] float32 (bfloat16 for `bf16`:
-    the kernel before it writes bfloat16), as linear.py runs them."""
+    the kernel before it writes bfloat16), as linear.py runs them; `quant`: its blocks on the
+    float32 tiles and in the qdot layout."""
     forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    if quant is not None and "quant" in names:
-        forms["quant"] = lambda x: kernels.quant_matmul(x, quant)
+    for form, matrix in zip(QUANT_FORMS, quant, strict=True):
+        if matrix is not None and form in names:
+            forms[form] = functools.partial(kernels.quant_matmul, w=matrix)
     if Int8Matrix.available() and "int8" in names:
         int8 = Int8Matrix(w)
         forms["int8"] = lambda x: kernels.int8_matmul(x, int8)
@@ -289,19 +301,20 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     rate per bucket (GFLOP/s, None where not measured), bytes, and the chosen forms.
     `known`: what this returned for the same shape quantized another way (a Q4_K_M layer
     whose blocks are Q6_K): only the quantized form is measured, the others' figures reused."""
-    w, quant = sample
+    w, *quant = sample
     rows, in_features = w.shape
     reused = {} if known is None else {
         form: (rates, known["errors"][form]) for form, rates in known["rates"].items()
-        if form != "quant"}
-    forms = _candidates(kernels, w, quant, {"quant", "fp32"} if reused else FORMS)
+        if form not in QUANT_FORMS}
+    forms = _candidates(kernels, w, (quant[0], quant[1]),
+                        {*QUANT_FORMS, "fp32"} if reused else FORMS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLE_ROWS, in_features, generator=g)
     reference = forms["fp32"](x).double()
     errors = {form: float((fn(x).double() - reference).norm() / reference.norm())
               for form, fn in forms.items()}
     errors |= {form: error for form, (_, error) in reused.items()}
-    sizes = {"quant": quant_bytes, "int8": out_features * (in_features + 4),
+    sizes = {"quant": quant_bytes, "qdot": quant_bytes, "int8": out_features * (in_features + 4),
              "bf16": 2 * out_features * in_features, "fp16": 2 * out_features * in_features,
              "fp32": 4 * out_features * in_features}
     rates: dict[str, list[float | None]] = {form: [] for form in FORMS
@@ -330,7 +343,8 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
                 rate = flops / max(spent * out_features / rows, sizes[form] / bandwidth) / 1e9
             rates[form].append(rate)
             if rate is not None and errors[form] <= tolerance:
-                fused = one_call and form != "quant" and num_rows <= CpuKernels.MAX_QUANT_ROWS
+                fused = (one_call and form not in QUANT_FORMS
+                         and num_rows <= CpuKernels.MAX_QUANT_ROWS)
                 cost[form] = flops / (rate * 1e9) + (ONE_CALL_CREDIT if fused else 0.0)
         costs.append(cost)
     return {"errors": errors, "rates": rates, "bytes": sizes, "chosen": _fewest_forms(costs),
@@ -341,7 +355,7 @@ def _fewest_forms(costs: list[dict[str, float]]) -> list[str]:
     """Per bucket the cheapest form; then, largest first, each chosen form whose buckets
     another chosen form serves within MEMORY_SLACK of each bucket's best gives them up to it."""
     chosen = [min(cost, key=cost.__getitem__) for cost in costs]
-    for form in sorted(set(chosen), key=("quant", "int8", "fp16", "bf16", "fp32").index,
+    for form in sorted(set(chosen), key=("quant", "qdot", "int8", "fp16", "bf16", "fp32").index,
                        reverse=True):
         others = set(chosen) - {form}
         instead: dict[int, str] = {}

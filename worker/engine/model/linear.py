@@ -10,7 +10,8 @@ Forms, chosen per call by the number of rows (tokens) in x:
   for the call's bucket of rows, by measuring this CPU at the model's first start (or by
   assumption with LLMQ_FORMS=fixed): the GGUF's blocks on the quantized kernels
   (`QuantMatrix`, float32 arithmetic on the file's own numbers: the file's bytes, the fewest a
-  step can read), the two-term int8 GEMM (`Int8Matrix`, int8_matrix.py), or the dequantized
+  step can read), the same blocks against int8 activations (`qdot`, kernels/qdot.h), the
+  two-term int8 GEMM (`Int8Matrix`, int8_matrix.py), or the dequantized
   weight in bfloat16, float16 or float32 packed for oneDNN. Only the forms some bucket chose
   are built (each from the blocks, or mapped from the repack cache); the others, and the
   dense copy they come from, are not kept.
@@ -97,6 +98,7 @@ class Linear(nn.Module):
         self._packed: list[torch.Tensor] | None = None  # the dense weight, a tensor a part
         self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
         self.int8: Int8Matrix | None = None  # the int8 form, where a bucket chose it
+        self.qdot: QuantMatrix | None = None  # the blocks in the qdot layout, where chosen
         # chosen dense forms, a tensor a part: "bf16" -> [packed weight rows of the part]
         self._dense: dict[str, list[torch.Tensor]] = {}
         self._dense_bias: dict[str, list[torch.Tensor | None]] = {}
@@ -187,12 +189,7 @@ class Linear(nn.Module):
         else:
             self.quant = Int4Weight.from_block_quant(bq)
         if cache is not None and isinstance(self.quant, QuantMatrix):
-            quant = self.quant
-            arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy()}
-            if quant.offsets is not None:  # none where all zero (QuantMatrix)
-                arrays["offsets"] = quant.offsets.numpy()
-            meta = {"shape": [quant.out_features, quant.in_features], "group": quant.group,
-                    "bits": quant.bits}
+            meta, arrays = _tile_arrays(self.quant)
             self._bind_quant(meta, cache.put(name, meta, arrays))
 
     def _quant_from_cache(self, cache: RepackCache, name: str) -> bool:
@@ -207,20 +204,27 @@ class Linear(nn.Module):
         return True
 
     def _bind_quant(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        self.quant = self._from_tile_arrays(meta, arrays)
+
+    def _from_tile_arrays(self, meta: dict, arrays: dict[str, np.ndarray], dot: bool = False
+                          ) -> QuantMatrix:
         t = {part: torch.from_numpy(a) for part, a in arrays.items()}
-        self.quant = QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"),
-                                            (self.out_features, self.in_features),
-                                            meta["group"], meta["bits"], self.bias)
+        return QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"),
+                                      (self.out_features, self.in_features), meta["group"],
+                                      meta["bits"], self.bias, dot=dot)
 
     def _build_chosen(self, forms: FormChoice, cache: RepackCache | None, name: str,
                       head: bool) -> None:
         """Build the forms `forms` chose for this shape's buckets, and only those."""
         quant = self.quant
         assert isinstance(quant, QuantMatrix)
-        chosen = forms.choose(self.out_features, self.in_features, head, quant, self._sample)
+        chosen = forms.choose(self.out_features, self.in_features, head, quant, self._sample,
+                              dot=QuantMatrix.supports_dot(self.in_features, quant.group))
         for form in sorted(set(chosen) - {"quant"}):
             if form == "int8":
                 self.int8 = self._int8_form(cache, name)
+            elif form == "qdot":
+                self.qdot = self._qdot_form(cache, name)
             elif form == "fp32" and head:
                 # NOTE: the head's float32 runs oneDNN on the plain weight: as fast as the
                 # packed one for a 1B model's head at 9-256 rows, and a warm start keeps it
@@ -242,7 +246,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def _sample(self, rows: int) -> Sample:
-        """The first `rows` output rows, float32 and quantized (what form_choice.py times)."""
+        """The first `rows` output rows: float32, on the float32 tiles and in the qdot layout
+        (None where its kernel does not take them), as form_choice.py times them."""
         bq, quant = self._blocks(), self.quant
         assert bq is not None and isinstance(quant, QuantMatrix)
         tiles = -(-rows // 16)
@@ -250,7 +255,26 @@ class Linear(nn.Module):
                                       None if quant.offsets is None else quant.offsets[:tiles],
                                       (rows, self.in_features),
                                       quant.group, quant.bits)
-        return _rows(bq, 0, rows).dequantize_torch(), part
+        first = _rows(bq, 0, rows)
+        dot = (QuantMatrix(first, dot=True) if QuantMatrix.supports_dot(self.in_features, bq.group)
+               else None)
+        return first.dequantize_torch(), part, dot
+
+    def _qdot_form(self, cache: RepackCache | None, name: str) -> QuantMatrix:
+        """The blocks in the qdot layout (kernels/qdot.h): from the repack cache
+        (`<name>.qdot`) where it has them, else laid out from the blocks (and stored there)."""
+        found = cache.get(f"{name}.qdot") if cache is not None else None
+        if found is not None and tuple(found[0]["shape"]) == (self.out_features,
+                                                              self.in_features):
+            return self._from_tile_arrays(*found, dot=True)
+        bq = self._blocks()
+        assert bq is not None
+        qdot = QuantMatrix(bq, self.bias, dot=True)
+        if cache is None:
+            return qdot
+        meta, arrays = _tile_arrays(qdot)
+        # NOTE: run from the cache's map, as the quantized form (the copy built is dropped)
+        return self._from_tile_arrays(meta, cache.put(f"{name}.qdot", meta, arrays), dot=True)
 
     def _int8_form(self, cache: RepackCache | None, name: str) -> Int8Matrix:
         found = cache.get(f"{name}.int8") if cache is not None else None
@@ -354,7 +378,7 @@ class Linear(nn.Module):
     def nbytes(self) -> int:
         """Bytes of every form held (the RSS the weights cost)."""
         dense = self._packed if self._packed is not None else [self.weight]
-        quant = self.quant.nbytes if self.quant is not None else 0
+        quant = sum(m.nbytes for m in (self.quant, self.qdot) if m is not None)
         int8 = self.int8.nbytes if self.int8 is not None else 0
         chosen = sum(t.numel() * t.element_size() for parts in self._dense.values()
                      for t in parts)
@@ -394,10 +418,21 @@ class Linear(nn.Module):
 
     @property
     def quant_rows(self) -> int:
-        """Every call of up to this many rows runs on the quantized kernels (0: none does):
-        the one-call decode step (llama.py) needs every projection there."""
-        return next((rows for rows in range(QUANT_MAX_ROWS, 0, -1)
-                     if all(self.form_of(n) == "quant" for n in range(1, rows + 1))), 0)
+        """Every call of up to this many rows runs on one of the quantized kernels' matrices,
+        `one_call_matrix` (0: none does): the one-call decode step (llama.py) needs every
+        projection there."""
+        first = self.form_of(1)
+        if first not in ("quant", "qdot"):
+            return 0
+        return next(rows for rows in range(QUANT_MAX_ROWS, 0, -1)
+                    if all(self.form_of(n) == first for n in range(1, rows + 1)))
+
+    @property
+    def one_call_matrix(self) -> QuantMatrix:
+        """The matrix calls of up to `quant_rows` rows run on."""
+        matrix = self.qdot if self.form_of(1) == "qdot" else self.quant
+        assert isinstance(matrix, QuantMatrix)
+        return matrix
 
     def input_dtype(self, num_rows: int) -> torch.dtype:
         """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
@@ -439,6 +474,9 @@ class Linear(nn.Module):
         if form == "quant":  # the kernels add the bias themselves
             assert self._kernels is not None and isinstance(self.quant, QuantMatrix)
             return self._kernels.quant_matmul(x.float().contiguous(), self.quant)
+        if form == "qdot":
+            assert self._kernels is not None and self.qdot is not None
+            return self._kernels.quant_matmul(x.float().contiguous(), self.qdot)
         if form == "int8":
             assert self._kernels is not None and self.int8 is not None
             return self._kernels.int8_matmul(x.float().contiguous(), self.int8)
@@ -480,6 +518,15 @@ class Linear(nn.Module):
             x, self._dense[form][k], self._dense_bias[form][k], "none", [None], "")
         # NOTE: the fused kernels after a projection read float32 or bfloat16, not float16
         return y.float() if form == "fp16" else y
+
+
+def _tile_arrays(quant: QuantMatrix) -> tuple[dict, dict[str, np.ndarray]]:
+    """A QuantMatrix's (meta, arrays) as the repack cache keeps them."""
+    arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy()}
+    if quant.offsets is not None:  # none where all zero (QuantMatrix)
+        arrays["offsets"] = quant.offsets.numpy()
+    return {"shape": [quant.out_features, quant.in_features], "group": quant.group,
+            "bits": quant.bits}, arrays
 
 
 def _rows(bq: BlockQuant, start: int, stop: int) -> BlockQuant:

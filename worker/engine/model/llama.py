@@ -289,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
             structs = []
             for layer, cache in zip(self._layers, kv_caches, strict=True):
                 structs.append(DecoderLayer(
-                    *(p.quant.struct for p in layer.projections),  # type: ignore[union-attr]
+                    *(p.one_call_matrix.struct for p in layer.projections),
                     layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                     cache.data_ptr()))
             self._one_call_layers = (key, (DecoderLayer * len(structs))(*structs))

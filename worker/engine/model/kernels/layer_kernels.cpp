@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "vec16.h"
+#include "qdot.h"
 
 namespace llmq {
 namespace {
@@ -448,13 +449,28 @@ struct QMat {
     const float* offsets;  // or null: all zero (a symmetric type's)
     const float* bias;  // or null
     int64_t out_features, in_features, group;
-    int32_t bits, unused;
+    int32_t bits;
+    int32_t dot;  // 1: the tiles are qdot.h's layout, run against int8 activations
 };
 
-// y = x W^T (+ bias) for rows <= 8; false for shapes with no kernel.
+void add_bias(const QMat& w, int64_t rows, float* y, int64_t y_stride) {
+    if (w.bias)
+        for (int64_t m = 0; m < rows; ++m)
+            for (int64_t n = 0; n < w.out_features; ++n) y[m * y_stride + n] += w.bias[n];
+}
+
+// y = x W^T (+ bias) for rows <= 8 (any rows for a qdot matrix); false for shapes with no
+// kernel.
 bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, float* y,
               int64_t y_stride) {
     const int64_t K = w.in_features, group = w.group, N = w.out_features;
+    if (w.dot) {
+        if (!qdot_mm(x, x_stride, rows, w.q, w.scales, w.offsets, N, K, group, w.bits, y,
+                     y_stride))
+            return false;
+        add_bias(w, rows, y, y_stride);
+        return true;
+    }
     if (K % group || group % 8 || (w.bits != 4 && w.bits != 8)) return false;
     const int64_t groups = K / group;
     // [rows, groups]: sum of x per group, for the offsets' term (none without offsets)
@@ -476,9 +492,7 @@ bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, flo
                                                N, K, group, y, y_stride)
                      : quant_matmul_m<8, false>(rows, x, x_stride, xs, w.q, w.scales, w.offsets,
                                                 N, K, group, y, y_stride));
-    if (done && w.bias)
-        for (int64_t m = 0; m < rows; ++m)
-            for (int64_t n = 0; n < N; ++n) y[m * y_stride + n] += w.bias[n];
+    if (done) add_bias(w, rows, y, y_stride);
     return done;
 }
 
@@ -580,7 +594,7 @@ void llmq_rope_store(const void* qkv, int32_t qkv_bf16, int64_t qkv_stride, int6
 }
 
 
-// Returns 0 for shapes with no kernel (rows > 8, groups not a multiple of 8).
+// Returns 0 for shapes with no kernel (rows > 8 on the float32 tiles, groups not a multiple of 8).
 int32_t llmq_quant_matmul(const float* x, int64_t x_stride, int64_t rows, const QMat* w,
                           float* y, int64_t y_stride) {
     return quant_mm(x, x_stride, rows, *w, y, y_stride) ? 1 : 0;

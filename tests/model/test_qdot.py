@@ -1,0 +1,92 @@
+"""The `qdot` form: GGUF blocks against activations quantized to int8 (kernels/qdot.h).
+
+Its arithmetic is defined exactly: x rounded to int8 per 32 columns (scale max|x| / 127), an
+integer dot product per cell of min(group, 32) columns, combined in float32 with the weights'
+scales and offsets. The kernel must equal that, computed here in float64, to float32 rounding,
+for every GGUF type, with any number of rows in a call; each row the same bits alone or among
+others; and it stays within the form's stated error of the exact product (form_choice.py
+measures that error per projection before choosing it).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant
+from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
+from llmq.worker.engine.model.form_choice import TOLERANCE
+from tests.model.test_block_quant import write_and_read
+
+Q = gguf.GGMLQuantizationType
+TYPES = sorted(BLOCK_QUANT_TYPES, key=lambda t: t.name)
+IN_FEATURES = 512
+
+
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x [rows, in] as the kernel reads it: round(x / s) * s, s = max|x| / 127 per 32 columns."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = (amax / 127).astype(np.float32)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0)
+    q = np.rint(blocks * inverse.astype(np.float32))
+    return (q * scale).reshape(x.shape).astype(np.float64)
+
+
+def blocks_of(tmp_path, qtype: Q, out_features: int, seed: int) -> tuple[BlockQuant, torch.Tensor]:
+    tensor = write_and_read(tmp_path, qtype, (out_features, IN_FEATURES), seed=seed)
+    return BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape), tensor.dequantize()
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path, qtype):
+    # Given a quantized matrix (40 rows: a partial 16-row tile) in the qdot layout
+    bq, w = blocks_of(tmp_path, qtype, 40, seed=2)
+    assert QuantMatrix.supports_dot(IN_FEATURES, bq.group)
+    matrix = QuantMatrix(bq, dot=True)
+    for rows in (1, 2, 5, 8, 9, 21):
+        x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows))
+
+        # When the kernel multiplies (more than 8 rows too: one call, W read once)
+        y = CpuKernels.load().quant_matmul(x, matrix).double()
+
+        # Then it is the product of the int8-rounded activations with the exact weights, to
+        # float32 rounding
+        expected = torch.from_numpy(quantized_activations(x.numpy())) @ w.double().t()
+        torch.testing.assert_close(y, expected, rtol=1e-5,
+                                   atol=1e-5 * float(expected.abs().max()))
+        # And within the form tolerance of the exact float product (~0.5% on these rows)
+        exact = x.double() @ w.double().t()
+        assert float((y - exact).norm() / exact.norm()) < TOLERANCE / 2
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_1], ids=lambda t: t.name)
+def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, qtype):
+    # Given 19 rows of activations, each multiplied alone (a decode)
+    bq, _ = blocks_of(tmp_path, qtype, 48, seed=4)
+    matrix = QuantMatrix(bq, dot=True)
+    kernels = CpuKernels.load()
+    x = torch.randn(19, IN_FEATURES, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([kernels.quant_matmul(row[None], matrix) for row in x])
+    for rows in (2, 7, 8, 9, 19):
+        # When the first `rows` are multiplied in one call, then each row is what it is alone
+        assert torch.equal(kernels.quant_matmul(x[:rows], matrix), alone[:rows]), rows
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_the_qdot_layout_holds_as_many_bytes_and_adds_the_bias(tmp_path):
+    # Given a Q4_K matrix with a bias, in both layouts
+    bq, _ = blocks_of(tmp_path, Q.Q4_K, 48, seed=6)
+    bias = torch.randn(48)
+    plain, dot = QuantMatrix(bq, bias), QuantMatrix(bq, bias, dot=True)
+    # Then they hold the same bytes (the form costs no more memory than the float kernels')
+    assert plain.nbytes == dot.nbytes
+    # And the kernel adds the bias to the product
+    x = torch.randn(3, IN_FEATURES, generator=torch.Generator().manual_seed(1))
+    kernels = CpuKernels.load()
+    torch.testing.assert_close(kernels.quant_matmul(x, dot) - bias,
+                               kernels.quant_matmul(x, QuantMatrix(bq, dot=True)))

@@ -1,0 +1,222 @@
+// qdot.h: y = x W^T for a block-quantized W against x quantized to int8 per 32 columns, in
+// integer dot products (the `qdot` form; layer_kernels.cpp `quant_mm` calls it for a QMat
+// with `dot` set). Included by layer_kernels.cpp.
+//
+// Why: the float32 kernel (layer_kernels.cpp `quant_tile`) spends a multiply-add on every
+// weight of every row: a lone decode of a 1B model is bound by those instructions, not by
+// reading the weights. One AVX-512 VNNI `vpdpbusd` multiplies and sums 64 byte pairs (16 rows x
+// 4 columns), ~4x fewer instructions a weight, as llama.cpp's `ggml_vec_dot_q4_K_q8_K` does
+// against its Q8_K activations.
+//
+// References: llama.cpp `ggml-cpu/arch/x86/quants.c` (`quantize_row_q8_0`: x / (max|x| / 127)
+// rounded to nearest; `ggml_vec_dot_q4_0_q8_0`: the unsigned nibbles against the signed
+// activations, the offset term through the activations' sums), oneDNN's u8s8 VNNI GEMM.
+//
+// Tiles of 16 weight rows, as the float kernel's, with the same scales and offsets ([groups][16]
+// float32 a tile), but the integers laid out for `vpdpbusd` (each 32-bit lane: one row's four
+// bytes): BITS 4, [K / 8][16][4] bytes, byte j of row r in entry e holding q[r][8e + j] in the
+// low nibble and q[r][8e + 4 + j] in the high one; BITS 8, [K / 4][16][4] bytes, q[r][4e + j] +
+// 128 (unsigned: `vpdpbusd` multiplies unsigned by signed; the 128 comes back out with the
+// offset term).
+//
+// Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact), then
+// in float32 acc += float(dot) * (scale[g] * xs[cell's block]); per group, with offsets or
+// BITS 8, acc += (offset[g] - (BITS 8: 128 * scale[g])) * (the sum of the group's xs * q). The same operations in the
+// same order for a row whatever shares its call, so a row's products are the same bits alone or
+// in a call of any size (batch invariance, as the float kernel's).
+
+#ifndef LLMQ_QDOT_H
+#define LLMQ_QDOT_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "vec16.h"
+
+namespace llmq {
+
+constexpr int64_t QDOT_BLOCK = 32;  // columns of x sharing one int8 scale
+constexpr int QDOT_ROWS = 8;  // rows of x a tile computes at once (their accumulators in registers)
+
+// x [rows, K] float32 as one call of the qdot kernel reads it.
+struct QdotInput {
+    std::vector<int8_t> q;  // [rows, K]: round(x / xs) in -127..127
+    std::vector<float> scale;  // [rows, K / 32]: xs = max |x| / 127 of the block (0: all zero)
+    std::vector<float> xsum;  // [rows, groups]: the sum of xs * q over each group
+};
+
+inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_t K,
+                          int64_t group, QdotInput& in) {
+    const int64_t blocks = K / QDOT_BLOCK;
+    in.q.resize((size_t)(rows * K));
+    in.scale.resize((size_t)(rows * blocks));
+    in.xsum.resize((size_t)(rows * (K / group)));
+    for (int64_t m = 0; m < rows; ++m) {
+        const float* xm = x + m * x_stride;
+        int8_t* qm = in.q.data() + m * K;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* xb = xm + b * QDOT_BLOCK;
+            float amax = 0.0f;
+            for (int64_t k = 0; k < QDOT_BLOCK; ++k) amax = fmaxf(amax, fabsf(xb[k]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            in.scale[m * blocks + b] = amax / 127.0f;
+            for (int64_t k = 0; k < QDOT_BLOCK; ++k)
+                qm[b * QDOT_BLOCK + k] = (int8_t)__builtin_rintf(xb[k] * inv);
+        }
+        // NOTE: of x as quantized, not of x: the offset term then meets the same x as the
+        // integer term, and their rounding errors cancel as the weights' terms do (q * scale
+        // of a 4-bit type is all positive, ~8x the offset-corrected weight's size)
+        for (int64_t g = 0; g < K / group; ++g) {
+            float s = 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; ++k)
+                s += in.scale[m * blocks + k / QDOT_BLOCK] * (float)qm[k];
+            in.xsum[m * (K / group) + g] = s;
+        }
+    }
+}
+
+// acc (16 int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
+// ones (x: 4 bytes, the same in every lane).
+#if defined(__AVX512VNNI__)
+inline i16 dot4(i16 acc, i16 w, int32_t x) {
+    return (i16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x));
+}
+#else
+inline i16 dot4(i16 acc, i16 w, int32_t x) {
+    uint8_t wb[64];
+    int8_t xb[4];
+    memcpy(wb, &w, 64);
+    memcpy(xb, &x, 4);
+    for (int r = 0; r < 16; ++r)
+        for (int j = 0; j < 4; ++j) acc[r] += (int32_t)wb[4 * r + j] * xb[j];
+    return acc;
+}
+#endif
+
+inline i16 load_i16(const uint8_t* p) { i16 v; memcpy(&v, p, 64); return v; }
+inline int32_t load_x4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+// One tile of 16 weight rows against M rows of x: y[m][0..rows) of the tile.
+template <int M, int BITS, bool OFF>
+void qdot_tile(const QdotInput& in, int64_t m0, const uint8_t* q, const float* scales,
+               const float* offsets, int64_t K, int64_t group, float* y, int64_t y_stride,
+               int64_t rows, const uint8_t* q_next) {
+    const int64_t cell = group < QDOT_BLOCK ? group : QDOT_BLOCK;
+    const int64_t per_group = group / cell, blocks = K / QDOT_BLOCK, groups = K / group;
+    const int64_t cell_bytes = (BITS == 4 ? cell / 2 : cell) * 16;
+    const int8_t* xq = in.q.data() + m0 * K;
+    const float* xs = in.scale.data() + m0 * blocks;
+    // NOTE: two chains of products a row where few rows share the tile (the nibbles' low and
+    // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
+    // chain a row saves an add a row and cell
+    constexpr int CHAINS = BITS == 4 && M < 4 ? 2 : 1;
+    v16 acc[M] = {};
+    // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
+    for (int64_t g = 0; g < groups; ++g) {
+        const v16 sc = load16(scales + g * 16);
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+            const int64_t k0 = c * cell;
+            const uint8_t* qc = q + c * cell_bytes;
+            if (q_next)  // the next tile's cell, asked for while this one computes (quant_tile)
+                for (int64_t b = 0; b < cell_bytes; b += 64)
+                    __builtin_prefetch(q_next + c * cell_bytes + b);
+            i16 d[M][CHAINS] = {};
+            if (BITS == 4) {
+                const i16 low = (i16){} + 0x0F0F0F0F;
+                for (int64_t e = 0; e < cell / 8; ++e) {
+                    const i16 v = load_i16(qc + e * 64);
+                    const i16 lo = v & low, hi = (i16)((u16)v >> 4) & low;
+                    for (int m = 0; m < M; ++m) {
+                        const int8_t* x = xq + m * K + k0 + 8 * e;
+                        d[m][0] = dot4(d[m][0], lo, load_x4(x));
+                        d[m][CHAINS - 1] = dot4(d[m][CHAINS - 1], hi, load_x4(x + 4));
+                    }
+                }
+            } else {
+                for (int64_t e = 0; e < cell / 4; ++e) {
+                    const i16 v = load_i16(qc + e * 64);
+                    for (int m = 0; m < M; ++m)
+                        d[m][0] = dot4(d[m][0], v, load_x4(xq + m * K + k0 + 4 * e));
+                }
+            }
+            const int64_t block = k0 / QDOT_BLOCK;
+            for (int m = 0; m < M; ++m) {
+                const i16 t = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
+                acc[m] += __builtin_convertvector(t, v16) * (sc * xs[m * blocks + block]);
+            }
+        }
+        // NOTE: BITS 8 held q + 128, so the product holds 128 * scale * (the group's x) too:
+        // taken back out as part of the offset term (one multiply-add a row and group, where
+        // the integer way, 128 times the sum of q, cost three a row and cell)
+        if (OFF || BITS == 8) {
+            v16 off = OFF ? load16(offsets + g * 16) : v16{};
+            if (BITS == 8) off -= 128.0f * sc;
+            for (int m = 0; m < M; ++m) acc[m] += off * in.xsum[(m0 + m) * groups + g];
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = acc[m][r];
+}
+
+template <int BITS, bool OFF>
+void qdot_rows(int64_t rows_x, const QdotInput& in, int64_t m0, const uint8_t* q,
+               const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
+               int64_t y_stride, int64_t rows, const uint8_t* q_next) {
+    switch (rows_x) {
+#define LLMQ_QDOT_CASE(M) \
+        case M: qdot_tile<M, BITS, OFF>(in, m0, q, scales, offsets, K, group, y, y_stride, \
+                                        rows, q_next); break;
+        LLMQ_QDOT_CASE(1) LLMQ_QDOT_CASE(2) LLMQ_QDOT_CASE(3) LLMQ_QDOT_CASE(4)
+        LLMQ_QDOT_CASE(5) LLMQ_QDOT_CASE(6) LLMQ_QDOT_CASE(7) LLMQ_QDOT_CASE(8)
+#undef LLMQ_QDOT_CASE
+    }
+}
+
+// y [rows, N] = x W^T for any number of rows: tile by tile, each tile against every 8 rows of x
+// in turn while its bytes are in cache (W is read from memory once a call, not once per 8 rows).
+template <int BITS, bool OFF>
+void qdot_matmul(const QdotInput& in, int64_t rows_x, const uint8_t* q, const float* scales,
+                 const float* offsets, int64_t N, int64_t K, int64_t group, float* y,
+                 int64_t y_stride) {
+    const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16, tile_scales = K / group * 16;
+    for (int64_t n = 0; n < N; n += 16) {
+        const int64_t t = n / 16;
+        const uint8_t* next = n + 16 < N ? q + (t + 1) * tile_bytes : nullptr;
+        for (int64_t m0 = 0; m0 < rows_x; m0 += QDOT_ROWS) {
+            const int64_t m = rows_x - m0 < QDOT_ROWS ? rows_x - m0 : QDOT_ROWS;
+            qdot_rows<BITS, OFF>(m, in, m0, q + t * tile_bytes, scales + t * tile_scales,
+                                 OFF ? offsets + t * tile_scales : nullptr, K, group,
+                                 y + m0 * y_stride + n, y_stride, N - n < 16 ? N - n : 16,
+                                 m0 == 0 ? next : nullptr);
+        }
+    }
+}
+
+// Whether the qdot kernel runs a matrix of this shape: whole blocks of x, cells that divide it.
+inline bool qdot_supports(int64_t K, int64_t group, int32_t bits) {
+    return (bits == 4 || bits == 8) && K % QDOT_BLOCK == 0 && K % group == 0 &&
+           (group < QDOT_BLOCK ? QDOT_BLOCK % group == 0 && group % 8 == 0
+                               : group % QDOT_BLOCK == 0);
+}
+
+// y = x W^T for any rows; false for a shape qdot_supports refuses.
+inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const uint8_t* q,
+                    const float* scales, const float* offsets, int64_t N, int64_t K,
+                    int64_t group, int32_t bits, float* y, int64_t y_stride) {
+    if (!qdot_supports(K, group, bits)) return false;
+    thread_local QdotInput in;
+    qdot_quantize(x, x_stride, rows, K, group, in);
+    if (bits == 4)
+        offsets ? qdot_matmul<4, true>(in, rows, q, scales, offsets, N, K, group, y, y_stride)
+                : qdot_matmul<4, false>(in, rows, q, scales, offsets, N, K, group, y, y_stride);
+    else
+        offsets ? qdot_matmul<8, true>(in, rows, q, scales, offsets, N, K, group, y, y_stride)
+                : qdot_matmul<8, false>(in, rows, q, scales, offsets, N, K, group, y, y_stride);
+    return true;
+}
+
+}  // namespace llmq
+
+#endif  // LLMQ_QDOT_H
