@@ -2,10 +2,11 @@
 
 Its arithmetic is defined exactly: x rounded to int8 per 32 columns (scale max|x| / 127), an
 integer dot product per cell of min(group, 32) columns, combined in float32 with the weights'
-scales and offsets. The kernel must equal that, computed here in float64, to float32 rounding,
-for every GGUF type, with any number of rows in a call; each row the same bits alone or among
-others; and it stays within the form's stated error of the exact product (form_choice.py
-measures that error per projection before choosing it).
+scales and offsets as float16 holds them (in units of a power of two per matrix). The kernel
+must equal that, computed here in float64, to float32 rounding, for every GGUF type, with any
+number of rows in a call; each row the same bits alone or among others; and it stays within
+the form's stated error of the exact product (form_choice.py measures that error per
+projection before choosing it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def blocks_of(tmp_path, qtype: Q, out_features: int, seed: int) -> tuple[BlockQu
     return BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape), tensor.dequantize()
 
 
+def weights_as_held(bq: BlockQuant, unit: float) -> torch.Tensor:
+    """The matrix [out, in] float64 with its scales and offsets rounded to float16 in `unit`s."""
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return (a / unit).astype(np.float16).astype(np.float64) * unit
+    group = lambda a: np.repeat(rounded(a), bq.group, axis=1)  # noqa: E731
+    return torch.from_numpy(bq.q.astype(np.float64) * group(bq.scales) + group(bq.offsets))
+
+
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path, qtype):
@@ -53,9 +62,10 @@ def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path,
         # When the kernel multiplies (more than 8 rows too: one call, W read once)
         y = CpuKernels.load().quant_matmul(x, matrix).double()
 
-        # Then it is the product of the int8-rounded activations with the exact weights, to
+        # Then it is the product of the int8-rounded activations with the weights as held, to
         # float32 rounding
-        expected = torch.from_numpy(quantized_activations(x.numpy())) @ w.double().t()
+        held = weights_as_held(bq, matrix.unit)
+        expected = torch.from_numpy(quantized_activations(x.numpy())) @ held.t()
         torch.testing.assert_close(y, expected, rtol=1e-5,
                                    atol=1e-5 * float(expected.abs().max()))
         # And within the form tolerance of the exact float product (~0.5% on these rows)
@@ -78,13 +88,15 @@ def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, 
 
 
 @pytest.mark.usefixtures("cpu_kernels")
-def test_the_qdot_layout_holds_as_many_bytes_and_adds_the_bias(tmp_path):
+def test_the_qdot_layout_holds_fewer_bytes_and_adds_the_bias(tmp_path):
     # Given a Q4_K matrix with a bias, in both layouts
     bq, _ = blocks_of(tmp_path, Q.Q4_K, 48, seed=6)
     bias = torch.randn(48)
     plain, dot = QuantMatrix(bq, bias), QuantMatrix(bq, bias, dot=True)
-    # Then they hold the same bytes (the form costs no more memory than the float kernels')
-    assert plain.nbytes == dot.nbytes
+    # Then the qdot layout holds the same integers with half the scales' bytes: 0.625 bytes
+    # a weight against 0.75 (the file's own Q4_K: 0.5625)
+    assert dot.q.nbytes == plain.q.nbytes and dot.nbytes == plain.nbytes - 48 * 512 // 32 * 4
+    assert dot.nbytes / (48 * 512) == 0.625
     # And the kernel adds the bias to the product
     x = torch.randn(3, IN_FEATURES, generator=torch.Generator().manual_seed(1))
     kernels = CpuKernels.load()

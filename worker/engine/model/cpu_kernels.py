@@ -116,7 +116,8 @@ class QMat(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
-                ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("dot", ctypes.c_int32)]
+                ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("dot", ctypes.c_int32),
+                ("unit", ctypes.c_float), ("unused", ctypes.c_int32)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -163,14 +164,18 @@ class QuantMatrix:
     1/6 of them (q8g16: 1.5 -> 1.25 bytes a weight). The kernel then adds no offset term.
 
     `dot`: the tiles laid out for the int8-activation kernel instead (kernels/qdot.h, the
-    `qdot` form: the same bytes, [in / 8, 16, 4] of nibbles or [in / 4, 16, 4] of q + 128), run
-    against x quantized to int8 per 32 columns; `supports_dot` says which shapes it takes."""
+    `qdot` form: [in / 8, 16, 4] bytes of nibbles or [in / 4, 16, 4] of q + 128), run against
+    x quantized to int8 per 32 columns, with the scales and offsets in float16 (a Q4_K weight
+    0.625 bytes, not 0.75: that form's lone decode is bound by reading them), in units of
+    `unit`, the power of two that puts the largest at 2^14 (float16's normal range spans 2^30,
+    so a matrix's smallest stay normal too; their rounding, 2^-11 of each, is far inside the
+    int8 activations' ~0.5%); `supports_dot` says which shapes it takes."""
 
     def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None, dot: bool = False
                  ) -> None:
         out_features, in_features = bq.shape
         self.out_features, self.in_features = out_features, in_features
-        self.group, self.bits, self.dot = bq.group, bq.bits, dot
+        self.group, self.bits, self.dot, self.unit = bq.group, bq.bits, dot, 1.0
         tiles = -(-out_features // 16)
         pad = tiles * 16 - out_features
 
@@ -179,19 +184,25 @@ class QuantMatrix:
             return torch.from_numpy(np.ascontiguousarray(
                 a.reshape(tiles, 16, -1).transpose(0, 2, 1)))
 
-        offsets = tiled(bq.offsets) if bq.offsets.any() else None
+        scales, offsets = bq.scales, bq.offsets if bq.offsets.any() else None
+        if dot:
+            largest = max(float(np.abs(bq.scales).max()), float(np.abs(bq.offsets).max()))
+            self.unit = 2.0 ** (int(np.ceil(np.log2(largest))) - 14) if largest > 0 else 1.0
+            scales = (scales / self.unit).astype(np.float16)
+            offsets = None if offsets is None else (offsets / self.unit).astype(np.float16)
         q = _dot_tiles(np.pad(bq.q, ((0, pad), (0, 0))), bq.bits) if dot else tiled(
             _nibble_pairs(bq.q) if bq.bits == 4 else bq.q.astype(np.uint8))  # int8 keeps its bits
-        self._bind(q, tiled(bq.scales), offsets, bias)
+        self._bind(q, tiled(scales), None if offsets is None else tiled(offsets), bias)
 
     @classmethod
     def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                    shape: tuple[int, int], group: int, bits: int,
-                   bias: torch.Tensor | None = None, dot: bool = False) -> QuantMatrix:
+                   bias: torch.Tensor | None = None, dot: bool = False, unit: float = 1.0
+                   ) -> QuantMatrix:
         """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = shape
-        self.group, self.bits, self.dot = group, bits, dot
+        self.group, self.bits, self.dot, self.unit = group, bits, dot, unit
         self._bind(q, scales, offsets, bias)
         return self
 
@@ -202,7 +213,8 @@ class QuantMatrix:
         self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(),
                            0 if offsets is None else offsets.data_ptr(),
                            0 if self.bias is None else self.bias.data_ptr(), self.out_features,
-                           self.in_features, self.group, self.bits, int(self.dot))
+                           self.in_features, self.group, self.bits, int(self.dot), self.unit,
+                           0)
 
     @staticmethod
     def supports(bq: BlockQuant) -> bool:

@@ -301,12 +301,12 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     rate per bucket (GFLOP/s, None where not measured), bytes, and the chosen forms.
     `known`: what this returned for the same shape quantized another way (a Q4_K_M layer
     whose blocks are Q6_K): only the quantized form is measured, the others' figures reused."""
-    w, *quant = sample
+    w, quant_sample, dot_sample = sample
     rows, in_features = w.shape
     reused = {} if known is None else {
         form: (rates, known["errors"][form]) for form, rates in known["rates"].items()
         if form not in QUANT_FORMS}
-    forms = _candidates(kernels, w, (quant[0], quant[1]),
+    forms = _candidates(kernels, w, (quant_sample, dot_sample),
                         {*QUANT_FORMS, "fp32"} if reused else FORMS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLE_ROWS, in_features, generator=g)
@@ -314,7 +314,10 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     errors = {form: float((fn(x).double() - reference).norm() / reference.norm())
               for form, fn in forms.items()}
     errors |= {form: error for form, (_, error) in reused.items()}
-    sizes = {"quant": quant_bytes, "qdot": quant_bytes, "int8": out_features * (in_features + 4),
+    # NOTE: the qdot layout holds the same integers with float16 scales and offsets
+    dot_bytes = quant_bytes if quant_sample is None or dot_sample is None else round(
+        quant_bytes * dot_sample.nbytes / quant_sample.nbytes)
+    sizes = {"quant": quant_bytes, "qdot": dot_bytes, "int8": out_features * (in_features + 4),
              "bf16": 2 * out_features * in_features, "fp16": 2 * out_features * in_features,
              "fp32": 4 * out_features * in_features}
     rates: dict[str, list[float | None]] = {form: [] for form in FORMS

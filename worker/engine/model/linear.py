@@ -211,7 +211,8 @@ class Linear(nn.Module):
         t = {part: torch.from_numpy(a) for part, a in arrays.items()}
         return QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"),
                                       (self.out_features, self.in_features), meta["group"],
-                                      meta["bits"], self.bias, dot=dot)
+                                      meta["bits"], self.bias, dot=dot,
+                                      unit=meta.get("unit", 1.0))
 
     def _build_chosen(self, forms: FormChoice, cache: RepackCache | None, name: str,
                       head: bool) -> None:
@@ -526,7 +527,7 @@ def _tile_arrays(quant: QuantMatrix) -> tuple[dict, dict[str, np.ndarray]]:
     if quant.offsets is not None:  # none where all zero (QuantMatrix)
         arrays["offsets"] = quant.offsets.numpy()
     return {"shape": [quant.out_features, quant.in_features], "group": quant.group,
-            "bits": quant.bits}, arrays
+            "bits": quant.bits, "unit": quant.unit}, arrays
 
 
 def _rows(bq: BlockQuant, start: int, stop: int) -> BlockQuant:

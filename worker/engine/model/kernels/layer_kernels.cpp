@@ -450,7 +450,9 @@ struct QMat {
     const float* bias;  // or null
     int64_t out_features, in_features, group;
     int32_t bits;
-    int32_t dot;  // 1: the tiles are qdot.h's layout, run against int8 activations
+    int32_t dot;  // 1: the tiles are qdot.h's layout (float16 scales), against int8 activations
+    float unit;  // dot: the scales' and offsets' unit (QdotWeights)
+    int32_t unused;
 };
 
 void add_bias(const QMat& w, int64_t rows, float* y, int64_t y_stride) {
@@ -465,9 +467,9 @@ bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, flo
               int64_t y_stride) {
     const int64_t K = w.in_features, group = w.group, N = w.out_features;
     if (w.dot) {
-        if (!qdot_mm(x, x_stride, rows, w.q, w.scales, w.offsets, N, K, group, w.bits, y,
-                     y_stride))
-            return false;
+        const QdotWeights qw{w.q, (const uint16_t*)w.scales, (const uint16_t*)w.offsets, N, K,
+                             group, w.unit};
+        if (!qdot_mm(x, x_stride, rows, qw, w.bits, y, y_stride)) return false;
         add_bias(w, rows, y, y_stride);
         return true;
     }

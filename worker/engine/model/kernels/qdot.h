@@ -12,8 +12,8 @@
 // rounded to nearest; `ggml_vec_dot_q4_0_q8_0`: the unsigned nibbles against the signed
 // activations, the offset term through the activations' sums), oneDNN's u8s8 VNNI GEMM.
 //
-// Tiles of 16 weight rows, as the float kernel's, with the same scales and offsets ([groups][16]
-// float32 a tile), but the integers laid out for `vpdpbusd` (each 32-bit lane: one row's four
+// Tiles of 16 weight rows, as the float kernel's, with its scales and offsets ([groups][16] a
+// tile) in float16 (in units of a power of two per matrix: QdotWeights), the integers laid out for `vpdpbusd` (each 32-bit lane: one row's four
 // bytes): BITS 4, [K / 8][16][4] bytes, byte j of row r in entry e holding q[r][8e + j] in the
 // low nibble and q[r][8e + 4 + j] in the high one; BITS 8, [K / 4][16][4] bytes, q[r][4e + j] +
 // 128 (unsigned: `vpdpbusd` multiplies unsigned by signed; the 128 comes back out with the
@@ -98,14 +98,53 @@ inline i16 dot4(i16 acc, i16 w, int32_t x) {
 inline i16 load_i16(const uint8_t* p) { i16 v; memcpy(&v, p, 64); return v; }
 inline int32_t load_x4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-// One tile of 16 weight rows against M rows of x: y[m][0..rows) of the tile.
+// 16 float16 (IEEE half) -> 16 floats
+#ifdef __AVX512F__
+inline v16 load16_half(const uint16_t* p) {
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+#else
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    float f;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24
+        f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | ((exp == 31 ? 255 : exp + 112) << 23) | (man << 13);
+    memcpy(&f, &bits, 4);
+    return f;
+}
+inline v16 load16_half(const uint16_t* p) {
+    v16 v;
+    for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
+    return v;
+}
+#endif
+
+// A matrix in the qdot layout (QMat with `dot` set): scales and offsets [tiles][groups][16]
+// float16, in units of `unit` (a power of two, so a model's range of scales fits float16's
+// normal numbers; the product is multiplied by it at the end, exactly).
+struct QdotWeights {
+    const uint8_t* q;
+    const uint16_t* scales;
+    const uint16_t* offsets;  // or null: all zero
+    int64_t N, K, group;
+    float unit;
+};
+
+// One tile of 16 weight rows (t) against rows [m0, m0 + M) of x: y[m][0..16) of the tile.
 template <int M, int BITS, bool OFF>
-void qdot_tile(const QdotInput& in, int64_t m0, const uint8_t* q, const float* scales,
-               const float* offsets, int64_t K, int64_t group, float* y, int64_t y_stride,
-               int64_t rows, const uint8_t* q_next) {
-    const int64_t cell = group < QDOT_BLOCK ? group : QDOT_BLOCK;
+void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t, float* y,
+               int64_t y_stride, int64_t rows, bool prefetch_next) {
+    const int64_t K = w.K, group = w.group, cell = group < QDOT_BLOCK ? group : QDOT_BLOCK;
     const int64_t per_group = group / cell, blocks = K / QDOT_BLOCK, groups = K / group;
     const int64_t cell_bytes = (BITS == 4 ? cell / 2 : cell) * 16;
+    const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16;
+    const uint8_t* q = w.q + t * tile_bytes;
+    const uint8_t* q_next = prefetch_next ? q + tile_bytes : nullptr;
+    const uint16_t* scales = w.scales + t * groups * 16;
+    const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 : nullptr;
     const int8_t* xq = in.q.data() + m0 * K;
     const float* xs = in.scale.data() + m0 * blocks;
     // NOTE: two chains of products a row where few rows share the tile (the nibbles' low and
@@ -115,7 +154,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const uint8_t* q, const float* s
     v16 acc[M] = {};
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
-        const v16 sc = load16(scales + g * 16);
+        const v16 sc = load16_half(scales + g * 16);
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             const int64_t k0 = c * cell;
             const uint8_t* qc = q + c * cell_bytes;
@@ -143,55 +182,50 @@ void qdot_tile(const QdotInput& in, int64_t m0, const uint8_t* q, const float* s
             }
             const int64_t block = k0 / QDOT_BLOCK;
             for (int m = 0; m < M; ++m) {
-                const i16 t = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
-                acc[m] += __builtin_convertvector(t, v16) * (sc * xs[m * blocks + block]);
+                const i16 s = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
+                acc[m] += __builtin_convertvector(s, v16) * (sc * xs[m * blocks + block]);
             }
         }
         // NOTE: BITS 8 held q + 128, so the product holds 128 * scale * (the group's x) too:
         // taken back out as part of the offset term (one multiply-add a row and group, where
         // the integer way, 128 times the sum of q, cost three a row and cell)
         if (OFF || BITS == 8) {
-            v16 off = OFF ? load16(offsets + g * 16) : v16{};
+            v16 off = OFF ? load16_half(offsets + g * 16) : v16{};
             if (BITS == 8) off -= 128.0f * sc;
             for (int m = 0; m < M; ++m) acc[m] += off * in.xsum[(m0 + m) * groups + g];
         }
     }
-    for (int m = 0; m < M; ++m)
-        for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = acc[m][r];
+    for (int m = 0; m < M; ++m) {
+        const v16 out = acc[m] * w.unit;
+        for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = out[r];
+    }
 }
 
-template <int BITS, bool OFF>
-void qdot_rows(int64_t rows_x, const QdotInput& in, int64_t m0, const uint8_t* q,
-               const float* scales, const float* offsets, int64_t K, int64_t group, float* y,
-               int64_t y_stride, int64_t rows, const uint8_t* q_next) {
+// NOTE: the arguments by reference: by value, each tile call copied the quantized x (its vectors)
+template <int BITS, bool OFF, typename... A> void qdot_rows(int64_t rows_x, const A&... a) {
     switch (rows_x) {
-#define LLMQ_QDOT_CASE(M) \
-        case M: qdot_tile<M, BITS, OFF>(in, m0, q, scales, offsets, K, group, y, y_stride, \
-                                        rows, q_next); break;
-        LLMQ_QDOT_CASE(1) LLMQ_QDOT_CASE(2) LLMQ_QDOT_CASE(3) LLMQ_QDOT_CASE(4)
-        LLMQ_QDOT_CASE(5) LLMQ_QDOT_CASE(6) LLMQ_QDOT_CASE(7) LLMQ_QDOT_CASE(8)
-#undef LLMQ_QDOT_CASE
+        case 1: qdot_tile<1, BITS, OFF>(a...); break;
+        case 2: qdot_tile<2, BITS, OFF>(a...); break;
+        case 3: qdot_tile<3, BITS, OFF>(a...); break;
+        case 4: qdot_tile<4, BITS, OFF>(a...); break;
+        case 5: qdot_tile<5, BITS, OFF>(a...); break;
+        case 6: qdot_tile<6, BITS, OFF>(a...); break;
+        case 7: qdot_tile<7, BITS, OFF>(a...); break;
+        case 8: qdot_tile<8, BITS, OFF>(a...); break;
     }
 }
 
 // y [rows, N] = x W^T for any number of rows: tile by tile, each tile against every 8 rows of x
 // in turn while its bytes are in cache (W is read from memory once a call, not once per 8 rows).
 template <int BITS, bool OFF>
-void qdot_matmul(const QdotInput& in, int64_t rows_x, const uint8_t* q, const float* scales,
-                 const float* offsets, int64_t N, int64_t K, int64_t group, float* y,
+void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, float* y,
                  int64_t y_stride) {
-    const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16, tile_scales = K / group * 16;
-    for (int64_t n = 0; n < N; n += 16) {
-        const int64_t t = n / 16;
-        const uint8_t* next = n + 16 < N ? q + (t + 1) * tile_bytes : nullptr;
+    for (int64_t n = 0; n < w.N; n += 16)
         for (int64_t m0 = 0; m0 < rows_x; m0 += QDOT_ROWS) {
             const int64_t m = rows_x - m0 < QDOT_ROWS ? rows_x - m0 : QDOT_ROWS;
-            qdot_rows<BITS, OFF>(m, in, m0, q + t * tile_bytes, scales + t * tile_scales,
-                                 OFF ? offsets + t * tile_scales : nullptr, K, group,
-                                 y + m0 * y_stride + n, y_stride, N - n < 16 ? N - n : 16,
-                                 m0 == 0 ? next : nullptr);
+            qdot_rows<BITS, OFF>(m, in, m0, w, n / 16, y + m0 * y_stride + n, y_stride,
+                                 w.N - n < 16 ? w.N - n : 16, m0 == 0 && n + 16 < w.N);
         }
-    }
 }
 
 // Whether the qdot kernel runs a matrix of this shape: whole blocks of x, cells that divide it.
@@ -202,18 +236,17 @@ inline bool qdot_supports(int64_t K, int64_t group, int32_t bits) {
 }
 
 // y = x W^T for any rows; false for a shape qdot_supports refuses.
-inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const uint8_t* q,
-                    const float* scales, const float* offsets, int64_t N, int64_t K,
-                    int64_t group, int32_t bits, float* y, int64_t y_stride) {
-    if (!qdot_supports(K, group, bits)) return false;
+inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const QdotWeights& w,
+                    int32_t bits, float* y, int64_t y_stride) {
+    if (!qdot_supports(w.K, w.group, bits)) return false;
     thread_local QdotInput in;
-    qdot_quantize(x, x_stride, rows, K, group, in);
+    qdot_quantize(x, x_stride, rows, w.K, w.group, in);
     if (bits == 4)
-        offsets ? qdot_matmul<4, true>(in, rows, q, scales, offsets, N, K, group, y, y_stride)
-                : qdot_matmul<4, false>(in, rows, q, scales, offsets, N, K, group, y, y_stride);
+        w.offsets ? qdot_matmul<4, true>(in, rows, w, y, y_stride)
+                  : qdot_matmul<4, false>(in, rows, w, y, y_stride);
     else
-        offsets ? qdot_matmul<8, true>(in, rows, q, scales, offsets, N, K, group, y, y_stride)
-                : qdot_matmul<8, false>(in, rows, q, scales, offsets, N, K, group, y, y_stride);
+        w.offsets ? qdot_matmul<8, true>(in, rows, w, y, y_stride)
+                  : qdot_matmul<8, false>(in, rows, w, y, y_stride);
     return true;
 }
 
