@@ -223,9 +223,9 @@ class QuantMatrix:
     @staticmethod
     def supports_dot(in_features: int, group: int) -> bool:
         """Whether the qdot kernel takes blocks of this shape (kernels/qdot.h
-        `qdot_supports`): whole 32-column blocks of x, and groups of 8 or 16 (whole ones to
-        a block) or of whole blocks."""
-        return in_features % 32 == 0 and (group in (8, 16) or group % 32 == 0)
+        `qdot_supports`): whole 32-column blocks of x, and groups of 16 (two to a block) or of
+        whole blocks."""
+        return in_features % 32 == 0 and (group == 16 or group % 32 == 0)
 
     @property
     def nbytes(self) -> int:
