@@ -211,7 +211,7 @@ def main() -> None:
     if args.op_by_op:
         model._one_call = False
     projections = [m for m in model.modules() if isinstance(m, linear.Linear)]
-    quant_bytes = sum(m.quant.nbytes if m.quant is not None else 0 for m in projections)
+    quant_bytes = sum(q.nbytes for m in projections for q in (m.quant, m.qdot) if q is not None)
     other_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
     bandwidth, peak8 = stream_bandwidth(), int8_peak()
@@ -219,7 +219,8 @@ def main() -> None:
     peaks = {"fp32": gemm_peak(), "bf16": dense_peak(torch.bfloat16),
              "fp16": (dense_peak(torch.float16) if form_choice.dense_form_runs("fp16")
                       else float("nan")),
-             "int8": peak8 / 2}  # int8: two terms a row
+             "int8": peak8 / 2,  # int8: two terms a row
+             "qdot": peak8}  # qdot: one int8 term a row (its VNNI products, not torch's GEMM)
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
           f"read {bandwidth / 1e9:.1f} GB/s, GEMM peaks float32 {peaks['fp32'] / 1e9:.0f}, "
           f"bfloat16 {peaks['bf16'] / 1e9:.0f}, float16 {peaks['fp16'] / 1e9:.0f} GFLOP/s "
@@ -233,6 +234,7 @@ def main() -> None:
         for m in projections:
             form = m.form_of(batch)
             size = m.quant.nbytes if form == "quant" and m.quant is not None else (
+                m.qdot.nbytes if form == "qdot" and m.qdot is not None else
                 m.int8.nbytes if form == "int8" and m.int8 is not None else
                 m.out_features * m.in_features * {"bf16": 2, "fp16": 2}.get(form, 4))
             weight_floor += size / bandwidth
