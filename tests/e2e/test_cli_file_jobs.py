@@ -95,8 +95,7 @@ def test_a_progress_bar_reports_done_tokens_and_eta(url: str, tmp_path: Path) ->
 
 def test_cancel_stops_a_running_request(url: str, r: redis.Redis) -> None:
     # Given a long request that has started
-    # (2,000 tokens: a loaded machine must not see it finish before it is cancelled)
-    ok(llmq("submit", "Go on", "--no-wait", "--id", "t-long", "--max-tokens", "2000",
+    ok(llmq("submit", "Go on", "--no-wait", "--id", "t-long", "--max-tokens", "200",
             "--ignore-eos", "--queue", QUEUE, url=url))
     wait_for(lambda: read_events(r, "t-long"), 30, "the request to start")
     # When it is cancelled
@@ -106,14 +105,12 @@ def test_cancel_stops_a_running_request(url: str, r: redis.Redis) -> None:
     followed = ok(llmq("result", "t-long", "--follow", "--timeout", "30", url=url))
     assert "request t-long was cancelled" in followed.stderr
     done = json.loads(ok(llmq("result", "t-long", "--json", url=url)).stdout.splitlines()[-1])
-    assert done["finish_reason"] == "cancelled" and done["usage"]["completion_tokens"] < 2000
+    assert done["finish_reason"] == "cancelled" and done["usage"]["completion_tokens"] < 200
 
 
 def test_ctrl_c_on_submit_cancels_the_request(url: str, r: redis.Redis) -> None:
     # Given a person watching a long answer stream
-    # NOTE: 2,000 tokens, not 200: on a loaded machine 200 were once all streamed before the
-    # signal was sent (submit exited 0, having nothing to cancel)
-    proc = llmq_process("submit", "Go on", "--id", "t-ctrl-c", "--max-tokens", "2000",
+    proc = llmq_process("submit", "Go on", "--id", "t-ctrl-c", "--max-tokens", "200",
                         "--ignore-eos", "--queue", QUEUE, env=subprocess_env(url),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
