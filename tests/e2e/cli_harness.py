@@ -8,6 +8,7 @@ apart); `llmq_process(...)` runs it as a child process (for Ctrl-C, kills and `l
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,17 @@ def subprocess_env(url: str | None = None, run_dir: Path | None = None,
 
 
 def llmq_process(*args: str, env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
-    return subprocess.Popen([*LLMQ, *args], env=env, text=True, **popen)
+    """`llmq *args` running, as a person's terminal starts it: Ctrl-C (SIGINT) reaches it.
+
+    NOTE: a test run started in the background (`make test &`, `setsid ... &` in a script) has
+    SIGINT ignored, children inherit an ignored signal, and Python then never installs its
+    KeyboardInterrupt handler: the Ctrl-C test saw `llmq submit` run to the end and exit 0.
+    With a handler here (not SIG_IGN) the child starts with SIGINT at its default."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen([*LLMQ, *args], env=env, text=True, **popen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def serve(url: str, model_path: Path, log_dir: Path, worker_id: str, *, queue: str = "default",
