@@ -8,9 +8,9 @@ A `--weights native` projection can run as any of these forms (linear.py):
 
 - `quant`: the GGUF's blocks on the compiled kernels (cpu_kernels.py `QuantMatrix`), float32
   arithmetic on the file's own numbers; up to 8 rows a call (more rows: calls of 8).
-- `qdot`: the same blocks (as many bytes) against the activations rounded to int8 per 32
-  columns, in integer dot products (kernels/qdot.h: AVX-512 VNNI, ~4x fewer instructions a
-  weight than `quant`'s float32); any rows in one call, the weights read once.
+- `qdot`: the same blocks (with float16 scales: fewer bytes) against the activations rounded
+  to int8 per 32 columns, in integer dot products (kernels/qdot.h: AVX-512 VNNI, ~4x fewer
+  instructions a weight than `quant`'s float32); any rows in one call, the weights read once.
 - `int8`: torch's int8 GEMM with two int8 terms per activation row (int8_matrix.py).
 - `bf16`, `fp16`, `fp32`: the dequantized weight in that dtype, packed for oneDNN (on a CPU
   with AMX, oneDNN runs bfloat16 on it: several times float32 and int8 here).
