@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmq.worker.engine.model.attention import PagedAttention
+from llmq.worker.engine.model.attention import PagedAttention, k_blocks, v_blocks
 from llmq.worker.engine.model.cpu_kernels import CpuKernels
 
 KERNELS = CpuKernels.load()
@@ -114,3 +114,31 @@ def test_bfloat16_output_is_the_float32_output_rounded():
 
     # Then the bfloat16 one is the float32 one rounded to nearest even, as torch rounds
     assert torch.equal(out16, out32.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_last_blocks_unused_slots_never_reach_the_output(dtype):
+    # Given sequences whose last block is part full, its unused slots holding NaN and inf (a
+    # freed block's leftovers can be anything), and the same cache with those slots zeroed
+    g = torch.Generator().manual_seed(1)
+    block_size, lens = 16, torch.tensor([37, 16, 5, 50])
+    tables = torch.tensor([[1, 2, 3, 0], [4, 0, 0, 0], [5, 0, 0, 0], [6, 7, 8, 9]])
+    clean = torch.randn(2, 2, 10, block_size, 64, generator=g)
+    dirty = clean.clone()
+    for table, n in zip(tables.tolist(), lens.tolist(), strict=True):
+        last, used = table[(n - 1) // block_size], (n - 1) % block_size + 1
+        for cache, fill in ((clean, 0.0), (dirty, float("nan"))):
+            k_blocks(cache)[:, last, :, used:] = fill  # K blocks are stored transposed
+            v_blocks(cache)[:, last, used:] = fill
+        k_blocks(dirty)[:, last, ::2, used:] = float("inf")
+    q = torch.randn(4, 6, 64, generator=g)
+
+    # When the kernel attends over both
+    out_dirty = KERNELS.decode_attention(q, dirty.to(dtype), tables, lens, 0.125,
+                                         torch.empty_like(q))
+    out_clean = KERNELS.decode_attention(q, clean.to(dtype), tables, lens, 0.125,
+                                         torch.empty_like(q))
+
+    # Then the outputs are the same finite floats: only the sequence's own keys count
+    assert torch.isfinite(out_dirty).all()
+    assert torch.equal(out_dirty, out_clean)
