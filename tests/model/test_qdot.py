@@ -76,13 +76,14 @@ def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path,
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_1], ids=lambda t: t.name)
 def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, qtype):
-    # Given 19 rows of activations, each multiplied alone (a decode)
+    # Given 600 rows of activations, each multiplied alone (a decode); more than one panel of
+    # rows (the kernel works on 256 KiB of quantized x at a time: 512 rows of 512 columns)
     bq, _ = blocks_of(tmp_path, qtype, 48, seed=4)
     matrix = QuantMatrix(bq, dot=True)
     kernels = CpuKernels.load()
-    x = torch.randn(19, IN_FEATURES, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(600, IN_FEATURES, generator=torch.Generator().manual_seed(9))
     alone = torch.cat([kernels.quant_matmul(row[None], matrix) for row in x])
-    for rows in (2, 7, 8, 9, 19):
+    for rows in (2, 7, 8, 9, 19, 600):
         # When the first `rows` are multiplied in one call, then each row is what it is alone
         assert torch.equal(kernels.quant_matmul(x[:rows], matrix), alone[:rows]), rows
 
