@@ -9,6 +9,7 @@ attention over the gathered rows (attention.py's fallback when there is no compi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -54,6 +55,15 @@ def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: list[list[i
         scores = (q[s].double()[:, None, :] * k).sum(-1) / head_dim ** 0.5  # [heads, n]
         out.append((scores.softmax(-1)[:, None, :] @ v)[:, 0])  # [heads, hd]
     return torch.stack(out).float()
+
+
+def as_decodes(tables: list[list[int]], seq_lens: list[int], query_lens: list[int]
+               ) -> tuple[list[list[int]], list[int]]:
+    """Each sequence's last query_len tokens as decodes of their own: (tables, lengths)."""
+    row_tables = [t for t, n in zip(tables, query_lens, strict=True) for _ in range(n)]
+    row_lens = [s - n + 1 + j for s, n in zip(seq_lens, query_lens, strict=True)
+                for j in range(n)]
+    return row_tables, row_lens
 
 
 @st.composite
@@ -142,3 +152,33 @@ def test_a_last_blocks_unused_slots_never_reach_the_output(dtype):
     # Then the outputs are the same finite floats: only the sequence's own keys count
     assert torch.isfinite(out_dirty).all()
     assert torch.equal(out_dirty, out_clean)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_batches(), st.data())
+def test_a_prompts_rows_get_what_each_gets_alone_as_a_decode(batch, data):
+    block_size, kv_heads, group, head_dim, dtype, seq_lens, tables, num_blocks, seed = batch
+    # Given prompts (or prompt chunks after cached context) whose K/V are in the cache: each
+    # sequence's last query_len tokens are this step's queries
+    query_lens = [data.draw(st.integers(1, n)) for n in seq_lens]
+    g = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g)
+    starts = torch.tensor([0, *np.cumsum(query_lens)])
+
+    # When the prompt kernel attends every row at once
+    out = KERNELS.prompt_attention(q, kv_cache, padded(tables), starts, torch.tensor(seq_lens),
+                                   head_dim ** -0.5, torch.empty_like(q))
+
+    # Then each row is the very floats of that token alone, as a decode at its position (to
+    # rounding where one query head has a kv head alone and head_dim has a scalar tail)
+    row_tables, row_lens = as_decodes(tables, seq_lens, query_lens)
+    alone = KERNELS.decode_attention(q, kv_cache, padded(row_tables), torch.tensor(row_lens),
+                                     head_dim ** -0.5, torch.empty_like(q))
+    if group > 1 or head_dim % 16 == 0:
+        assert torch.equal(out, alone)
+    else:
+        torch.testing.assert_close(out, alone, rtol=1e-6, atol=1e-6)
+    # And attention over each row's own keys
+    torch.testing.assert_close(out, torch_attention(q, kv_cache, row_tables, row_lens),
+                               rtol=2e-5, atol=2e-6)

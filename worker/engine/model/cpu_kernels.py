@@ -274,6 +274,10 @@ class CpuKernels:
             library.llmq_decode_attention,
             [ptr, i64, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32],
             ctypes.c_int32)
+        self._prompt_attention = _bind(
+            library.llmq_prompt_attention,
+            [ptr, i64, ptr, i32, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32],
+            ctypes.c_int32)
         self._add_rms_norm = _bind(library.llmq_add_rms_norm,
                                    [ptr, ptr, i32, ptr, i64, i64, f32, ptr, i32])
         self._silu_mul = _bind(library.llmq_silu_mul, [ptr, i32, i64, i64, ptr, i32])
@@ -333,6 +337,30 @@ class CpuKernels:
             _is_bf16(out))
         if not done:
             raise ValueError(f"decode_attention: no kernel for {num_heads // num_kv_heads} "
+                             "query heads per kv head")
+        return out
+
+    def prompt_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                         block_tables: torch.Tensor, starts: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Causal attention of prompts' query rows over the cache (which already holds their
+        K/V): sequence s's rows are q[starts[s]:starts[s + 1]], its last row at position
+        seq_lens[s] - 1. Each row gets the very floats decode_attention gives it alone.
+        q [tokens, num_heads, hd] float32 (rows may be strided, each contiguous); block_tables
+        [num_seqs, max_blocks], starts [num_seqs + 1], seq_lens [num_seqs] int64. Fills
+        out [tokens, num_heads, hd] (rows starts[0]..starts[-1]) and returns it."""
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        num_heads = q.shape[1]
+        _check(kv_cache, block_tables, starts, seq_lens, out)
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+            raise ValueError("prompt_attention: q must be float32 with contiguous rows")
+        done = self._prompt_attention(
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), _is_bf16(kv_cache),
+            block_tables.data_ptr(), starts.data_ptr(), seq_lens.data_ptr(),
+            seq_lens.shape[0], block_tables.shape[1], num_heads, num_kv_heads, num_blocks,
+            block_size, head_dim, scale, out.data_ptr(), _is_bf16(out))
+        if not done:
+            raise ValueError(f"prompt_attention: no kernel for {num_heads // num_kv_heads} "
                              "query heads per kv head")
         return out
 

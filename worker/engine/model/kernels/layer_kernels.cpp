@@ -212,6 +212,101 @@ template <typename C, typename O, typename... A> bool decode_attention_g(int64_t
     }
 }
 
+// Query rows of one prompt a tile shares its K/V reads between: R rows x G heads <= 16
+// accumulators, one a row and head in registers (block_scores / block_values).
+// NOTE: at 18 to 24 they spilled: 2,000-token prompts ran at 57 GFLOP/s so, 78 at 12 to 16,
+// 64-72 row by row as decodes (Zen 4, one thread).
+constexpr int prompt_rows(int G) { return 16 / G < 8 ? 16 / G : 8; }
+
+// The query rows of prompts (prefill chunks), each row attending causally to its sequence's
+// keys in the cache (this step's included). Each row's arithmetic is decode_attention's for
+// that row alone, in the same order: its scores (computed for the tile's longest row, the
+// lanes past its own length dropped), softmax over its own keys, then the weighted values
+// with zero weights past its length (which add nothing). So a prompt attends to the same
+// floats as its tokens would one by one as decodes (to rounding where one query head has a
+// kv head to itself and head_dim is no multiple of 16: the compiler's scalar tails), with R
+// rows reading each K/V block once where a decode reads it per row.
+// q [tokens, heads, head_dim] float32 with rows q_stride apart; tables [seqs, max_blocks];
+// starts [seqs + 1]: the first row of each sequence's queries (the last: the end); seq_lens
+// [seqs]: keys after this step (a sequence's last row is its last key); out [tokens, heads,
+// head_dim].
+template <int G, typename C, typename O>
+void prompt_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
+                      const int64_t* starts, const int64_t* seq_lens, int64_t seqs,
+                      int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, float scale, O* out) {
+    constexpr int R = prompt_rows(G), GR = G * R;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t block_stride = block_size * head_dim;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    const int64_t stride = (max_len + 15) / 16 * 16;
+    scratch.resize((size_t)(GR * (stride + 2 * head_dim)));
+    float* scores = scratch.data();              // [R][G][stride]
+    float* qs = scores + GR * stride;            // [R][G][head_dim]: q * scale
+    float* acc = qs + GR * head_dim;             // [R][G][head_dim]
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t rows = starts[s + 1] - starts[s];
+        const int64_t first_len = seq_lens[s] - rows + 1;  // keys row 0 sees
+        const int64_t* table = tables + s * max_blocks;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const C* k_head = cache + h * head_stride;
+            const C* v_head = cache + (kv_heads + h) * head_stride;
+            for (int64_t r0 = 0; r0 < rows; r0 += R) {
+                // rows past the prompt's last repeat it (their outputs are not stored)
+                int64_t lens[R];
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = r0 + r < rows ? r0 + r : rows - 1;
+                    lens[r] = first_len + row;
+                    const float* qh = q + (starts[s] + row) * q_stride + h * G * head_dim;
+                    for (int64_t i = 0; i < G * head_dim; ++i)
+                        qs[r * G * head_dim + i] = qh[i] * scale;
+                }
+                const int64_t len = lens[R - 1], num_used = (len + block_size - 1) / block_size;
+                for (int64_t b = 0; b < num_used; ++b) {
+                    const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                        : block_size;
+                    block_scores<GR>(qs, k_head + table[b] * block_stride, n, block_size,
+                                     head_dim, scores + b * block_size, stride);
+                }
+                for (int r = 0; r < R; ++r)
+                    for (int g = 0; g < G; ++g) {
+                        float* row_scores = scores + (r * G + g) * stride;
+                        softmax(row_scores, lens[r]);
+                        for (int64_t i = lens[r]; i < len; ++i) row_scores[i] = 0.0f;
+                    }
+                memset(acc, 0, sizeof(float) * GR * head_dim);
+                for (int64_t b = 0; b < num_used; ++b) {
+                    const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                        : block_size;
+                    block_values<GR>(scores + b * block_size, stride,
+                                     v_head + table[b] * block_stride, n, head_dim, acc);
+                }
+                for (int r = 0; r < R && r0 + r < rows; ++r) {
+                    O* oh = out + ((starts[s] + r0 + r) * heads + h * G) * head_dim;
+                    for (int64_t i = 0; i < G * head_dim; ++i)
+                        store(oh, i, acc[r * G * head_dim + i]);
+                }
+            }
+        }
+    }
+}
+
+// prompt_attention<G> for the group sizes decode_attention_g takes.
+template <typename C, typename O, typename... A> bool prompt_attention_g(int64_t group, A... a) {
+    switch (group) {
+        case 1: prompt_attention<1, C, O>(a...); return true;
+        case 2: prompt_attention<2, C, O>(a...); return true;
+        case 3: prompt_attention<3, C, O>(a...); return true;
+        case 4: prompt_attention<4, C, O>(a...); return true;
+        case 5: prompt_attention<5, C, O>(a...); return true;
+        case 6: prompt_attention<6, C, O>(a...); return true;
+        case 7: prompt_attention<7, C, O>(a...); return true;
+        case 8: prompt_attention<8, C, O>(a...); return true;
+        default: return false;
+    }
+}
+
 // h [rows, dim] float32 (+= y first, when y is given), then out = h / rms(h) * w.
 template <typename Y, typename O>
 void add_rms_norm(float* h, const Y* y, const float* w, int64_t rows, int64_t dim, float eps,
@@ -568,6 +663,24 @@ int32_t llmq_decode_attention(const float* q, int64_t q_stride, const void* cach
         done = decode_attention_g<C, O>(heads / kv_heads, q, q_stride, (const C*)cache, tables,
                                         seq_lens, seqs, max_blocks, heads, kv_heads, num_blocks,
                                         block_size, head_dim, scale, (O*)out);
+    }); });
+    return done ? 1 : 0;
+}
+
+// Returns 0 when the group size (heads / kv_heads) has no kernel: the caller falls back.
+int32_t llmq_prompt_attention(const float* q, int64_t q_stride, const void* cache,
+                              int32_t cache_bf16, const int64_t* tables, const int64_t* starts,
+                              const int64_t* seq_lens, int64_t seqs, int64_t max_blocks,
+                              int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                              int64_t block_size, int64_t head_dim, float scale, void* out,
+                              int32_t out_bf16) {
+    bool done = false;
+    typed(cache_bf16, [&](auto c) { typed(out_bf16, [&](auto o) {
+        using C = std::remove_pointer_t<decltype(c)>;
+        using O = std::remove_pointer_t<decltype(o)>;
+        done = prompt_attention_g<C, O>(heads / kv_heads, q, q_stride, (const C*)cache, tables,
+                                        starts, seq_lens, seqs, max_blocks, heads, kv_heads,
+                                        num_blocks, block_size, head_dim, scale, (O*)out);
     }); });
     return done ? 1 : 0;
 }
