@@ -211,7 +211,8 @@ def main() -> None:
     if args.op_by_op:
         model._one_call = False
     projections = [m for m in model.modules() if isinstance(m, linear.Linear)]
-    quant_bytes = sum(q.nbytes for m in projections for q in (m.quant, m.qdot) if q is not None)
+    quant_bytes = sum(q.nbytes for m in projections for q in (m.quant, m.qdot or m.qdot16)
+                      if q is not None)
     other_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
     bandwidth, peak8 = stream_bandwidth(), int8_peak()
@@ -220,7 +221,8 @@ def main() -> None:
              "fp16": (dense_peak(torch.float16) if form_choice.dense_form_runs("fp16")
                       else float("nan")),
              "int8": peak8 / 2,  # int8: two terms a row
-             "qdot": peak8}  # qdot: one int8 term a row (its VNNI products, not torch's GEMM)
+             "qdot": peak8,  # qdot: one int8 term a row (its VNNI products, not torch's GEMM)
+             "qdot16": peak8 / 2}  # qdot16: two
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
           f"read {bandwidth / 1e9:.1f} GB/s, GEMM peaks float32 {peaks['fp32'] / 1e9:.0f}, "
           f"bfloat16 {peaks['bf16'] / 1e9:.0f}, float16 {peaks['fp16'] / 1e9:.0f} GFLOP/s "
@@ -235,6 +237,7 @@ def main() -> None:
             form = m.form_of(batch)
             size = m.quant.nbytes if form == "quant" and m.quant is not None else (
                 m.qdot.nbytes if form == "qdot" and m.qdot is not None else
+                m.qdot16.nbytes if form == "qdot16" and m.qdot16 is not None else
                 m.int8.nbytes if form == "int8" and m.int8 is not None else
                 m.out_features * m.in_features * {"bf16": 2, "fp16": 2}.get(form, 4))
             weight_floor += size / bandwidth

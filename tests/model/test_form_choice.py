@@ -42,7 +42,7 @@ def tiny_path(tmp_path: Path) -> Path:
 # NOTE: int8 here includes the LM head (the choice never puts it there: HEAD_TOLERANCE), and a
 # random model amplifies rounding (weights up to ~8, near one-hot attention)
 DECODE_BOUNDS = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "qdot": 0.1,
-                 "int8": 0.1}
+                 "qdot16": 0.02, "int8": 0.1}
 
 
 def projections(model) -> list[Linear]:
@@ -158,6 +158,7 @@ def test_each_form_forced_gives_the_float32_models_logits(forms_dir, tiny_path, 
     for p in projections(native):
         assert isinstance(p.quant, QuantMatrix) == (form == "quant")
         assert (p.qdot is not None) == (form == "qdot")
+        assert (p.qdot16 is not None) == (form == "qdot16")
         assert (p.int8 is not None) == (form == "int8")
         assert set(p._dense) == ({form} if form in form_choice.DENSE_DTYPES else set())
         assert p.weight.numel() == 0
@@ -259,3 +260,22 @@ def test_a_dense_form_the_cpu_cannot_run_is_never_a_candidate(forms_dir, tiny_pa
         forced = load_model(tiny_path, "float32", weights="native").model
     assert all(p.forms == ("fp32",) * len(BUCKETS) for p in projections(forced))
     assert "LLMQ_FORMS=fp16 does not run on this CPU" in caplog.text
+
+
+def test_qdot_and_qdot16_chosen_together_share_one_set_of_tiles(forms_dir, tiny_path,
+                                                               monkeypatch):
+    # Given a choice of qdot16 for the smallest buckets and qdot above, for every projection
+    mix = ("qdot16", "qdot16") + ("qdot",) * (len(BUCKETS) - 2)
+    monkeypatch.setattr(form_choice.FormChoice, "choose", lambda self, *a, **k: mix)
+    native = load_model(tiny_path, "float32", weights="native").model
+    dense = load_model(tiny_path, "float32", weights="fp32").model
+
+    # Then each projection holds the tiles once, both forms running on them
+    for p in projections(native):
+        assert p.qdot is not None and p.qdot16 is not None and p.quant is None
+        assert p.qdot16.q.data_ptr() == p.qdot.q.data_ptr()
+        assert p.nbytes == p.qdot.nbytes
+        assert p.form_of(1) == "qdot16" and p.form_of(64) == "qdot"
+
+    # And a batch decodes alike the float32 model (both forms' calls in its steps)
+    assert_decodes_alike(native, dense, DECODE_BOUNDS["qdot"])

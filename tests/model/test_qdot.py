@@ -18,7 +18,7 @@ import torch
 
 from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant
 from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
-from llmq.worker.engine.model.form_choice import TOLERANCE
+from llmq.worker.engine.model.form_choice import HEAD_TOLERANCE, TOLERANCE
 from tests.model.test_block_quant import write_and_read
 
 Q = gguf.GGMLQuantizationType
@@ -26,12 +26,13 @@ TYPES = sorted(BLOCK_QUANT_TYPES, key=lambda t: t.name)
 IN_FEATURES = 512
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """x [rows, in] as the kernel reads it: round(x / s) * s, s = max|x| / 127 per 32 columns."""
+def quantized_activations(x: np.ndarray, top: int = 127) -> np.ndarray:
+    """x [rows, in] as the kernel reads it: round(x / s) * s, s = max|x| / top per 32 columns
+    (top 127: int8; 16383: `qdot16`'s 15 bits)."""
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    scale = (amax / 127).astype(np.float32)
-    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0)
+    scale = (amax / top).astype(np.float32)
+    inverse = np.where(amax > 0, np.float32(top) / np.where(amax > 0, amax, 1), 0)
     q = np.rint(blocks * inverse.astype(np.float32))
     return (q * scale).reshape(x.shape).astype(np.float64)
 
@@ -74,12 +75,37 @@ def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path,
 
 
 @pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_against_x_in_15_bits_the_error_is_the_scales_alone(tmp_path, qtype):
+    # Given a quantized matrix's qdot tiles run against x rounded to 15 bits (`qdot16`)
+    bq, w = blocks_of(tmp_path, qtype, 40, seed=3)
+    fine = QuantMatrix(bq, dot=True).fine_x()
+    for rows in (1, 3, 8, 9, 21):
+        x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows))
+
+        # When the kernel multiplies
+        y = CpuKernels.load().quant_matmul(x, fine).double()
+
+        # Then it is the product of the 15-bit activations with the weights as held, to
+        # float32 rounding (a cell's integer sum, up to 2^27 here, rounds as it becomes a float)
+        held = weights_as_held(bq, fine.unit)
+        expected = torch.from_numpy(quantized_activations(x.numpy(), 16383)) @ held.t()
+        torch.testing.assert_close(y, expected, rtol=1e-5,
+                                   atol=4e-5 * float(expected.abs().max()))
+        # And within a tenth of the LM head's tolerance of the exact product (int8 x is not)
+        exact = x.double() @ w.double().t()
+        assert float((y - exact).norm() / exact.norm()) < HEAD_TOLERANCE / 10
+
+
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_1], ids=lambda t: t.name)
-def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, qtype):
+@pytest.mark.parametrize("fine", [False, True], ids=["x8", "x16"])
+def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(tmp_path, qtype, fine):
     # Given 600 rows of activations, each multiplied alone (a decode); more than one panel of
     # rows (the kernel works on 256 KiB of quantized x at a time: 512 rows of 512 columns)
     bq, _ = blocks_of(tmp_path, qtype, 48, seed=4)
     matrix = QuantMatrix(bq, dot=True)
+    matrix = matrix.fine_x() if fine else matrix
     kernels = CpuKernels.load()
     x = torch.randn(600, IN_FEATURES, generator=torch.Generator().manual_seed(9))
     alone = torch.cat([kernels.quant_matmul(row[None], matrix) for row in x])

@@ -169,13 +169,16 @@ class QuantMatrix:
     0.625 bytes, not 0.75: that form's lone decode is bound by reading them), in units of
     `unit`, the power of two that puts the largest at 2^14 (float16's normal range spans 2^30,
     so a matrix's smallest stay normal too; their rounding, 2^-11 of each, is far inside the
-    int8 activations' ~0.5%); `supports_dot` says which shapes it takes."""
+    int8 activations' ~0.5%); `supports_dot` says which shapes it takes. `x16`: the same
+    tiles against x rounded to 15 bits instead (two int8 halves, two products a weight: the
+    `qdot16` form, `fine_x`), whose error is the float16 scales' alone."""
 
     def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None, dot: bool = False
                  ) -> None:
         out_features, in_features = bq.shape
         self.out_features, self.in_features = out_features, in_features
         self.group, self.bits, self.dot, self.unit = bq.group, bq.bits, dot, 1.0
+        self.x16 = False
         tiles = -(-out_features // 16)
         pad = tiles * 16 - out_features
 
@@ -197,14 +200,21 @@ class QuantMatrix:
     @classmethod
     def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                    shape: tuple[int, int], group: int, bits: int,
-                   bias: torch.Tensor | None = None, dot: bool = False, unit: float = 1.0
-                   ) -> QuantMatrix:
+                   bias: torch.Tensor | None = None, dot: bool = False, unit: float = 1.0,
+                   x16: bool = False) -> QuantMatrix:
         """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = shape
-        self.group, self.bits, self.dot, self.unit = group, bits, dot, unit
+        self.group, self.bits, self.dot, self.unit, self.x16 = group, bits, dot, unit, x16
         self._bind(q, scales, offsets, bias)
         return self
+
+    def fine_x(self) -> QuantMatrix:
+        """These qdot tiles (shared, not copied) run against x in 15 bits (`qdot16`)."""
+        assert self.dot
+        return QuantMatrix.from_tiles(self.q, self.scales, self.offsets,
+                                      (self.out_features, self.in_features), self.group,
+                                      self.bits, self.bias, dot=True, unit=self.unit, x16=True)
 
     def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
               bias: torch.Tensor | None) -> None:
@@ -213,8 +223,8 @@ class QuantMatrix:
         self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(),
                            0 if offsets is None else offsets.data_ptr(),
                            0 if self.bias is None else self.bias.data_ptr(), self.out_features,
-                           self.in_features, self.group, self.bits, int(self.dot), self.unit,
-                           0)
+                           self.in_features, self.group, self.bits,
+                           2 if self.x16 else int(self.dot), self.unit, 0)
 
     @staticmethod
     def supports(bq: BlockQuant) -> bool:

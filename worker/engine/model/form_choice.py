@@ -11,6 +11,9 @@ A `--weights native` projection can run as any of these forms (linear.py):
 - `qdot`: the same blocks (with float16 scales: fewer bytes) against the activations rounded
   to int8 per 32 columns, in integer dot products (kernels/qdot.h: AVX-512 VNNI, ~4x fewer
   instructions a weight than `quant`'s float32); any rows in one call, the weights read once.
+- `qdot16`: the `qdot` tiles against the activations rounded to 15 bits (two int8 halves, two
+  integer products a weight): ~0.02% error (the float16 scales'), within the LM head's
+  tolerance where `qdot` is not, and still fewer instructions than `quant` at a few rows.
 - `int8`: torch's int8 GEMM with two int8 terms per activation row (int8_matrix.py).
 - `bf16`, `fp16`, `fp32`: the dequantized weight in that dtype, packed for oneDNN (on a CPU
   with AMX, oneDNN runs bfloat16 on it: several times float32 and int8 here).
@@ -35,8 +38,9 @@ Numerics: a form is a candidate only if its output for a random activation (stan
 `SAMPLE_ROWS` rows) is within `TOLERANCE` of the float32 form's, as ||y - y_fp32|| / ||y_fp32||;
 the LM head within `HEAD_TOLERANCE` (its error reaches the logits unattenuated). The two-term
 int8 form sets the bar: ~0.8% on SmolLM2's and the 1B model's shapes; bfloat16 ~0.3%,
-float16 ~0.04%, `qdot` ~0.5%, `quant` ~1e-7 (the same numbers as float32, summed in another
-order). docs/performance.md ("Kernel forms chosen by measurement") has what each host chose.
+float16 ~0.04%, `qdot` ~0.5%, `qdot16` ~0.02%, `quant` ~1e-7 (the same numbers as float32,
+summed in another order). docs/performance.md ("Kernel forms chosen by measurement") has what
+each host chose.
 
 `LLMQ_FORMS`: `measure` (default), `fixed` (the forms by assumption, as before this module:
 quantized kernels up to 8 rows, int8 above; the LM head float32 above 8 rows), or one form's
@@ -62,8 +66,9 @@ from .int8_matrix import Int8Matrix
 
 logger = logging.getLogger(__name__)
 
-FORMS = ("quant", "qdot", "int8", "bf16", "fp16", "fp32")
-QUANT_FORMS = ("quant", "qdot")  # the GGUF's blocks on the compiled kernels (QuantMatrix)
+FORMS = ("quant", "qdot", "qdot16", "int8", "bf16", "fp16", "fp32")
+# the GGUF's blocks on the compiled kernels (QuantMatrix)
+QUANT_FORMS = ("quant", "qdot", "qdot16")
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (the most rows a bucket holds, the rows it is measured at); the last holds every larger step
 BUCKETS = ((1, 1), (4, 4), (8, 8), (32, 32), (128, 128), (1 << 62, 256))
@@ -161,9 +166,9 @@ class FormChoice:
             return fixed_forms(head)
         if self.mode != "measure":
             forced = self.mode
-            if forced == "qdot" and not dot:
-                logger.info("kernel forms: %s=qdot: not for %dx%d %s; quant instead", ENV,
-                            out_features, in_features, quant.kind)
+            if forced in ("qdot", "qdot16") and not dot:
+                logger.info("kernel forms: %s=%s: not for %dx%d %s; quant instead", ENV,
+                            forced, out_features, in_features, quant.kind)
                 forced = "quant"
             if (forced == "int8" and not Int8Matrix.available()) or (
                     forced in DENSE_DTYPES and not dense_form_runs(forced)):
@@ -252,11 +257,11 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 
 def _candidates(kernels: CpuKernels, w: torch.Tensor,
-                quant: tuple[QuantMatrix | None, QuantMatrix | None], names: Collection[str]
+                quant: tuple[QuantMatrix | None, ...], names: Collection[str]
                 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The named forms of w [rows, in] as functions of x [n, in] float32 (bfloat16 for `bf16`:
     the kernel before it writes bfloat16), as linear.py runs them; `quant`: its blocks on the
-    float32 tiles and in the qdot layout."""
+    float32 tiles, in the qdot layout, and that against x in 15 bits (QUANT_FORMS' order)."""
     forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for form, matrix in zip(QUANT_FORMS, quant, strict=True):
         if matrix is not None and form in names:
@@ -306,7 +311,8 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     reused = {} if known is None else {
         form: (rates, known["errors"][form]) for form, rates in known["rates"].items()
         if form not in QUANT_FORMS}
-    forms = _candidates(kernels, w, (quant_sample, dot_sample),
+    fine = None if dot_sample is None else dot_sample.fine_x()
+    forms = _candidates(kernels, w, (quant_sample, dot_sample, fine),
                         {*QUANT_FORMS, "fp32"} if reused else FORMS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLE_ROWS, in_features, generator=g)
@@ -317,7 +323,8 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     # NOTE: the qdot layout holds the same integers with float16 scales and offsets
     dot_bytes = quant_bytes if quant_sample is None or dot_sample is None else round(
         quant_bytes * dot_sample.nbytes / quant_sample.nbytes)
-    sizes = {"quant": quant_bytes, "qdot": dot_bytes, "int8": out_features * (in_features + 4),
+    sizes = {"quant": quant_bytes, "qdot": dot_bytes, "qdot16": dot_bytes,
+             "int8": out_features * (in_features + 4),
              "bf16": 2 * out_features * in_features, "fp16": 2 * out_features * in_features,
              "fp32": 4 * out_features * in_features}
     rates: dict[str, list[float | None]] = {form: [] for form in FORMS
@@ -358,8 +365,8 @@ def _fewest_forms(costs: list[dict[str, float]]) -> list[str]:
     """Per bucket the cheapest form; then, largest first, each chosen form whose buckets
     another chosen form serves within MEMORY_SLACK of each bucket's best gives them up to it."""
     chosen = [min(cost, key=cost.__getitem__) for cost in costs]
-    for form in sorted(set(chosen), key=("quant", "qdot", "int8", "fp16", "bf16", "fp32").index,
-                       reverse=True):
+    order = ("quant", "qdot", "qdot16", "int8", "fp16", "bf16", "fp32")
+    for form in sorted(set(chosen), key=order.index, reverse=True):
         others = set(chosen) - {form}
         instead: dict[int, str] = {}
         for i, cost in enumerate(costs):

@@ -43,7 +43,7 @@ from torch import nn
 from . import packed_weight
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
 from .cpu_kernels import CpuKernels, QuantMatrix
-from .form_choice import BUCKETS, DENSE_DTYPES, FormChoice, Sample, bucket_of
+from .form_choice import BUCKETS, DENSE_DTYPES, QUANT_FORMS, FormChoice, Sample, bucket_of
 from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
 from .int8_matrix import Int8Matrix
@@ -99,6 +99,7 @@ class Linear(nn.Module):
         self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
         self.int8: Int8Matrix | None = None  # the int8 form, where a bucket chose it
         self.qdot: QuantMatrix | None = None  # the blocks in the qdot layout, where chosen
+        self.qdot16: QuantMatrix | None = None  # the same tiles against x in 15 bits
         # chosen dense forms, a tensor a part: "bf16" -> [packed weight rows of the part]
         self._dense: dict[str, list[torch.Tensor]] = {}
         self._dense_bias: dict[str, list[torch.Tensor | None]] = {}
@@ -224,8 +225,8 @@ class Linear(nn.Module):
         for form in sorted(set(chosen) - {"quant"}):
             if form == "int8":
                 self.int8 = self._int8_form(cache, name)
-            elif form == "qdot":
-                self.qdot = self._qdot_form(cache, name)
+            elif form in ("qdot", "qdot16"):  # their tiles are one
+                self.qdot = self.qdot if self.qdot is not None else self._qdot_form(cache, name)
             elif form == "fp32" and head:
                 # NOTE: the head's float32 runs oneDNN on the plain weight: as fast as the
                 # packed one for a 1B model's head at 9-256 rows, and a warm start keeps it
@@ -235,6 +236,11 @@ class Linear(nn.Module):
             else:
                 self._dense[form] = [self._dense_form(form, cache, name, part)
                                      for part in self.parts]
+        if "qdot16" in chosen:
+            assert self.qdot is not None
+            self.qdot16 = self.qdot.fine_x()  # the same tiles
+            if "qdot" not in chosen:
+                self.qdot = None
         if "quant" not in chosen:
             self.quant = None
         biases = ([None] * len(self.parts) if self.bias is None
@@ -379,7 +385,9 @@ class Linear(nn.Module):
     def nbytes(self) -> int:
         """Bytes of every form held (the RSS the weights cost)."""
         dense = self._packed if self._packed is not None else [self.weight]
-        quant = sum(m.nbytes for m in (self.quant, self.qdot) if m is not None)
+        # NOTE: qdot16 runs on qdot's tiles (held once, whichever of the two is kept)
+        dot = self.qdot or self.qdot16
+        quant = sum(m.nbytes for m in (self.quant, dot) if m is not None)
         int8 = self.int8.nbytes if self.int8 is not None else 0
         chosen = sum(t.numel() * t.element_size() for parts in self._dense.values()
                      for t in parts)
@@ -423,7 +431,7 @@ class Linear(nn.Module):
         `one_call_matrix` (0: none does): the one-call decode step (llama.py) needs every
         projection there."""
         first = self.form_of(1)
-        if first not in ("quant", "qdot"):
+        if first not in QUANT_FORMS:
             return 0
         return next(rows for rows in range(QUANT_MAX_ROWS, 0, -1)
                     if all(self.form_of(n) == first for n in range(1, rows + 1)))
@@ -431,9 +439,13 @@ class Linear(nn.Module):
     @property
     def one_call_matrix(self) -> QuantMatrix:
         """The matrix calls of up to `quant_rows` rows run on."""
-        matrix = self.qdot if self.form_of(1) == "qdot" else self.quant
+        matrix = self._quant_form(self.form_of(1))
         assert isinstance(matrix, QuantMatrix)
         return matrix
+
+    def _quant_form(self, form: str) -> QuantMatrix | Int4Weight | None:
+        """The matrix of one of QUANT_FORMS."""
+        return {"quant": self.quant, "qdot": self.qdot, "qdot16": self.qdot16}[form]
 
     def input_dtype(self, num_rows: int) -> torch.dtype:
         """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""
@@ -472,12 +484,10 @@ class Linear(nn.Module):
 
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         form = self.form_of(x.shape[0])
-        if form == "quant":  # the kernels add the bias themselves
-            assert self._kernels is not None and isinstance(self.quant, QuantMatrix)
-            return self._kernels.quant_matmul(x.float().contiguous(), self.quant)
-        if form == "qdot":
-            assert self._kernels is not None and self.qdot is not None
-            return self._kernels.quant_matmul(x.float().contiguous(), self.qdot)
+        if form in QUANT_FORMS:  # the kernels add the bias themselves
+            matrix = self._quant_form(form)
+            assert self._kernels is not None and isinstance(matrix, QuantMatrix)
+            return self._kernels.quant_matmul(x.float().contiguous(), matrix)
         if form == "int8":
             assert self._kernels is not None and self.int8 is not None
             return self._kernels.int8_matmul(x.float().contiguous(), self.int8)

@@ -548,7 +548,8 @@ struct QMat {
     const float* bias;  // or null
     int64_t out_features, in_features, group;
     int32_t bits;
-    int32_t dot;  // 1: the tiles are qdot.h's layout (float16 scales), against int8 activations
+    int32_t dot;  // the tiles in qdot.h's layout (float16 scales), against x in int8 (1) or
+                  // in 15 bits (2: the `qdot16` form)
     float unit;  // dot: the scales' and offsets' unit (QdotWeights)
     int32_t unused;
 };
@@ -567,7 +568,7 @@ bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, flo
     if (w.dot) {
         const QdotWeights qw{w.q, (const uint16_t*)w.scales, (const uint16_t*)w.offsets, N, K,
                              group, w.unit};
-        if (!qdot_mm(x, x_stride, rows, qw, w.bits, y, y_stride)) return false;
+        if (!qdot_mm(x, x_stride, rows, qw, w.bits, w.dot == 2, y, y_stride)) return false;
         add_bias(w, rows, y, y_stride);
         return true;
     }

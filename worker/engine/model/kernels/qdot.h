@@ -40,11 +40,14 @@ namespace llmq {
 constexpr int64_t QDOT_BLOCK = 32;  // columns of x sharing one int8 scale
 constexpr int QDOT_ROWS = 8;  // rows of x a tile computes at once (their accumulators in registers)
 
-// x [rows, K] float32 as one call of the qdot kernel reads it.
+// x [rows, K] float32 as one call of the qdot kernel reads it: rounded to int8 (X16 false),
+// or to 15 bits held as two int8 halves, q * 256 + lo (X16: the `qdot16` form, the same
+// tiles against x 128x finer, for the LM head's tolerance; two products a weight).
 struct QdotInput {
-    std::vector<int8_t> q;  // [rows, K]: round(x / xs) in -127..127
-    std::vector<float> scale;  // [rows, K / 32]: xs = max |x| / 127 of the block (0: all zero)
-    std::vector<float> xsum;  // [rows, groups]: the sum of xs * q over each group
+    std::vector<int8_t> q;  // [rows, K]: round(x / xs) in -127..127; X16: the high half
+    std::vector<int8_t> lo;  // X16: [rows, K] round(x / xs) - 256 * q, in -128..127
+    std::vector<float> scale;  // [rows, K / 32]: xs = max |x| / (127 | 16383) of the block
+    std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
 };
 
 // The largest of 16 lanes, by halving (as vec16.h's hsum).
@@ -64,9 +67,11 @@ typedef int8_t b16 __attribute__((vector_size(16)));
 // 128 rows, as a loop of scalars, it was a third of a 512-row slice's product, which is what
 // form_choice.py times)
 inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_t K,
-                          int64_t group, QdotInput& in) {
+                          int64_t group, bool x16, QdotInput& in) {
     const int64_t blocks = K / QDOT_BLOCK, groups = K / group;
+    const float top = x16 ? 16383.0f : 127.0f;
     in.q.resize((size_t)(rows * K));
+    if (x16) in.lo.resize((size_t)(rows * K));
     in.scale.resize((size_t)(rows * blocks));
     in.xsum.assign((size_t)(rows * groups), 0.0f);
     const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
@@ -78,13 +83,27 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
             const v16 lo = load16(xm + b * QDOT_BLOCK), hi = load16(xm + b * QDOT_BLOCK + 16);
             const v16 alo = lo < 0.0f ? -lo : lo, ahi = hi < 0.0f ? -hi : hi;
             const float amax = hmax(alo > ahi ? alo : ahi);
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
-            // round(x / xs) as floats (exact integers in -127..127), then int8
+            const float inv = amax > 0.0f ? top / amax : 0.0f, scale = amax / top;
+            // round(x / xs) as floats (exact integers in -top..top), then int8 (its halves)
             const v16 rlo = (lo * inv + magic) - magic, rhi = (hi * inv + magic) - magic;
-            const b16 qlo = __builtin_convertvector(__builtin_convertvector(rlo, i16), b16);
-            const b16 qhi = __builtin_convertvector(__builtin_convertvector(rhi, i16), b16);
-            memcpy(qm + b * QDOT_BLOCK, &qlo, 16);
-            memcpy(qm + b * QDOT_BLOCK + 16, &qhi, 16);
+            const i16 ilo = __builtin_convertvector(rlo, i16);
+            const i16 ihi = __builtin_convertvector(rhi, i16);
+            if (x16) {  // high half floor((v + 128) / 256) in -64..64, low v - 256 * high
+                const i16 hlo = (ilo + 128) >> 8, hhi = (ihi + 128) >> 8;
+                const b16 qlo = __builtin_convertvector(hlo, b16);
+                const b16 qhi = __builtin_convertvector(hhi, b16);
+                const b16 llo = __builtin_convertvector(ilo - hlo * 256, b16);
+                const b16 lhi = __builtin_convertvector(ihi - hhi * 256, b16);
+                memcpy(qm + b * QDOT_BLOCK, &qlo, 16);
+                memcpy(qm + b * QDOT_BLOCK + 16, &qhi, 16);
+                memcpy(in.lo.data() + m * K + b * QDOT_BLOCK, &llo, 16);
+                memcpy(in.lo.data() + m * K + b * QDOT_BLOCK + 16, &lhi, 16);
+            } else {
+                const b16 qlo = __builtin_convertvector(ilo, b16);
+                const b16 qhi = __builtin_convertvector(ihi, b16);
+                memcpy(qm + b * QDOT_BLOCK, &qlo, 16);
+                memcpy(qm + b * QDOT_BLOCK + 16, &qhi, 16);
+            }
             in.scale[m * blocks + b] = scale;
             // NOTE: the sum of x as quantized, not of x: the offset term then meets the same
             // x as the integer term, and their rounding errors cancel as the weights' terms
@@ -158,7 +177,9 @@ struct QdotWeights {
 };
 
 // One tile of 16 weight rows (t) against rows [m0, m0 + M) of x: y[m][0..16) of the tile.
-template <int M, int BITS, bool OFF>
+// X16: each product twice, against x's high and low halves, joined in integers (exact: a
+// cell's high sum is at most 32 * 255 * 64, times 256 < 2^31).
+template <int M, int BITS, bool OFF, bool X16>
 void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t, float* y,
                int64_t y_stride, int64_t rows, bool prefetch_next) {
     const int64_t K = w.K, group = w.group, cell = group < QDOT_BLOCK ? group : QDOT_BLOCK;
@@ -170,11 +191,12 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     const uint16_t* scales = w.scales + t * groups * 16;
     const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 : nullptr;
     const int8_t* xq = in.q.data() + m0 * K;
+    const int8_t* xl = X16 ? in.lo.data() + m0 * K : nullptr;
     const float* xs = in.scale.data() + m0 * blocks;
     // NOTE: two chains of products a row where few rows share the tile (the nibbles' low and
     // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
     // chain a row saves an add a row and cell
-    constexpr int CHAINS = BITS == 4 && M < 4 ? 2 : 1;
+    constexpr int CHAINS = BITS == 4 && M < 4 && !X16 ? 2 : 1;
     v16 acc[M] = {};
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
@@ -185,7 +207,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
             if (q_next)  // the next tile's cell, asked for while this one computes (quant_tile)
                 for (int64_t b = 0; b < cell_bytes; b += 64)
                     __builtin_prefetch(q_next + c * cell_bytes + b);
-            i16 d[M][CHAINS] = {};
+            i16 d[M][CHAINS] = {}, dl[M] = {};  // dl: X16's products with the low halves
             if (BITS == 4) {
                 const i16 low = (i16){} + 0x0F0F0F0F;
                 for (int64_t e = 0; e < cell / 8; ++e) {
@@ -195,18 +217,25 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                         const int8_t* x = xq + m * K + k0 + 8 * e;
                         d[m][0] = dot4(d[m][0], lo, load_x4(x));
                         d[m][CHAINS - 1] = dot4(d[m][CHAINS - 1], hi, load_x4(x + 4));
+                        if (X16) {
+                            const int8_t* l = xl + m * K + k0 + 8 * e;
+                            dl[m] = dot4(dot4(dl[m], lo, load_x4(l)), hi, load_x4(l + 4));
+                        }
                     }
                 }
             } else {
                 for (int64_t e = 0; e < cell / 4; ++e) {
                     const i16 v = load_i16(qc + e * 64);
-                    for (int m = 0; m < M; ++m)
+                    for (int m = 0; m < M; ++m) {
                         d[m][0] = dot4(d[m][0], v, load_x4(xq + m * K + k0 + 4 * e));
+                        if (X16) dl[m] = dot4(dl[m], v, load_x4(xl + m * K + k0 + 4 * e));
+                    }
                 }
             }
             const int64_t block = k0 / QDOT_BLOCK;
             for (int m = 0; m < M; ++m) {
-                const i16 s = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
+                i16 s = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
+                if (X16) s = s * 256 + dl[m];
                 acc[m] += __builtin_convertvector(s, v16) * (sc * xs[m * blocks + block]);
             }
         }
@@ -226,16 +255,17 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
 }
 
 // NOTE: the arguments by reference: by value, each tile call copied the quantized x (its vectors)
-template <int BITS, bool OFF, typename... A> void qdot_rows(int64_t rows_x, const A&... a) {
+template <int BITS, bool OFF, bool X16, typename... A>
+void qdot_rows(int64_t rows_x, const A&... a) {
     switch (rows_x) {
-        case 1: qdot_tile<1, BITS, OFF>(a...); break;
-        case 2: qdot_tile<2, BITS, OFF>(a...); break;
-        case 3: qdot_tile<3, BITS, OFF>(a...); break;
-        case 4: qdot_tile<4, BITS, OFF>(a...); break;
-        case 5: qdot_tile<5, BITS, OFF>(a...); break;
-        case 6: qdot_tile<6, BITS, OFF>(a...); break;
-        case 7: qdot_tile<7, BITS, OFF>(a...); break;
-        case 8: qdot_tile<8, BITS, OFF>(a...); break;
+        case 1: qdot_tile<1, BITS, OFF, X16>(a...); break;
+        case 2: qdot_tile<2, BITS, OFF, X16>(a...); break;
+        case 3: qdot_tile<3, BITS, OFF, X16>(a...); break;
+        case 4: qdot_tile<4, BITS, OFF, X16>(a...); break;
+        case 5: qdot_tile<5, BITS, OFF, X16>(a...); break;
+        case 6: qdot_tile<6, BITS, OFF, X16>(a...); break;
+        case 7: qdot_tile<7, BITS, OFF, X16>(a...); break;
+        case 8: qdot_tile<8, BITS, OFF, X16>(a...); break;
     }
 }
 
@@ -247,7 +277,7 @@ constexpr int64_t QDOT_PANEL_BYTES = 256 << 10;  // of quantized x a panel holds
 // NOTE: a prefill chunk's 1024 rows of a 2048-column x are 2 MiB of int8, fetched from beyond
 // L2 again for every tile as one panel: Q4_K 8192 x 2048 ran at 252 GFLOP/s so, 262 in
 // panels (Zen 4). At least 64 rows a panel: W is read once a panel.
-template <int BITS, bool OFF>
+template <int BITS, bool OFF, bool X16>
 void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, float* y,
                  int64_t y_stride) {
     int64_t panel = QDOT_PANEL_BYTES / w.K / QDOT_ROWS * QDOT_ROWS;
@@ -257,7 +287,7 @@ void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, floa
         for (int64_t n = 0; n < w.N; n += 16)
             for (int64_t m0 = p0; m0 < p1; m0 += QDOT_ROWS) {
                 const int64_t m = p1 - m0 < QDOT_ROWS ? p1 - m0 : QDOT_ROWS;
-                qdot_rows<BITS, OFF>(m, in, m0, w, n / 16, y + m0 * y_stride + n, y_stride,
+                qdot_rows<BITS, OFF, X16>(m, in, m0, w, n / 16, y + m0 * y_stride + n, y_stride,
                                      w.N - n < 16 ? w.N - n : 16, m0 == p0 && n + 16 < w.N);
             }
     }
@@ -270,18 +300,26 @@ inline bool qdot_supports(int64_t K, int64_t group, int32_t bits) {
            (group == 16 || group % QDOT_BLOCK == 0);
 }
 
-// y = x W^T for any rows; false for a shape qdot_supports refuses.
+template <bool X16>
+void qdot_typed(const QdotInput& in, int64_t rows, const QdotWeights& w, int32_t bits, float* y,
+                int64_t y_stride) {
+    if (bits == 4)
+        w.offsets ? qdot_matmul<4, true, X16>(in, rows, w, y, y_stride)
+                  : qdot_matmul<4, false, X16>(in, rows, w, y, y_stride);
+    else
+        w.offsets ? qdot_matmul<8, true, X16>(in, rows, w, y, y_stride)
+                  : qdot_matmul<8, false, X16>(in, rows, w, y, y_stride);
+}
+
+// y = x W^T for any rows, x to int8 or (x16) to 15 bits; false for a shape qdot_supports
+// refuses.
 inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const QdotWeights& w,
-                    int32_t bits, float* y, int64_t y_stride) {
+                    int32_t bits, bool x16, float* y, int64_t y_stride) {
     if (!qdot_supports(w.K, w.group, bits)) return false;
     thread_local QdotInput in;
-    qdot_quantize(x, x_stride, rows, w.K, w.group, in);
-    if (bits == 4)
-        w.offsets ? qdot_matmul<4, true>(in, rows, w, y, y_stride)
-                  : qdot_matmul<4, false>(in, rows, w, y, y_stride);
-    else
-        w.offsets ? qdot_matmul<8, true>(in, rows, w, y, y_stride)
-                  : qdot_matmul<8, false>(in, rows, w, y, y_stride);
+    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, in);
+    x16 ? qdot_typed<true>(in, rows, w, bits, y, y_stride)
+        : qdot_typed<false>(in, rows, w, bits, y, y_stride);
     return true;
 }
 
