@@ -30,7 +30,8 @@ build and this module's code, so every later start reads it and measures nothing
 How a form is measured: its time on the first (at most) `SLICE_ROWS` output rows of the
 projection, scaled to all of them, at least the time to stream the whole form's bytes once at
 the measured memory bandwidth (a model's weights are read from memory every step, not from a
-cache as a repeated measurement's are), the minimum of `REPEATS` calls after one warm-up, CPU
+cache as a repeated measurement's are), the minimum of `REPEATS` calls after one warm-up (the
+forms' calls interleaved, so a burst of a neighbour's load slows one call of each), CPU
 time on one thread (wall time with more). That is ~0.6 s of CPU for SmolLM2 (5 shapes) and
 ~2.4 s for the 1B-class model (7 shapes and layouts) at a cold start; the log says how long.
 
@@ -76,7 +77,7 @@ TOLERANCE = 0.02  # relative error of a decoder projection's output (see the doc
 HEAD_TOLERANCE = 0.005  # of the LM head's logits
 SLICE_ROWS = 512  # output rows a form is timed on (a multiple of QuantMatrix's 16-row tiles)
 SAMPLE_ROWS = 32  # activation rows the numerics are checked on
-REPEATS = 3
+REPEATS = 5
 # NOTE: a decode step of up to 8 rows whose every projection runs on the quantized kernels is
 # one kernel call for all layers (llama.py); any other form there splits it into ~9 calls a
 # layer, ~40 us of Python and ctypes per projection (bench/step_profile.py --op-by-op on
@@ -334,23 +335,28 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
         xb = torch.randn(num_rows, in_features, generator=g)
         xb16 = xb.to(torch.bfloat16)
         flops = 2 * num_rows * out_features * in_features
+        # NOTE: the quantized kernels beyond 8 rows are calls of 8: a candidate only while
+        # they won the bucket below (they read fewer bytes, never compute faster)
+        quant_out = num_rows > CpuKernels.MAX_QUANT_ROWS and (
+            not costs or min(costs[-1], key=costs[-1].__getitem__) != "quant")
+        calls = {form: functools.partial(forms[form], xb16 if form == "bf16" else xb)
+                 for form in rates if form not in reused and not (form == "quant" and quant_out)}
+        for call in calls.values():
+            call()  # warm-up: oneDNN builds its primitive for the shape here
+        # NOTE: the forms' calls interleaved, each form's fastest kept: a neighbour's burst of
+        # load then slows one call of every form, not every call of one. Timed one form after
+        # another, a busy VM's slow second made a form lose buckets it wins, and the choice
+        # file keeps that for good (a 960x576 projection on bfloat16 from 33 rows, seen)
+        spent = {form: float("inf") for form in calls}
+        for _ in range(REPEATS):
+            for form, call in calls.items():
+                spent[form] = min(spent[form], _seconds(call))
         cost: dict[str, float] = {}
         for form in rates:
-            fn = forms.get(form)
-            rate: float | None
-            if form in reused:
-                rate = reused[form][0][i]
-            elif form == "quant" and num_rows > CpuKernels.MAX_QUANT_ROWS and (
-                    not costs or min(costs[-1], key=costs[-1].__getitem__) != "quant"):
-                # NOTE: the quantized kernels beyond 8 rows are calls of 8: a candidate only
-                # while they won the bucket below (they read fewer bytes, never compute faster)
-                rate = None
-            else:
-                assert fn is not None
-                arg = xb16 if form == "bf16" else xb
-                fn(arg)  # warm-up: oneDNN builds its primitive for the shape here
-                spent = min(_seconds(functools.partial(fn, arg)) for _ in range(REPEATS))
-                rate = flops / max(spent * out_features / rows, sizes[form] / bandwidth) / 1e9
+            rate: float | None = (
+                reused[form][0][i] if form in reused else
+                flops / max(spent[form] * out_features / rows, sizes[form] / bandwidth) / 1e9
+                if form in spent else None)
             rates[form].append(rate)
             if rate is not None and errors[form] <= tolerance:
                 fused = (one_call and form not in QUANT_FORMS
