@@ -197,19 +197,25 @@ void decode_attention(const float* q, int64_t q_stride, const C* cache, const in
     }
 }
 
-// decode_attention<G> for the group sizes of common models (query heads per kv head).
-template <typename C, typename O, typename... A> bool decode_attention_g(int64_t group, A... a) {
+// f(std::integral_constant<int, G>{}) for the group sizes of common models (query heads per
+// kv head, 1 to 8: the attention kernels' accumulators are G per row, in registers); false for
+// another.
+template <typename F> bool with_group(int64_t group, F f) {
     switch (group) {
-        case 1: decode_attention<1, C, O>(a...); return true;
-        case 2: decode_attention<2, C, O>(a...); return true;
-        case 3: decode_attention<3, C, O>(a...); return true;
-        case 4: decode_attention<4, C, O>(a...); return true;
-        case 5: decode_attention<5, C, O>(a...); return true;
-        case 6: decode_attention<6, C, O>(a...); return true;
-        case 7: decode_attention<7, C, O>(a...); return true;
-        case 8: decode_attention<8, C, O>(a...); return true;
+        case 1: f(std::integral_constant<int, 1>{}); return true;
+        case 2: f(std::integral_constant<int, 2>{}); return true;
+        case 3: f(std::integral_constant<int, 3>{}); return true;
+        case 4: f(std::integral_constant<int, 4>{}); return true;
+        case 5: f(std::integral_constant<int, 5>{}); return true;
+        case 6: f(std::integral_constant<int, 6>{}); return true;
+        case 7: f(std::integral_constant<int, 7>{}); return true;
+        case 8: f(std::integral_constant<int, 8>{}); return true;
         default: return false;
     }
+}
+
+template <typename C, typename O, typename... A> bool decode_attention_g(int64_t group, A... a) {
+    return with_group(group, [&](auto g) { decode_attention<decltype(g)::value, C, O>(a...); });
 }
 
 // Query rows of one prompt a tile shares its K/V reads between: R rows x G heads <= 16
@@ -292,19 +298,8 @@ void prompt_attention(const float* q, int64_t q_stride, const C* cache, const in
     }
 }
 
-// prompt_attention<G> for the group sizes decode_attention_g takes.
 template <typename C, typename O, typename... A> bool prompt_attention_g(int64_t group, A... a) {
-    switch (group) {
-        case 1: prompt_attention<1, C, O>(a...); return true;
-        case 2: prompt_attention<2, C, O>(a...); return true;
-        case 3: prompt_attention<3, C, O>(a...); return true;
-        case 4: prompt_attention<4, C, O>(a...); return true;
-        case 5: prompt_attention<5, C, O>(a...); return true;
-        case 6: prompt_attention<6, C, O>(a...); return true;
-        case 7: prompt_attention<7, C, O>(a...); return true;
-        case 8: prompt_attention<8, C, O>(a...); return true;
-        default: return false;
-    }
+    return with_group(group, [&](auto g) { prompt_attention<decltype(g)::value, C, O>(a...); });
 }
 
 // h [rows, dim] float32 (+= y first, when y is given), then out = h / rms(h) * w.
