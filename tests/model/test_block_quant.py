@@ -63,6 +63,25 @@ def test_blocks_decode_to_exactly_the_dequantized_matrix(tmp_path, qtype):
     assert torch.equal(table, tensor.dequantize())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_looked_up_from_qdot_tiles_are_the_matrix_rows(tmp_path, qtype):
+    # Given a quantized matrix (a tied embedding) laid out as qdot tiles, with a partial
+    # last tile (40 rows: tiles of 16)
+    tensor = write_and_read(tmp_path, qtype, (40, 512), seed=4)
+    bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
+    assert QuantMatrix.supports_dot(512, bq.group)
+    tiles = QuantMatrix(bq, dot=True)
+
+    # When rows are looked up from the tiles (token ids, repeated, out of order, each tile)
+    ids = torch.tensor([39, 0, 17, 15, 16, 32, 0])
+    rows = tiles.rows(ids)
+
+    # Then they are the matrix's rows, to the float16 scales' rounding (2^-11 of each)
+    expected = tensor.dequantize()[ids]
+    assert rows.shape == (7, 512)
+    assert float((rows - expected).abs().max()) <= 2e-3 * float(expected.abs().max())
+
+
 @pytest.mark.parametrize(("first", "second"), [(Q.Q4_K, Q.Q6_K), (Q.Q4_0, Q.Q8_0),
                                                (Q.Q6_K, Q.Q4_1)])
 def test_rows_of_mixed_types_merge_into_one_exact_matrix(tmp_path, first, second):

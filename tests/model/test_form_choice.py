@@ -229,15 +229,33 @@ def test_chosen_forms_decode_like_the_float32_model(forms_dir, tiny_path):
 def test_a_form_is_held_only_where_it_wins_by_more_than_the_memory_slack():
     # Given per-bucket costs (seconds a call) where int8 wins the middle bucket by 1.1x over
     # bfloat16, which is held anyway for the last bucket
-    costs = [{"quant": 1.0, "int8": 1.3, "bf16": 2.0}, {"quant": 2.0, "int8": 1.0, "bf16": 1.1},
-             {"int8": 2.0, "bf16": 1.0}]
+    slack = form_choice.MEMORY_SLACK
+    costs = [{"quant": 1.0, "int8": 1.2 * slack, "bf16": 2 * slack},
+             {"quant": 2 * slack, "int8": 1.0, "bf16": 1.1}, {"int8": 2 * slack, "bf16": 1.0}]
 
     # Then int8 gives its bucket up (no copy held for a 10% win), and each kept form is held
     assert form_choice._fewest_forms(costs) == ["quant", "bf16", "bf16"]
 
     # And where int8 wins by more than MEMORY_SLACK, it is held
-    costs[1]["bf16"] = 1.0 * form_choice.MEMORY_SLACK * 1.1
+    costs[1]["bf16"] = 1.0 * slack * 1.1
     assert form_choice._fewest_forms(costs) == ["quant", "int8", "bf16"]
+
+
+def test_a_second_copy_is_built_only_for_a_large_win_and_shared_tiles_cost_none():
+    # Given the 1B model's Q6_K down projection as measured on Zen 4 (seconds per call, from
+    # GFLOP/s): qdot16 wins 1-4 rows, qdot 8-32, bfloat16 128 and up by 1.0-1.25x
+    rates = {"qdot": [31, 89, 141, 172, 198, 160], "qdot16": [43, 106, 102, 122, 119, 114],
+             "bf16": [11, 52, 82, 165, 200, 200]}
+    costs = [{form: 1 / r[i] for form, r in rates.items()} for i in range(len(BUCKETS))]
+
+    # Then no bfloat16 copy is built for those wins (the worker's RSS would grow by a
+    # bfloat16 copy beside the tiles), and qdot16 keeps its rows: it runs qdot's own tiles
+    assert form_choice._fewest_forms(costs) == ["qdot16", "qdot16", "qdot", "qdot", "qdot",
+                                                "qdot"]
+
+    # And a copy that wins by more than the slack (an AMX host's bfloat16) is built
+    costs[-1]["bf16"] = costs[-1]["qdot"] / (form_choice.MEMORY_SLACK * 1.2)
+    assert form_choice._fewest_forms(costs)[-1] == "bf16"
 
 
 def test_a_dense_form_the_cpu_cannot_run_is_never_a_candidate(forms_dir, tiny_path, monkeypatch,

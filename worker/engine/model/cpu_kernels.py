@@ -226,6 +226,24 @@ class QuantMatrix:
                            self.in_features, self.group, self.bits,
                            2 if self.x16 else int(self.dot), self.unit, 0)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] of the matrix, dequantized from the qdot tiles -> [n, in] float32
+        (a tied embedding's lookups, from the head's tiles every decode step keeps resident
+        anyway); exact to the float16 scales' rounding (2^-11 of each)."""
+        assert self.dot
+        tile, row = ids // 16, ids % 16
+        lanes = self.q[tile, :, row].to(torch.int16)  # [n, in / 8 | in / 4, 4] bytes
+        if self.bits == 4:  # lane byte j: column 8e + j low, 8e + 4 + j high
+            q = torch.stack((lanes & 15, lanes >> 4), dim=2)
+        else:
+            q = lanes - 128
+        n = ids.shape[0]
+        grouped = q.reshape(n, -1, self.group).float()
+        out = grouped * self.scales[tile, :, row].float()[..., None]
+        if self.offsets is not None:
+            out += self.offsets[tile, :, row].float()[..., None]
+        return out.reshape(n, self.in_features).mul_(self.unit)
+
     @staticmethod
     def supports(bq: BlockQuant) -> bool:
         return bq.group % 8 == 0

@@ -84,10 +84,16 @@ REPEATS = 5
 # SmolLM2: 18.6 against 13.9 ms a step). A decoder projection's other forms are charged that
 # in the buckets of up to 8 rows.
 ONE_CALL_CREDIT = 40e-6
-# NOTE: each form held costs its bytes of RSS (an int8 or bfloat16 copy of a 1B model is 1.2
-# or 2.4 GB): a form that wins its buckets by less than this factor over another form chosen
-# anyway gives them up to it, and is not built.
-MEMORY_SLACK = 1.15
+# NOTE: each form held costs its bytes of RSS (a bfloat16 copy of a 1B model is 2.4 GB, and
+# a worker is to stay within 1.5x of its model file plus KV budget: issue 21): a form that wins
+# its buckets by less than this factor over another form chosen anyway gives them up to it,
+# and is not built. A second copy of a weight is kept for a win like an AMX host's bfloat16
+# (several times qdot's rate at many rows), not for the 1.2-1.6x of a 256-bit datapath's:
+# at 1.15 the 1B model held bfloat16 copies of its Q6_K projections and of its head beside
+# their qdot tiles (Zen 4: 544 MiB, a worker's peak 1.84x of file + KV, now 1.4x).
+MEMORY_SLACK = 2.0
+# forms that hold another's bytes (qdot16 runs qdot's tiles): no memory to save between them
+HOLDS = {"qdot16": "qdot"}
 MODES = ("measure", "fixed", *FORMS)
 ENV, DIR_ENV = "LLMQ_FORMS", "LLMQ_FORMS_DIR"
 
@@ -369,11 +375,14 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
 
 def _fewest_forms(costs: list[dict[str, float]]) -> list[str]:
     """Per bucket the cheapest form; then, largest first, each chosen form whose buckets
-    another chosen form serves within MEMORY_SLACK of each bucket's best gives them up to it."""
+    another chosen form serves within MEMORY_SLACK of each bucket's best gives them up to it
+    (unless another chosen form holds its bytes: dropping it would save none)."""
     chosen = [min(cost, key=cost.__getitem__) for cost in costs]
     order = ("quant", "qdot", "qdot16", "int8", "fp16", "bf16", "fp32")
     for form in sorted(set(chosen), key=order.index, reverse=True):
         others = set(chosen) - {form}
+        if HOLDS.get(form, form) in {HOLDS.get(o, o) for o in others}:
+            continue
         instead: dict[int, str] = {}
         for i, cost in enumerate(costs):
             if chosen[i] == form:

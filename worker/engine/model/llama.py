@@ -38,7 +38,7 @@ from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
-from .cpu_kernels import CpuKernels, DecoderLayer
+from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
 from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
 from .form_choice import FormChoice
 from .gguf_loader import QuantizedTensor
@@ -55,6 +55,7 @@ WEIGHTS = ("native", "bf16", "fp32")
 # (`logits_parts`): one GEMM over the whole vocabulary for every sampled row was the longest
 # stretch of a batch step an interactive arrival could not pause (docs/performance.md, lanes).
 HEAD_PARTS = 8
+MLP_SLICE_ROWS = 256  # a prefill's MLP runs in slices of at least this many rows
 
 
 def run_to_end(layers: Generator[int, None, torch.Tensor]) -> torch.Tensor:
@@ -113,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         # native: a quantized embedding is looked up from its blocks, not a dense table
         self.embed_quant: QuantizedEmbedding | None = None
+        # native, tied, the head on qdot tiles: lookups from those tiles instead (below)
+        self.embed_tiles: QuantMatrix | None = None
         # native with the kernels: decode steps of up to this many rows (those every decoder
         # projection runs on the quantized kernels) run every layer in one kernel call
         self._one_call = False
@@ -272,8 +275,7 @@ class LlamaForCausalLM(nn.Module):
                 q, kv, kv_cache, meta, q.new_empty(q.shape, dtype=attn.o_proj.input_dtype(n)))
             x = kernels.add_rms_norm(h, layer.attn_residual(o), layer.post_attention_layernorm,
                                      eps, mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
-            act = kernels.silu_mul(mlp.gate_up_proj(x), mlp.down_proj.input_dtype(n))
-            down = layer.scale_residual(mlp.down_proj(act))
+            down = layer.scale_residual(self._mlp_in_slices(mlp, x))
             if i + 1 < len(layers):
                 norm, dtype = layers[i + 1].input_layernorm, layers[i + 1].self_attn.qkv_proj
                 x = kernels.add_rms_norm(h, down, norm, eps, dtype.input_dtype(n))
@@ -281,6 +283,19 @@ class LlamaForCausalLM(nn.Module):
                 x = kernels.add_rms_norm(h, down, self.norm, eps, torch.float32)
             yield i
         return x
+
+    def _mlp_in_slices(self, mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of x [n, hidden], in slices of at least MLP_SLICE_ROWS rows:
+        a prefill chunk's [n, 2 * ffn] intermediate was a step's largest allocation (1,024
+        tokens of the 1B model: 64 MiB, and 32 more for the product), the peak of a worker's
+        RSS. Every slice stays in n's bucket of rows (more than 128), so each runs the form
+        and input dtype n's step chose, at its large-row rate."""
+        kernels, n = self.kernels, x.shape[0]
+        assert kernels is not None
+        dtype = mlp.down_proj.input_dtype(n)
+        parts = [mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(rows), dtype))
+                 for rows in x.tensor_split(max(1, n // MLP_SLICE_ROWS))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
         """The layers as the one-call kernel reads them, built once per set of caches."""
@@ -313,7 +328,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [n] -> a fresh [n, hidden_size] tensor in the activations' dtype (the
         residual adds go in place), scaled where the family scales it."""
-        if self.embed_quant is not None:
+        if self.embed_tiles is not None:
+            h = self.embed_tiles.rows(input_ids).to(self.act_dtype)
+        elif self.embed_quant is not None:
             h = self.embed_quant(input_ids).to(self.act_dtype)
         else:
             h = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
@@ -483,6 +500,11 @@ class LlamaForCausalLM(nn.Module):
             repack.commit()
         if self.forms is not None:
             self.forms.save()
+        if arch.tie_word_embeddings and self.embed_quant is not None:
+            # NOTE: the head's qdot tiles are the same weights, and every decode step keeps
+            # them resident: looked up there, the embedding's own blocks (mapped, 1.5 bytes a
+            # weight: 144 MiB for the 1B model's vocabulary) are never read into the RSS
+            self.embed_tiles = self.lm_head.qdot or self.lm_head.qdot16
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         self._one_call_rows = 0 if not self._one_call_able else min(
