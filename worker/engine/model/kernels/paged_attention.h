@@ -1,0 +1,304 @@
+// paged_attention.h: attention over the paged KV cache, K/V read where the block tables say
+// (no gather): a decode's one query a sequence (decode_attention), a prompt's rows in tiles
+// sharing each block's read (prompt_attention). Included by layer_kernels.cpp, whose
+// extern "C" entry points and fused decode step call them; attention.py describes the cache.
+//
+// References: vLLM `csrc/cpu/attention.cpp` (paged decode attention reading blocks in place,
+// K blocks transposed).
+
+#ifndef LLMQ_PAGED_ATTENTION_H
+#define LLMQ_PAGED_ATTENTION_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "vec16.h"
+
+namespace llmq {
+namespace {
+
+thread_local std::vector<float> scratch;
+
+// Ask for a block's rows before they are needed: a sequence's blocks lie anywhere in the
+// cache, so the hardware prefetcher cannot guess the next one. Into L2 (hint 2), not L1:
+// decode attention asks 8 blocks ahead, more lines than L1 has room to wait for (on a Zen 5
+// 30 layers' batch-64 attention took 15.3 ms so against 17.9 ms into L1 2 blocks ahead).
+template <typename C>
+inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) {
+    const char* p = (const char*)rows;
+    const int64_t bytes = block_size * head_dim * (int64_t)sizeof(C);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
+}
+
+inline float hmax(v16 v) {
+    v16 w = __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    v = v > w ? v : w;
+    return v[0];
+}
+
+// s[0..n) <- exp(s - max) / sum, 16 lanes at a time.
+inline void softmax(float* s, int64_t n) {
+    float mx = s[0];
+    int64_t i = 0;
+    if (n >= 16) {
+        v16 m = load16(s);
+        for (i = 16; i + 16 <= n; i += 16) {
+            const v16 x = load16(s + i);
+            m = x > m ? x : m;
+        }
+        mx = hmax(m);
+    }
+    for (; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    v16 vsum = {};
+    float sum = 0.0f;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const v16 e = exp_neg16(load16(s + i) - mx);
+        memcpy(s + i, &e, 64);
+        vsum += e;
+    }
+    for (; i < n; ++i) sum += (s[i] = exp_neg(s[i] - mx));
+    const float inv = 1.0f / (hsum(vsum) + sum);
+    for (i = 0; i + 16 <= n; i += 16) {
+        const v16 e = load16(s + i) * inv;
+        memcpy(s + i, &e, 64);
+    }
+    for (; i < n; ++i) s[i] *= inv;
+}
+
+// Scores of one block for G query heads sharing a kv head. kt [head_dim, block_size]: the
+// block's keys transposed; n <= block_size of them are used; scores[g] gets n entries.
+// G is a template argument so the per-head accumulators live in registers.
+template <int G, typename C>
+void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
+                  int64_t head_dim, float* scores, int64_t stride) {
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;
+        // NOTE: a block's last keys too (a sequence's last block is half full on average):
+        // the unused slots' lanes are computed and dropped. Key by key, that last block cost
+        // about as much as all the full ones (batch 64 at ~140 tokens: 16% of attention)
+        if (i0 + 16 <= block_size) {  // 16 keys per multiply-add, no horizontal sums
+            v16 s[G] = {};
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const v16 k = load16(kt + d * block_size + i0);
+                for (int g = 0; g < G; ++g) s[g] += qs[g * head_dim + d] * k;
+            }
+            for (int g = 0; g < G; ++g) memcpy(scores + g * stride + i0, &s[g], 4 * m);
+        } else {
+            for (int g = 0; g < G; ++g)
+                for (int64_t i = 0; i < m; ++i) {
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; ++d)
+                        dot += qs[g * head_dim + d] * load(kt, d * block_size + i0 + i);
+                    scores[g * stride + i0 + i] = dot;
+                }
+        }
+    }
+}
+
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], 16 dims at
+// a time with the G accumulators in registers.
+template <int G, typename C>
+void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
+                  float* acc) {
+    int64_t d0 = 0;
+    for (; d0 + 16 <= head_dim; d0 += 16) {
+        v16 a[G];
+        for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, 64);
+        for (int64_t i = 0; i < n; ++i) {
+            const v16 x = load16(v + i * head_dim + d0);
+            for (int g = 0; g < G; ++g) a[g] += p[g * stride + i] * x;
+        }
+        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], 64);
+    }
+    for (; d0 < head_dim; ++d0)
+        for (int64_t i = 0; i < n; ++i)
+            for (int g = 0; g < G; ++g)
+                acc[g * head_dim + d0] += p[g * stride + i] * load(v, i * head_dim + d0);
+}
+
+// One decode query per sequence, K/V read through the block table where they lie.
+// q [seqs, heads, head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks,
+// block_size * head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks];
+// out [seqs, heads, head_dim]. Two passes per (sequence, kv head): scores of every key, one
+// softmax, then the weighted values; the next blocks (and the next pair's first ones) are
+// prefetched while one is worked on: a sequence's blocks lie anywhere in the cache.
+template <int G, typename C, typename O>
+void decode_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
+                      const int64_t* seq_lens, int64_t seqs, int64_t max_blocks, int64_t heads,
+                      int64_t kv_heads, int64_t num_blocks, int64_t block_size,
+                      int64_t head_dim, float scale, O* out) {
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t block_stride = block_size * head_dim;
+    const int64_t ahead = 8;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    const int64_t stride = (max_len + 15) / 16 * 16;
+    scratch.resize((size_t)(G * (stride + 2 * head_dim)));
+    float* scores = scratch.data();              // [G, stride]
+    float* qs = scores + G * stride;             // [G, head_dim]: q * scale
+    float* acc = qs + G * head_dim;              // [G, head_dim]
+    auto k_block = [&](int64_t s, int64_t h, int64_t b) {
+        return cache + h * head_stride + tables[s * max_blocks + b] * block_stride;
+    };
+    auto v_block = [&](int64_t s, int64_t h, int64_t b) {
+        return cache + (kv_heads + h) * head_stride + tables[s * max_blocks + b] * block_stride;
+    };
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t len = seq_lens[s];
+        const int64_t num_used = (len + block_size - 1) / block_size;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const float* qh = q + s * q_stride + h * G * head_dim;
+            for (int64_t i = 0; i < G * head_dim; ++i) qs[i] = qh[i] * scale;
+            if (s == 0 && h == 0)
+                for (int64_t b = 0; b < ahead && b < num_used; ++b)
+                    prefetch_block(k_block(s, h, b), block_size, head_dim);
+            for (int64_t b = 0; b < num_used; ++b) {
+                if (b + ahead < num_used)
+                    prefetch_block(k_block(s, h, b + ahead), block_size, head_dim);
+                else  // the V blocks of this pair come next
+                    prefetch_block(v_block(s, h, b + ahead - num_used), block_size, head_dim);
+                const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                    : block_size;
+                block_scores<G>(qs, k_block(s, h, b), n, block_size, head_dim,
+                                scores + b * block_size, stride);
+            }
+            for (int g = 0; g < G; ++g) softmax(scores + g * stride, len);
+            memset(acc, 0, sizeof(float) * G * head_dim);
+            // the pair after this one: its sequence, its head
+            const int64_t s2 = h + 1 < kv_heads ? s : s + 1, h2 = h + 1 < kv_heads ? h + 1 : 0;
+            const int64_t next_used = s2 < seqs ? (seq_lens[s2] + block_size - 1) / block_size
+                                                : 0;
+            for (int64_t b = 0; b < num_used; ++b) {
+                if (b + ahead < num_used)
+                    prefetch_block(v_block(s, h, b + ahead), block_size, head_dim);
+                else if (b + ahead - num_used < next_used)  // the next pair's first K blocks
+                    prefetch_block(k_block(s2, h2, b + ahead - num_used), block_size, head_dim);
+                const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                    : block_size;
+                block_values<G>(scores + b * block_size, stride, v_block(s, h, b), n, head_dim,
+                                acc);
+            }
+            O* oh = out + (s * heads + h * G) * head_dim;
+            for (int64_t i = 0; i < G * head_dim; ++i) store(oh, i, acc[i]);
+        }
+    }
+}
+
+// f(std::integral_constant<int, G>{}) for the group sizes of common models (query heads per
+// kv head, 1 to 8: the attention kernels' accumulators are G per row, in registers); false for
+// another.
+template <typename F> bool with_group(int64_t group, F f) {
+    switch (group) {
+        case 1: f(std::integral_constant<int, 1>{}); return true;
+        case 2: f(std::integral_constant<int, 2>{}); return true;
+        case 3: f(std::integral_constant<int, 3>{}); return true;
+        case 4: f(std::integral_constant<int, 4>{}); return true;
+        case 5: f(std::integral_constant<int, 5>{}); return true;
+        case 6: f(std::integral_constant<int, 6>{}); return true;
+        case 7: f(std::integral_constant<int, 7>{}); return true;
+        case 8: f(std::integral_constant<int, 8>{}); return true;
+        default: return false;
+    }
+}
+
+template <typename C, typename O, typename... A> bool decode_attention_g(int64_t group, A... a) {
+    return with_group(group, [&](auto g) { decode_attention<decltype(g)::value, C, O>(a...); });
+}
+
+// Query rows of one prompt a tile shares its K/V reads between: R rows x G heads <= 16
+// accumulators, one a row and head in registers (block_scores / block_values).
+// NOTE: at 18 to 24 they spilled: 2,000-token prompts ran at 57 GFLOP/s so, 78 at 12 to 16,
+// 64-72 row by row as decodes (Zen 4, one thread).
+constexpr int prompt_rows(int G) { return 16 / G < 8 ? 16 / G : 8; }
+
+// The query rows of prompts (prefill chunks), each row attending causally to its sequence's
+// keys in the cache (this step's included). Each row's arithmetic is decode_attention's for
+// that row alone, in the same order: its scores (computed for the tile's longest row, the
+// lanes past its own length dropped), softmax over its own keys, then the weighted values
+// with zero weights past its length (which add nothing). So a prompt attends to the same
+// floats as its tokens would one by one as decodes (to rounding where one query head has a
+// kv head to itself and head_dim is no multiple of 16: the compiler's scalar tails), with R
+// rows reading each K/V block once where a decode reads it per row.
+// q [tokens, heads, head_dim] float32 with rows q_stride apart; tables [seqs, max_blocks];
+// starts [seqs + 1]: the first row of each sequence's queries (the last: the end); seq_lens
+// [seqs]: keys after this step (a sequence's last row is its last key); out [tokens, heads,
+// head_dim].
+template <int G, typename C, typename O>
+void prompt_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
+                      const int64_t* starts, const int64_t* seq_lens, int64_t seqs,
+                      int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, float scale, O* out) {
+    constexpr int R = prompt_rows(G), GR = G * R;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t block_stride = block_size * head_dim;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    const int64_t stride = (max_len + 15) / 16 * 16;
+    scratch.resize((size_t)(GR * (stride + 2 * head_dim)));
+    float* scores = scratch.data();              // [R][G][stride]
+    float* qs = scores + GR * stride;            // [R][G][head_dim]: q * scale
+    float* acc = qs + GR * head_dim;             // [R][G][head_dim]
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t rows = starts[s + 1] - starts[s];
+        const int64_t first_len = seq_lens[s] - rows + 1;  // keys row 0 sees
+        const int64_t* table = tables + s * max_blocks;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const C* k_head = cache + h * head_stride;
+            const C* v_head = cache + (kv_heads + h) * head_stride;
+            for (int64_t r0 = 0; r0 < rows; r0 += R) {
+                // rows past the prompt's last repeat it (their outputs are not stored)
+                int64_t lens[R];
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = r0 + r < rows ? r0 + r : rows - 1;
+                    lens[r] = first_len + row;
+                    const float* qh = q + (starts[s] + row) * q_stride + h * G * head_dim;
+                    for (int64_t i = 0; i < G * head_dim; ++i)
+                        qs[r * G * head_dim + i] = qh[i] * scale;
+                }
+                const int64_t len = lens[R - 1], num_used = (len + block_size - 1) / block_size;
+                for (int64_t b = 0; b < num_used; ++b) {
+                    const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                        : block_size;
+                    block_scores<GR>(qs, k_head + table[b] * block_stride, n, block_size,
+                                     head_dim, scores + b * block_size, stride);
+                }
+                for (int r = 0; r < R; ++r)
+                    for (int g = 0; g < G; ++g) {
+                        float* row_scores = scores + (r * G + g) * stride;
+                        softmax(row_scores, lens[r]);
+                        for (int64_t i = lens[r]; i < len; ++i) row_scores[i] = 0.0f;
+                    }
+                memset(acc, 0, sizeof(float) * GR * head_dim);
+                for (int64_t b = 0; b < num_used; ++b) {
+                    const int64_t n = len - b * block_size < block_size ? len - b * block_size
+                                                                        : block_size;
+                    block_values<GR>(scores + b * block_size, stride,
+                                     v_head + table[b] * block_stride, n, head_dim, acc);
+                }
+                for (int r = 0; r < R && r0 + r < rows; ++r) {
+                    O* oh = out + ((starts[s] + r0 + r) * heads + h * G) * head_dim;
+                    for (int64_t i = 0; i < G * head_dim; ++i)
+                        store(oh, i, acc[r * G * head_dim + i]);
+                }
+            }
+        }
+    }
+}
+
+template <typename C, typename O, typename... A> bool prompt_attention_g(int64_t group, A... a) {
+    return with_group(group, [&](auto g) { prompt_attention<decltype(g)::value, C, O>(a...); });
+}
+
+}  // namespace
+}  // namespace llmq
+
+#endif  // LLMQ_PAGED_ATTENTION_H
