@@ -297,3 +297,20 @@ def test_qdot_and_qdot16_chosen_together_share_one_set_of_tiles(forms_dir, tiny_
 
     # And a batch decodes alike the float32 model (both forms' calls in its steps)
     assert_decodes_alike(native, dense, DECODE_BOUNDS["qdot"])
+
+
+def test_a_tied_embedding_is_looked_up_from_the_heads_tiles(forms_dir, tiny_path, monkeypatch):
+    # Given a model whose LM head is its embedding (tied), its head on qdot tiles
+    monkeypatch.setenv(form_choice.ENV, "qdot16")
+    native = load_model(tiny_path, "float32", weights="native").model
+    dense = load_model(tiny_path, "float32", weights="fp32").model
+
+    # Then tokens are embedded from the head's tiles (the vocabulary's numbers held once: a
+    # worker's RSS had the embedding's own blocks besides, 94 MiB for a 1B model's)
+    assert native.embed_tiles is not None and native.embed_tiles is native.lm_head.qdot16
+    ids = torch.tensor([0, 5, 17, 499, 3, 5])
+    ours, theirs = native.embed(ids), dense.embed(ids)
+
+    # And they are the file's embedding rows, to the tiles' float16 scales (2^-11 of each)
+    assert ours.shape == theirs.shape
+    assert float((ours - theirs).abs().max()) <= 2e-3 * float(theirs.abs().max())
