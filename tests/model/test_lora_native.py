@@ -55,7 +55,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # NOTE: a prefill of more than 8 rows runs on the int8 form, whose weights are rounded per
     # output channel: logits move by up to ~5% of the largest with or without an adapter
     # (test_native_weights.py; measured 1.2% here on the base model alone)
-    ((17, 9, 12, 5), 4, 0.06)])
+    ((17, 9, 12, 5), 4, 0.06),
+    # NOTE: 564 prefill rows: the MLP of so long a step runs in slices of rows (llama.py
+    # MLP_SLICE_ROWS), and each adapter's rows must still get their own products
+    ((300, 9, 250, 5), 2, 0.06)])
 def test_adapters_on_native_weights_equal_the_dequantized_model(
         checkpoints, lengths, new_tokens: int, max_rel_diff: float) -> None:
     from llmq.worker.engine.lora.lora_manager import LoraManager

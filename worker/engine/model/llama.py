@@ -293,8 +293,11 @@ class LlamaForCausalLM(nn.Module):
         kernels, n = self.kernels, x.shape[0]
         assert kernels is not None
         dtype = mlp.down_proj.input_dtype(n)
+        # NOTE: a step's adapter segments are rows of the whole step (LoraBatch): a slice's
+        # projections would add them at the wrong rows, past the slice's end (a crash, seen)
+        slices = 1 if self.lora_slot.batch is not None else max(1, n // MLP_SLICE_ROWS)
         parts = [mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(rows), dtype))
-                 for rows in x.tensor_split(max(1, n // MLP_SLICE_ROWS))]
+                 for rows in x.tensor_split(slices)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
