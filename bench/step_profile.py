@@ -211,7 +211,7 @@ def main() -> None:
     if args.op_by_op:
         model._one_call = False
     projections = [m for m in model.modules() if isinstance(m, linear.Linear)]
-    quant_bytes = sum(q.nbytes for m in projections for q in (m.quant, m.qdot or m.qdot16)
+    quant_bytes = sum(q.nbytes for m in projections for q in (m.quant, m.dot_tiles)
                       if q is not None)
     other_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
@@ -222,6 +222,7 @@ def main() -> None:
                       else float("nan")),
              "int8": peak8 / 2,  # int8: two terms a row
              "qdot": peak8,  # qdot: one int8 term a row (its VNNI products, not torch's GEMM)
+             "qdot_b16": peak8,  # qdot_b16: one (more float work, not more products)
              "qdot16": peak8 / 2}  # qdot16: two
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
           f"read {bandwidth / 1e9:.1f} GB/s, GEMM peaks float32 {peaks['fp32'] / 1e9:.0f}, "
@@ -236,8 +237,7 @@ def main() -> None:
         for m in projections:
             form = m.form_of(batch)
             size = m.quant.nbytes if form == "quant" and m.quant is not None else (
-                m.qdot.nbytes if form == "qdot" and m.qdot is not None else
-                m.qdot16.nbytes if form == "qdot16" and m.qdot16 is not None else
+                m.dot_forms[form].nbytes if form in m.dot_forms else
                 m.int8.nbytes if form == "int8" and m.int8 is not None else
                 m.out_features * m.in_features * {"bf16": 2, "fp16": 2}.get(form, 4))
             weight_floor += size / bandwidth

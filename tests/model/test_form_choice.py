@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmq.worker.engine.model import form_choice
-from llmq.worker.engine.model.cpu_kernels import QuantMatrix
+from llmq.worker.engine.model.cpu_kernels import DOT_FORMS, QuantMatrix
 from llmq.worker.engine.model.form_choice import BUCKETS, FORMS, fixed_forms
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
@@ -42,7 +42,7 @@ def tiny_path(tmp_path: Path) -> Path:
 # NOTE: int8 here includes the LM head (the choice never puts it there: HEAD_TOLERANCE), and a
 # random model amplifies rounding (weights up to ~8, near one-hot attention)
 DECODE_BOUNDS = {"quant": 1e-3, "fp32": 1e-3, "fp16": 0.02, "bf16": 0.06, "qdot": 0.1,
-                 "qdot16": 0.02, "int8": 0.1}
+                 "qdot_b16": 0.1, "qdot16": 0.02, "int8": 0.1}
 
 
 def projections(model) -> list[Linear]:
@@ -157,8 +157,7 @@ def test_each_form_forced_gives_the_float32_models_logits(forms_dir, tiny_path, 
     # Then only that form is held: no quantized, int8 or dense copy beside it
     for p in projections(native):
         assert isinstance(p.quant, QuantMatrix) == (form == "quant")
-        assert (p.qdot is not None) == (form == "qdot")
-        assert (p.qdot16 is not None) == (form == "qdot16")
+        assert set(p.dot_forms) == ({form} if form in DOT_FORMS else set())
         assert (p.int8 is not None) == (form == "int8")
         assert set(p._dense) == ({form} if form in form_choice.DENSE_DTYPES else set())
         assert p.weight.numel() == 0
@@ -280,22 +279,23 @@ def test_a_dense_form_the_cpu_cannot_run_is_never_a_candidate(forms_dir, tiny_pa
     assert "LLMQ_FORMS=fp16 does not run on this CPU" in caplog.text
 
 
-def test_qdot_and_qdot16_chosen_together_share_one_set_of_tiles(forms_dir, tiny_path,
-                                                               monkeypatch):
-    # Given a choice of qdot16 for the smallest buckets and qdot above, for every projection
-    mix = ("qdot16", "qdot16") + ("qdot",) * (len(BUCKETS) - 2)
+def test_the_forms_on_qdot_tiles_chosen_together_share_one_set(forms_dir, tiny_path,
+                                                             monkeypatch):
+    # Given a choice of qdot16 for the smallest buckets, qdot_b16 for the next and qdot above,
+    # for every projection
+    mix = ("qdot16", "qdot16", "qdot_b16") + ("qdot",) * (len(BUCKETS) - 3)
     monkeypatch.setattr(form_choice.FormChoice, "choose", lambda self, *a, **k: mix)
     native = load_model(tiny_path, "float32", weights="native").model
     dense = load_model(tiny_path, "float32", weights="fp32").model
 
-    # Then each projection holds the tiles once, both forms running on them
+    # Then each projection holds the tiles once, the three forms running on them
     for p in projections(native):
-        assert p.qdot is not None and p.qdot16 is not None and p.quant is None
-        assert p.qdot16.q.data_ptr() == p.qdot.q.data_ptr()
-        assert p.nbytes == p.qdot.nbytes
-        assert p.form_of(1) == "qdot16" and p.form_of(64) == "qdot"
+        assert set(p.dot_forms) == {"qdot", "qdot16", "qdot_b16"} and p.quant is None
+        assert len({m.q.data_ptr() for m in p.dot_forms.values()}) == 1
+        assert p.nbytes == p.dot_tiles.nbytes
+        assert (p.form_of(1), p.form_of(8), p.form_of(64)) == ("qdot16", "qdot_b16", "qdot")
 
-    # And a batch decodes alike the float32 model (both forms' calls in its steps)
+    # And a batch decodes alike the float32 model (each form's calls in its steps)
     assert_decodes_alike(native, dense, DECODE_BOUNDS["qdot"])
 
 
@@ -307,10 +307,29 @@ def test_a_tied_embedding_is_looked_up_from_the_heads_tiles(forms_dir, tiny_path
 
     # Then tokens are embedded from the head's tiles (the vocabulary's numbers held once: a
     # worker's RSS had the embedding's own blocks besides, 94 MiB for a 1B model's)
-    assert native.embed_tiles is not None and native.embed_tiles is native.lm_head.qdot16
+    assert native.embed_tiles is not None
+    assert native.embed_tiles is native.lm_head.dot_forms["qdot16"]
     ids = torch.tensor([0, 5, 17, 499, 3, 5])
     ours, theirs = native.embed(ids), dense.embed(ids)
 
     # And they are the file's embedding rows, to the tiles' float16 scales (2^-11 of each)
     assert ours.shape == theirs.shape
     assert float((ours - theirs).abs().max()) <= 2e-3 * float(theirs.abs().max())
+
+
+def test_x_in_16_column_blocks_is_a_candidate_only_where_qdot_is_out_of_tolerance(
+        forms_dir, tiny_path):
+    # When a model's forms are measured
+    model = load_model(tiny_path, "float32", weights="native").model
+    assert model.forms is not None
+    for name, shape in model.forms.shapes.items():
+        errors = shape["errors"]
+        # Then qdot's products with finer x blocks err less than qdot's own
+        assert errors["qdot_b16"] < errors["qdot"], name
+        # And they are timed and chosen only where qdot's error is out of the tolerance (the
+        # LM head's 0.5%: qdot ~0.53%, qdot_b16 ~0.47%), not beside it for a noise's win
+        assert ("qdot_b16" in shape["rates"]) == (errors["qdot"] > shape["tolerance"]), name
+    # And the head runs on a form within its tolerance, never qdot
+    head = next(s for n, s in model.forms.shapes.items() if n.startswith("head:"))
+    assert head["errors"]["qdot_b16"] <= head["tolerance"] < head["errors"]["qdot"]
+    assert "qdot" not in head["chosen"]

@@ -111,6 +111,10 @@ def build_library(directory: Path, kernel_dir: Path = KERNEL_DIR) -> Path | None
 INT8_CHUNK_ROWS = 256  # rows of x per int8 GEMM (CpuKernels.int8_matmul says why)
 
 
+# the forms that run qdot tiles, and how each rounds x (kernels/layer_kernels.cpp `QMat.dot`)
+DOT_FORMS = {"qdot": 1, "qdot16": 2, "qdot_b16": 3}
+
+
 class QMat(ctypes.Structure):
     """The kernels' view of a QuantMatrix (kernels/layer_kernels.cpp `QMat`)."""
 
@@ -170,16 +174,17 @@ class QuantMatrix:
     0.625 bytes, not 0.75: that form's lone decode is bound by reading them), in units of
     `unit`, the power of two that puts the largest at 2^14 (float16's normal range spans 2^30,
     so a matrix's smallest stay normal too; their rounding, 2^-11 of each, is far inside the
-    int8 activations' ~0.5%); `supports_dot` says which shapes it takes. `x16`: the same
-    tiles against x rounded to 15 bits instead (two int8 halves, two products a weight: the
-    `qdot16` form, `fine_x`), whose error is the float16 scales' alone."""
+    int8 activations' ~0.5%); `supports_dot` says which shapes it takes. `form`: how x is
+    rounded against these tiles (`against`, DOT_FORMS): `qdot` as above; `qdot16` to 15 bits
+    (two int8 halves, two products a weight), whose error is the float16 scales' alone;
+    `qdot_b16` to int8 per 16 columns (~0.47% error where 32 give ~0.53%)."""
 
     def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None, dot: bool = False
                  ) -> None:
         out_features, in_features = bq.shape
         self.out_features, self.in_features = out_features, in_features
         self.group, self.bits, self.dot, self.unit = bq.group, bq.bits, dot, 1.0
-        self.x16 = False
+        self.form = "qdot" if dot else "quant"
         tiles = -(-out_features // 16)
         pad = tiles * 16 - out_features
 
@@ -202,20 +207,21 @@ class QuantMatrix:
     def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                    shape: tuple[int, int], group: int, bits: int,
                    bias: torch.Tensor | None = None, dot: bool = False, unit: float = 1.0,
-                   x16: bool = False) -> QuantMatrix:
+                   form: str | None = None) -> QuantMatrix:
         """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = shape
-        self.group, self.bits, self.dot, self.unit, self.x16 = group, bits, dot, unit, x16
+        self.group, self.bits, self.dot, self.unit = group, bits, dot, unit
+        self.form = form or ("qdot" if dot else "quant")
         self._bind(q, scales, offsets, bias)
         return self
 
-    def fine_x(self) -> QuantMatrix:
-        """These qdot tiles (shared, not copied) run against x in 15 bits (`qdot16`)."""
-        assert self.dot
+    def against(self, form: str) -> QuantMatrix:
+        """These qdot tiles (shared, not copied), run as `form` (one of DOT_FORMS)."""
+        assert self.dot and form in DOT_FORMS
         return QuantMatrix.from_tiles(self.q, self.scales, self.offsets,
                                       (self.out_features, self.in_features), self.group,
-                                      self.bits, self.bias, dot=True, unit=self.unit, x16=True)
+                                      self.bits, self.bias, dot=True, unit=self.unit, form=form)
 
     def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
               bias: torch.Tensor | None) -> None:
@@ -225,7 +231,7 @@ class QuantMatrix:
                            0 if offsets is None else offsets.data_ptr(),
                            0 if self.bias is None else self.bias.data_ptr(), self.out_features,
                            self.in_features, self.group, self.bits,
-                           2 if self.x16 else int(self.dot), self.unit, 0)
+                           DOT_FORMS.get(self.form, 0), self.unit, 0)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [n] of the matrix, dequantized from the qdot tiles -> [n, in] float32

@@ -14,6 +14,11 @@ A `--weights native` projection can run as any of these forms (linear.py):
 - `qdot16`: the `qdot` tiles against the activations rounded to 15 bits (two int8 halves, two
   integer products a weight): ~0.02% error (the float16 scales'), within the LM head's
   tolerance where `qdot` is not, and still fewer instructions than `quant` at a few rows.
+- `qdot_b16`: the `qdot` tiles against the activations rounded to int8 per 16 columns: ~0.47%
+  error (a 16-column block's largest |x| is smaller), within the LM head's 0.5% where `qdot`'s
+  ~0.53% is not, at `qdot`'s products (a float multiply-add more per 16 columns of a group of
+  32; none more for Q6_K's groups of 16): the head's form at many rows, where `qdot16`'s two
+  products a weight ran at ~0.65x `qdot`'s rate.
 - `int8`: torch's int8 GEMM with two int8 terms per activation row (int8_matrix.py).
 - `bf16`, `fp16`, `fp32`: the dequantized weight in that dtype, packed for oneDNN (on a CPU
   with AMX, oneDNN runs bfloat16 on it: several times float32 and int8 here).
@@ -39,9 +44,9 @@ Numerics: a form is a candidate only if its output for a random activation (stan
 `SAMPLE_ROWS` rows) is within `TOLERANCE` of the float32 form's, as ||y - y_fp32|| / ||y_fp32||;
 the LM head within `HEAD_TOLERANCE` (its error reaches the logits unattenuated). The two-term
 int8 form sets the bar: ~0.8% on SmolLM2's and the 1B model's shapes; bfloat16 ~0.3%,
-float16 ~0.04%, `qdot` ~0.5%, `qdot16` ~0.02%, `quant` ~1e-7 (the same numbers as float32,
-summed in another order). docs/performance.md ("Kernel forms chosen by measurement") has what
-each host chose.
+float16 ~0.04%, `qdot` ~0.53%, `qdot_b16` ~0.47%, `qdot16` ~0.02%, `quant` ~1e-7 (the same
+numbers as float32, summed in another order). docs/performance.md ("Kernel forms chosen by
+measurement") has what each host chose.
 
 `LLMQ_FORMS`: `measure` (default), `fixed` (the forms by assumption, as before this module:
 quantized kernels up to 8 rows, int8 above; the LM head float32 above 8 rows), or one form's
@@ -62,14 +67,14 @@ from typing import Any
 
 import torch
 
-from .cpu_kernels import CpuKernels, QuantMatrix
+from .cpu_kernels import DOT_FORMS, CpuKernels, QuantMatrix
 from .int8_matrix import Int8Matrix
 
 logger = logging.getLogger(__name__)
 
-FORMS = ("quant", "qdot", "qdot16", "int8", "bf16", "fp16", "fp32")
-# the GGUF's blocks on the compiled kernels (QuantMatrix)
-QUANT_FORMS = ("quant", "qdot", "qdot16")
+FORMS = ("quant", "qdot", "qdot16", "qdot_b16", "int8", "bf16", "fp16", "fp32")
+# the GGUF's blocks on the compiled kernels (QuantMatrix): float32 tiles, then the qdot ones
+QUANT_FORMS = ("quant", *DOT_FORMS)
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (the most rows a bucket holds, the rows it is measured at); the last holds every larger step
 BUCKETS = ((1, 1), (4, 4), (8, 8), (32, 32), (128, 128), (1 << 62, 256))
@@ -92,8 +97,9 @@ ONE_CALL_CREDIT = 40e-6
 # at 1.15 the 1B model held bfloat16 copies of its Q6_K projections and of its head beside
 # their qdot tiles (Zen 4: 544 MiB, a worker's peak 1.84x of file + KV, now 1.4x).
 MEMORY_SLACK = 2.0
-# forms that hold another's bytes (qdot16 runs qdot's tiles): no memory to save between them
-HOLDS = {"qdot16": "qdot"}
+# forms that hold another's bytes (qdot16 and qdot_b16 run qdot's tiles): no memory to save
+# between them
+HOLDS = {form: "qdot" for form in DOT_FORMS if form != "qdot"}
 MODES = ("measure", "fixed", *FORMS)
 ENV, DIR_ENV = "LLMQ_FORMS", "LLMQ_FORMS_DIR"
 
@@ -173,7 +179,7 @@ class FormChoice:
             return fixed_forms(head)
         if self.mode != "measure":
             forced = self.mode
-            if forced in ("qdot", "qdot16") and not dot:
+            if forced in DOT_FORMS and not dot:
                 logger.info("kernel forms: %s=%s: not for %dx%d %s; quant instead", ENV,
                             forced, out_features, in_features, quant.kind)
                 forced = "quant"
@@ -268,7 +274,7 @@ def _candidates(kernels: CpuKernels, w: torch.Tensor,
                 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The named forms of w [rows, in] as functions of x [n, in] float32 (bfloat16 for `bf16`:
     the kernel before it writes bfloat16), as linear.py runs them; `quant`: its blocks on the
-    float32 tiles, in the qdot layout, and that against x in 15 bits (QUANT_FORMS' order)."""
+    float32 tiles, then the qdot tiles as each of DOT_FORMS (QUANT_FORMS' order)."""
     forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     for form, matrix in zip(QUANT_FORMS, quant, strict=True):
         if matrix is not None and form in names:
@@ -318,8 +324,8 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     reused = {} if known is None else {
         form: (rates, known["errors"][form]) for form, rates in known["rates"].items()
         if form not in QUANT_FORMS}
-    fine = None if dot_sample is None else dot_sample.fine_x()
-    forms = _candidates(kernels, w, (quant_sample, dot_sample, fine),
+    dots = [None if dot_sample is None else dot_sample.against(form) for form in DOT_FORMS]
+    forms = _candidates(kernels, w, (quant_sample, *dots),
                         {*QUANT_FORMS, "fp32"} if reused else FORMS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLE_ROWS, in_features, generator=g)
@@ -327,10 +333,15 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
     errors = {form: float((fn(x).double() - reference).norm() / reference.norm())
               for form, fn in forms.items()}
     errors |= {form: error for form, (_, error) in reused.items()}
+    if errors.get("qdot", float("inf")) <= tolerance:
+        # NOTE: qdot_b16 is qdot's products with more float work: it is for where qdot's error
+        # is out of tolerance (the LM head's); beside qdot it won buckets by a measurement's
+        # noise (SmolLM2's decoder projections at 1-8 and 256 rows, Zen 4)
+        del forms["qdot_b16"]
     # NOTE: the qdot layout holds the same integers with float16 scales and offsets
     dot_bytes = quant_bytes if quant_sample is None or dot_sample is None else round(
         quant_bytes * dot_sample.nbytes / quant_sample.nbytes)
-    sizes = {"quant": quant_bytes, "qdot": dot_bytes, "qdot16": dot_bytes,
+    sizes = {"quant": quant_bytes, **dict.fromkeys(DOT_FORMS, dot_bytes),
              "int8": out_features * (in_features + 4),
              "bf16": 2 * out_features * in_features, "fp16": 2 * out_features * in_features,
              "fp32": 4 * out_features * in_features}
@@ -378,7 +389,7 @@ def _fewest_forms(costs: list[dict[str, float]]) -> list[str]:
     another chosen form serves within MEMORY_SLACK of each bucket's best gives them up to it
     (unless another chosen form holds its bytes: dropping it would save none)."""
     chosen = [min(cost, key=cost.__getitem__) for cost in costs]
-    order = ("quant", "qdot", "qdot16", "int8", "fp16", "bf16", "fp32")
+    order = (*QUANT_FORMS, "int8", "fp16", "bf16", "fp32")
     for form in sorted(set(chosen), key=order.index, reverse=True):
         others = set(chosen) - {form}
         if HOLDS.get(form, form) in {HOLDS.get(o, o) for o in others}:

@@ -42,7 +42,7 @@ from torch import nn
 
 from . import packed_weight
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
-from .cpu_kernels import CpuKernels, QuantMatrix
+from .cpu_kernels import DOT_FORMS, CpuKernels, QuantMatrix
 from .form_choice import BUCKETS, DENSE_DTYPES, QUANT_FORMS, FormChoice, Sample, bucket_of
 from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
@@ -98,8 +98,8 @@ class Linear(nn.Module):
         self._packed: list[torch.Tensor] | None = None  # the dense weight, a tensor a part
         self.quant: QuantMatrix | Int4Weight | None = None  # the small-batch form, if any
         self.int8: Int8Matrix | None = None  # the int8 form, where a bucket chose it
-        self.qdot: QuantMatrix | None = None  # the blocks in the qdot layout, where chosen
-        self.qdot16: QuantMatrix | None = None  # the same tiles against x in 15 bits
+        # the blocks in the qdot layout as each chosen form of DOT_FORMS (one set of tiles)
+        self.dot_forms: dict[str, QuantMatrix] = {}
         # chosen dense forms, a tensor a part: "bf16" -> [packed weight rows of the part]
         self._dense: dict[str, list[torch.Tensor]] = {}
         self._dense_bias: dict[str, list[torch.Tensor | None]] = {}
@@ -225,8 +225,9 @@ class Linear(nn.Module):
         for form in sorted(set(chosen) - {"quant"}):
             if form == "int8":
                 self.int8 = self._int8_form(cache, name)
-            elif form in ("qdot", "qdot16"):  # their tiles are one
-                self.qdot = self.qdot if self.qdot is not None else self._qdot_form(cache, name)
+            elif form in DOT_FORMS:  # their tiles are one
+                tiles = self.dot_tiles or self._qdot_form(cache, name)
+                self.dot_forms[form] = tiles.against(form)
             elif form == "fp32" and head:
                 # NOTE: the head's float32 runs oneDNN on the plain weight: as fast as the
                 # packed one for a 1B model's head at 9-256 rows, and a warm start keeps it
@@ -236,11 +237,6 @@ class Linear(nn.Module):
             else:
                 self._dense[form] = [self._dense_form(form, cache, name, part)
                                      for part in self.parts]
-        if "qdot16" in chosen:
-            assert self.qdot is not None
-            self.qdot16 = self.qdot.fine_x()  # the same tiles
-            if "qdot" not in chosen:
-                self.qdot = None
         if "quant" not in chosen:
             self.quant = None
         biases = ([None] * len(self.parts) if self.bias is None
@@ -382,12 +378,15 @@ class Linear(nn.Module):
         return merge_rows(decoded)
 
     @property
+    def dot_tiles(self) -> QuantMatrix | None:
+        """The qdot tiles, held once whichever of DOT_FORMS run them; None: none built."""
+        return next(iter(self.dot_forms.values()), None)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of every form held (the RSS the weights cost)."""
         dense = self._packed if self._packed is not None else [self.weight]
-        # NOTE: qdot16 runs on qdot's tiles (held once, whichever of the two is kept)
-        dot = self.qdot or self.qdot16
-        quant = sum(m.nbytes for m in (self.quant, dot) if m is not None)
+        quant = sum(m.nbytes for m in (self.quant, self.dot_tiles) if m is not None)
         int8 = self.int8.nbytes if self.int8 is not None else 0
         chosen = sum(t.numel() * t.element_size() for parts in self._dense.values()
                      for t in parts)
@@ -445,7 +444,7 @@ class Linear(nn.Module):
 
     def _quant_form(self, form: str) -> QuantMatrix | Int4Weight | None:
         """The matrix of one of QUANT_FORMS."""
-        return {"quant": self.quant, "qdot": self.qdot, "qdot16": self.qdot16}[form]
+        return self.quant if form == "quant" else self.dot_forms.get(form)
 
     def input_dtype(self, num_rows: int) -> torch.dtype:
         """The dtype the form chosen for `num_rows` rows reads (others are cast first)."""

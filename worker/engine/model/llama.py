@@ -507,7 +507,7 @@ class LlamaForCausalLM(nn.Module):
             # NOTE: the head's qdot tiles are the same weights, and every decode step keeps
             # them resident: looked up there, the embedding's own blocks (mapped, 1.5 bytes a
             # weight: 144 MiB for the 1B model's vocabulary) are never read into the RSS
-            self.embed_tiles = self.lm_head.qdot or self.lm_head.qdot16
+            self.embed_tiles = self.lm_head.dot_tiles
         if not keep_embedding:
             self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
         self._one_call_rows = 0 if not self._one_call_able else min(

@@ -267,8 +267,9 @@ struct QMat {
     const float* bias;  // or null
     int64_t out_features, in_features, group;
     int32_t bits;
-    int32_t dot;  // the tiles in qdot.h's layout (float16 scales), against x in int8 (1) or
-                  // in 15 bits (2: the `qdot16` form)
+    int32_t dot;  // the tiles in qdot.h's layout (float16 scales), against x in int8 (1: the
+                  // `qdot` form), in 15 bits (2: `qdot16`), or in int8 per 16 columns (3:
+                  // `qdot_b16`)
     float unit;  // dot: the scales' and offsets' unit (QdotWeights)
     int32_t unused;
 };
@@ -287,7 +288,8 @@ bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, flo
     if (w.dot) {
         const QdotWeights qw{w.q, (const uint16_t*)w.scales, (const uint16_t*)w.offsets, N, K,
                              group, w.unit};
-        if (!qdot_mm(x, x_stride, rows, qw, w.bits, w.dot == 2, y, y_stride)) return false;
+        if (!qdot_mm(x, x_stride, rows, qw, w.bits, w.dot == 2,
+                     w.dot == 3 ? QDOT_FINE_BLOCK : QDOT_BLOCK, y, y_stride)) return false;
         add_bias(w, rows, y, y_stride);
         return true;
     }

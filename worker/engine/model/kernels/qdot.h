@@ -37,16 +37,21 @@
 
 namespace llmq {
 
-constexpr int64_t QDOT_BLOCK = 32;  // columns of x sharing one int8 scale
+constexpr int64_t QDOT_BLOCK = 32;  // columns of x sharing one int8 scale (`qdot`, `qdot16`)
+constexpr int64_t QDOT_FINE_BLOCK = 16;  // ... in the `qdot_b16` form
 constexpr int QDOT_ROWS = 8;  // rows of x a tile computes at once (their accumulators in registers)
 
 // x [rows, K] float32 as one call of the qdot kernel reads it: rounded to int8 (X16 false),
 // or to 15 bits held as two int8 halves, q * 256 + lo (X16: the `qdot16` form, the same
-// tiles against x 128x finer, for the LM head's tolerance; two products a weight).
+// tiles against x 128x finer, for the LM head's tolerance; two products a weight); a scale
+// per `block` columns, 32, or 16 (the `qdot_b16` form: int8 x with ~0.47% error where blocks
+// of 32 give ~0.53%, as a smaller block's largest |x| sets a finer step; the same products,
+// a float multiply-add more per 16 columns of a group of 32).
 struct QdotInput {
+    int64_t block = QDOT_BLOCK;
     std::vector<int8_t> q;  // [rows, K]: round(x / xs) in -127..127; X16: the high half
     std::vector<int8_t> lo;  // X16: [rows, K] round(x / xs) - 256 * q, in -128..127
-    std::vector<float> scale;  // [rows, K / 32]: xs = max |x| / (127 | 16383) of the block
+    std::vector<float> scale;  // [rows, K / block]: xs = max |x| / (127 | 16383) of a block
     std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
 };
 
@@ -67,12 +72,15 @@ typedef int8_t b16 __attribute__((vector_size(16)));
 // 128 rows, as a loop of scalars, it was a third of a 512-row slice's product, which is what
 // form_choice.py times)
 inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_t K,
-                          int64_t group, bool x16, QdotInput& in) {
+                          int64_t group, bool x16, int64_t block, QdotInput& in) {
+    // NOTE: 32 columns a pass; with blocks of 16, each half its own scale
     const int64_t blocks = K / QDOT_BLOCK, groups = K / group;
+    const bool halves = block == QDOT_FINE_BLOCK;
     const float top = x16 ? 16383.0f : 127.0f;
+    in.block = block;
     in.q.resize((size_t)(rows * K));
     if (x16) in.lo.resize((size_t)(rows * K));
-    in.scale.resize((size_t)(rows * blocks));
+    in.scale.resize((size_t)(rows * (K / block)));
     in.xsum.assign((size_t)(rows * groups), 0.0f);
     const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
     for (int64_t m = 0; m < rows; ++m) {
@@ -82,10 +90,12 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
         for (int64_t b = 0; b < blocks; ++b) {
             const v16 lo = load16(xm + b * QDOT_BLOCK), hi = load16(xm + b * QDOT_BLOCK + 16);
             const v16 alo = lo < 0.0f ? -lo : lo, ahi = hi < 0.0f ? -hi : hi;
-            const float amax = hmax(alo > ahi ? alo : ahi);
-            const float inv = amax > 0.0f ? top / amax : 0.0f, scale = amax / top;
+            const float amax_lo = hmax(halves ? alo : (alo > ahi ? alo : ahi));
+            const float amax_hi = halves ? hmax(ahi) : amax_lo;
+            const float inv_lo = amax_lo > 0.0f ? top / amax_lo : 0.0f, scale_lo = amax_lo / top;
+            const float inv_hi = amax_hi > 0.0f ? top / amax_hi : 0.0f, scale_hi = amax_hi / top;
             // round(x / xs) as floats (exact integers in -top..top), then int8 (its halves)
-            const v16 rlo = (lo * inv + magic) - magic, rhi = (hi * inv + magic) - magic;
+            const v16 rlo = (lo * inv_lo + magic) - magic, rhi = (hi * inv_hi + magic) - magic;
             const i16 ilo = __builtin_convertvector(rlo, i16);
             const i16 ihi = __builtin_convertvector(rhi, i16);
             if (x16) {  // high half floor((v + 128) / 256) in -64..64, low v - 256 * high
@@ -104,17 +114,23 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
                 memcpy(qm + b * QDOT_BLOCK, &qlo, 16);
                 memcpy(qm + b * QDOT_BLOCK + 16, &qhi, 16);
             }
-            in.scale[m * blocks + b] = scale;
+            if (halves) {
+                in.scale[(m * blocks + b) * 2] = scale_lo;
+                in.scale[(m * blocks + b) * 2 + 1] = scale_hi;
+            } else {
+                in.scale[m * blocks + b] = scale_lo;
+            }
             // NOTE: the sum of x as quantized, not of x: the offset term then meets the same
             // x as the integer term, and their rounding errors cancel as the weights' terms
             // do (q * scale of a 4-bit type is all positive, ~8x the offset-corrected
             // weight's size)
-            const float slo = hsum(rlo), shi = hsum(rhi);  // exact: small integers
+            const float sum_lo = hsum(rlo), sum_hi = hsum(rhi);  // exact: small integers
             if (group == 16) {
-                xsum[2 * b] = scale * slo;
-                xsum[2 * b + 1] = scale * shi;
+                xsum[2 * b] = scale_lo * sum_lo;
+                xsum[2 * b + 1] = scale_hi * sum_hi;
             } else {
-                xsum[b * QDOT_BLOCK / group] += scale * (slo + shi);
+                xsum[b * QDOT_BLOCK / group] +=
+                    halves ? scale_lo * sum_lo + scale_hi * sum_hi : scale_lo * (sum_lo + sum_hi);
             }
         }
     }
@@ -182,8 +198,10 @@ struct QdotWeights {
 template <int M, int BITS, bool OFF, bool X16>
 void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t, float* y,
                int64_t y_stride, int64_t rows, bool prefetch_next) {
-    const int64_t K = w.K, group = w.group, cell = group < QDOT_BLOCK ? group : QDOT_BLOCK;
-    const int64_t per_group = group / cell, blocks = K / QDOT_BLOCK, groups = K / group;
+    const int64_t K = w.K, group = w.group, cell = group < in.block ? group : in.block;
+    const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
+    // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
+    const int block_shift = cell < in.block ? 1 : 0;
     const int64_t cell_bytes = (BITS == 4 ? cell / 2 : cell) * 16;
     const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16;
     const uint8_t* q = w.q + t * tile_bytes;
@@ -232,7 +250,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                     }
                 }
             }
-            const int64_t block = k0 / QDOT_BLOCK;
+            const int64_t block = c >> block_shift;
             for (int m = 0; m < M; ++m) {
                 i16 s = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
                 if (X16) s = s * 256 + dl[m];
@@ -293,8 +311,8 @@ void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, floa
     }
 }
 
-// Whether the qdot kernel runs a matrix of this shape: whole blocks of x, groups of 16 (two to
-// a block: Q6_K's) or of whole blocks.
+// Whether the qdot kernel runs a matrix of this shape: whole 32-column passes over x, groups
+// of 16 (two to a block of 32: Q6_K's) or of whole blocks.
 inline bool qdot_supports(int64_t K, int64_t group, int32_t bits) {
     return (bits == 4 || bits == 8) && K % QDOT_BLOCK == 0 && K % group == 0 &&
            (group == 16 || group % QDOT_BLOCK == 0);
@@ -311,13 +329,13 @@ void qdot_typed(const QdotInput& in, int64_t rows, const QdotWeights& w, int32_t
                   : qdot_matmul<8, false, X16>(in, rows, w, y, y_stride);
 }
 
-// y = x W^T for any rows, x to int8 or (x16) to 15 bits; false for a shape qdot_supports
-// refuses.
+// y = x W^T for any rows, x to int8 or (x16) to 15 bits, a scale per `block` (32 or 16)
+// columns; false for a shape qdot_supports refuses.
 inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const QdotWeights& w,
-                    int32_t bits, bool x16, float* y, int64_t y_stride) {
+                    int32_t bits, bool x16, int64_t block, float* y, int64_t y_stride) {
     if (!qdot_supports(w.K, w.group, bits)) return false;
     thread_local QdotInput in;
-    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, in);
+    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, block, in);
     x16 ? qdot_typed<true>(in, rows, w, bits, y, y_stride)
         : qdot_typed<false>(in, rows, w, bits, y, y_stride);
     return true;
