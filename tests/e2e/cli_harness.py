@@ -88,6 +88,9 @@ def serve(url: str, model_path: Path, log_dir: Path, worker_id: str, *, queue: s
     client = redis.Redis.from_url(url)
     try:
         worker.wait_ready(client)
+    except BaseException:
+        worker.stop()  # not left running when it was too slow to start (a loaded machine)
+        raise
     finally:
         client.close()
     return worker

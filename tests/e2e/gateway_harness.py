@@ -57,6 +57,7 @@ class GatewayProcess:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                self.stop()  # not left running past the test that started it
                 raise AssertionError(f"llmq serve did not answer /health:\n{self.log_tail()}")
             time.sleep(0.05)
 
