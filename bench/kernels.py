@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from llmq.worker.engine.model.block_quant import BlockQuant
-from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
+from llmq.worker.engine.model.cpu_kernels import CpuKernels
 from llmq.worker.engine.model.int4_weight import Int4Weight
 from llmq.worker.engine.model.int8_matrix import Int8Matrix
+from llmq.worker.engine.model.quant_matrix import QuantMatrix
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}

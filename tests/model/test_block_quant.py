@@ -20,9 +20,10 @@ from llmq.worker.engine.model.block_quant import (
     QuantizedEmbedding,
     merge_rows,
 )
-from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
+from llmq.worker.engine.model.cpu_kernels import CpuKernels
 from llmq.worker.engine.model.gguf_loader import QuantizedTensor
 from llmq.worker.engine.model.int4_weight import Int4Weight
+from llmq.worker.engine.model.quant_matrix import QuantMatrix
 from tests.fixtures.tiny_gguf import quantized
 
 Q = gguf.GGMLQuantizationType

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from llmq.worker.engine.model import form_choice
-from llmq.worker.engine.model.cpu_kernels import DOT_FORMS, QuantMatrix
 from llmq.worker.engine.model.form_choice import BUCKETS, FORMS, fixed_forms
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
+from llmq.worker.engine.model.quant_matrix import DOT_FORMS, QuantMatrix
 from tests.fixtures.models import greedy_paged
 from tests.fixtures.tiny_gguf import write_tiny_llama
 

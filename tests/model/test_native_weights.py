@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from llmq.worker.engine.model import llama
-from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
+from llmq.worker.engine.model.cpu_kernels import CpuKernels
 from llmq.worker.engine.model.int4_weight import Int4Weight
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
+from llmq.worker.engine.model.quant_matrix import QuantMatrix
 from tests.fixtures.models import greedy_paged
 from tests.fixtures.tiny_gguf import write_tiny_llama
 from tests.model.test_llama_oracle import CHATS, NEW_TOKENS, RAW_PROMPTS

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant
-from llmq.worker.engine.model.cpu_kernels import CpuKernels, QuantMatrix
+from llmq.worker.engine.model.cpu_kernels import CpuKernels
 from llmq.worker.engine.model.form_choice import HEAD_TOLERANCE, TOLERANCE
+from llmq.worker.engine.model.quant_matrix import QuantMatrix
 from tests.model.test_block_quant import write_and_read
 
 Q = gguf.GGMLQuantizationType

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from llmq.worker.engine.model import block_quant, repack_cache
-from llmq.worker.engine.model.cpu_kernels import QuantMatrix
 from llmq.worker.engine.model.gguf_reader import FastGGUFReader
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
+from llmq.worker.engine.model.quant_matrix import QuantMatrix
 from tests.fixtures.models import greedy_paged
 from tests.fixtures.tiny_gguf import write_tiny_llama
 

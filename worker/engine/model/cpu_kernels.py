@@ -32,14 +32,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from .block_quant import BlockQuant
 from .int8_matrix import Int8Matrix
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr  # a function of a loaded library, as typeshed names it
+
+    from .quant_matrix import QuantMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,6 @@ def build_library(directory: Path, kernel_dir: Path = KERNEL_DIR) -> Path | None
 INT8_CHUNK_ROWS = 256  # rows of x per int8 GEMM (CpuKernels.int8_matmul says why)
 
 
-# the forms that run qdot tiles, and how each rounds x (kernels/layer_kernels.cpp `QMat.dot`)
-DOT_FORMS = {"qdot": 1, "qdot16": 2, "qdot_b16": 3}
-
-
 class QMat(ctypes.Structure):
     """The kernels' view of a QuantMatrix (kernels/layer_kernels.cpp `QMat`)."""
 
@@ -156,141 +152,6 @@ class LoraSegment(ctypes.Structure):
 
     _fields_ = [("start", ctypes.c_int64), ("end", ctypes.c_int64), ("table", ctypes.c_void_p),
                 ("table_len", ctypes.c_int64)]
-
-
-class QuantMatrix:
-    """A BlockQuant laid out for `CpuKernels.quant_matmul`: tiles of 16 rows (zero-padded),
-    each [in / 2, 16] bytes of 4-bit q (byte r of entry p: column 2p of row r in the low
-    nibble, 2p + 1 in the high) or [in, 16] int8, with float32 scales and offsets
-    [in / group, 16] per tile; plus the projection's bias, which the kernel adds.
-
-    `offsets` is None where they are all zero (the symmetric types: Q6_K, Q8_0, Q5_0): a lone
-    decode reads every byte of the tiles once a token, and a Q6_K tile's zero offsets were
-    1/6 of them (q8g16: 1.5 -> 1.25 bytes a weight). The kernel then adds no offset term.
-
-    `dot`: the tiles laid out for the int8-activation kernel instead (kernels/qdot.h, the
-    `qdot` form: [in / 8, 16, 4] bytes of nibbles or [in / 4, 16, 4] of q + 128), run against
-    x quantized to int8 per 32 columns, with the scales and offsets in float16 (a Q4_K weight
-    0.625 bytes, not 0.75: that form's lone decode is bound by reading them), in units of
-    `unit`, the power of two that puts the largest at 2^14 (float16's normal range spans 2^30,
-    so a matrix's smallest stay normal too; their rounding, 2^-11 of each, is far inside the
-    int8 activations' ~0.5%); `supports_dot` says which shapes it takes. `form`: how x is
-    rounded against these tiles (`against`, DOT_FORMS): `qdot` as above; `qdot16` to 15 bits
-    (two int8 halves, two products a weight), whose error is the float16 scales' alone;
-    `qdot_b16` to int8 per 16 columns (~0.47% error where 32 give ~0.53%)."""
-
-    def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None, dot: bool = False
-                 ) -> None:
-        out_features, in_features = bq.shape
-        self.out_features, self.in_features = out_features, in_features
-        self.group, self.bits, self.dot, self.unit = bq.group, bq.bits, dot, 1.0
-        self.form = "qdot" if dot else "quant"
-        tiles = -(-out_features // 16)
-        pad = tiles * 16 - out_features
-
-        def tiled(a: np.ndarray) -> torch.Tensor:  # [out, c] -> [tiles, c, 16]
-            a = np.pad(a, ((0, pad), (0, 0)))
-            return torch.from_numpy(np.ascontiguousarray(
-                a.reshape(tiles, 16, -1).transpose(0, 2, 1)))
-
-        scales, offsets = bq.scales, bq.offsets if bq.offsets.any() else None
-        if dot:
-            largest = max(float(np.abs(bq.scales).max()), float(np.abs(bq.offsets).max()))
-            self.unit = 2.0 ** (int(np.ceil(np.log2(largest))) - 14) if largest > 0 else 1.0
-            scales = (scales / self.unit).astype(np.float16)
-            offsets = None if offsets is None else (offsets / self.unit).astype(np.float16)
-        q = _dot_tiles(np.pad(bq.q, ((0, pad), (0, 0))), bq.bits) if dot else tiled(
-            _nibble_pairs(bq.q) if bq.bits == 4 else bq.q.astype(np.uint8))  # int8 keeps its bits
-        self._bind(q, tiled(scales), None if offsets is None else tiled(offsets), bias)
-
-    @classmethod
-    def from_tiles(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                   shape: tuple[int, int], group: int, bits: int,
-                   bias: torch.Tensor | None = None, dot: bool = False, unit: float = 1.0,
-                   form: str | None = None) -> QuantMatrix:
-        """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
-        self = cls.__new__(cls)
-        self.out_features, self.in_features = shape
-        self.group, self.bits, self.dot, self.unit = group, bits, dot, unit
-        self.form = form or ("qdot" if dot else "quant")
-        self._bind(q, scales, offsets, bias)
-        return self
-
-    def against(self, form: str) -> QuantMatrix:
-        """These qdot tiles (shared, not copied), run as `form` (one of DOT_FORMS)."""
-        assert self.dot and form in DOT_FORMS
-        return QuantMatrix.from_tiles(self.q, self.scales, self.offsets,
-                                      (self.out_features, self.in_features), self.group,
-                                      self.bits, self.bias, dot=True, unit=self.unit, form=form)
-
-    def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-              bias: torch.Tensor | None) -> None:
-        self.q, self.scales, self.offsets = q, scales, offsets
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.struct = QMat(self.q.data_ptr(), self.scales.data_ptr(),
-                           0 if offsets is None else offsets.data_ptr(),
-                           0 if self.bias is None else self.bias.data_ptr(), self.out_features,
-                           self.in_features, self.group, self.bits,
-                           DOT_FORMS.get(self.form, 0), self.unit, 0)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [n] of the matrix, dequantized from the qdot tiles -> [n, in] float32
-        (a tied embedding's lookups, from the head's tiles every decode step keeps resident
-        anyway); exact to the float16 scales' rounding (2^-11 of each)."""
-        assert self.dot
-        tile, row = ids // 16, ids % 16
-        lanes = self.q[tile, :, row].to(torch.int16)  # [n, in / 8 | in / 4, 4] bytes
-        if self.bits == 4:  # lane byte j: column 8e + j low, 8e + 4 + j high
-            q = torch.stack((lanes & 15, lanes >> 4), dim=2)
-        else:
-            q = lanes - 128
-        n = ids.shape[0]
-        grouped = q.reshape(n, -1, self.group).float()
-        out = grouped * self.scales[tile, :, row].float()[..., None]
-        if self.offsets is not None:
-            out += self.offsets[tile, :, row].float()[..., None]
-        return out.reshape(n, self.in_features).mul_(self.unit)
-
-    @staticmethod
-    def supports(bq: BlockQuant) -> bool:
-        return bq.group % 8 == 0
-
-    @staticmethod
-    def supports_dot(in_features: int, group: int) -> bool:
-        """Whether the qdot kernel takes blocks of this shape (kernels/qdot.h
-        `qdot_supports`): whole 32-column blocks of x, and groups of 16 (two to a block) or of
-        whole blocks."""
-        return in_features % 32 == 0 and (group == 16 or group % 32 == 0)
-
-    @property
-    def nbytes(self) -> int:
-        offsets = 0 if self.offsets is None else self.offsets.nbytes
-        return self.q.nbytes + self.scales.nbytes + offsets
-
-    @property
-    def kind(self) -> str:
-        """`q<bits>g<group>`, `s` after it without offsets: what decides the tiles' bytes."""
-        return f"q{self.bits}g{self.group}{'' if self.offsets is not None else 's'}"
-
-
-def _nibble_pairs(q: np.ndarray) -> np.ndarray:
-    """[out, in] of 0..15 -> [out, in / 2] bytes: column 2p in the low nibble, 2p + 1 high."""
-    q = q.astype(np.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << np.uint8(4))
-
-
-def _dot_tiles(q: np.ndarray, bits: int) -> torch.Tensor:
-    """[out (a multiple of 16), in] integers -> qdot.h's tiles [tiles, in / 8 | in / 4, 16, 4]
-    bytes: per lane of 4 bytes one row's columns 8e + j (low nibble) and 8e + 4 + j (high), or
-    its q + 128 of columns 4e + j."""
-    out_features, in_features = q.shape
-    if bits == 4:
-        q = q.astype(np.uint8).reshape(out_features // 16, 16, in_features // 8, 2, 4)
-        lanes = q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))  # [tiles, 16, in / 8, 4]
-    else:
-        lanes = (q.astype(np.int16) + 128).astype(np.uint8).reshape(
-            out_features // 16, 16, in_features // 4, 4)
-    return torch.from_numpy(np.ascontiguousarray(lanes.transpose(0, 2, 1, 3)))
 
 
 class CpuKernels:

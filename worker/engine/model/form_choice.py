@@ -6,7 +6,7 @@ of a repacked type per CPU feature (by assumption; here by measurement).
 
 A `--weights native` projection can run as any of these forms (linear.py):
 
-- `quant`: the GGUF's blocks on the compiled kernels (cpu_kernels.py `QuantMatrix`), float32
+- `quant`: the GGUF's blocks on the compiled kernels (quant_matrix.py `QuantMatrix`), float32
   arithmetic on the file's own numbers; up to 8 rows a call (more rows: calls of 8).
 - `qdot`: the same blocks (with float16 scales: fewer bytes) against the activations rounded
   to int8 per 32 columns, in integer dot products (kernels/qdot.h: AVX-512 VNNI, ~4x fewer
@@ -67,8 +67,9 @@ from typing import Any
 
 import torch
 
-from .cpu_kernels import DOT_FORMS, CpuKernels, QuantMatrix
+from .cpu_kernels import CpuKernels
 from .int8_matrix import Int8Matrix
+from .quant_matrix import DOT_FORMS, QuantMatrix
 
 logger = logging.getLogger(__name__)
 

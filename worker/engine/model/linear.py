@@ -42,11 +42,12 @@ from torch import nn
 
 from . import packed_weight
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
-from .cpu_kernels import DOT_FORMS, CpuKernels, QuantMatrix
+from .cpu_kernels import CpuKernels
 from .form_choice import BUCKETS, DENSE_DTYPES, QUANT_FORMS, FormChoice, Sample, bucket_of
 from .gguf_loader import QuantizedTensor
 from .int4_weight import Int4Weight
 from .int8_matrix import Int8Matrix
+from .quant_matrix import DOT_FORMS, QuantMatrix
 from .repack_cache import RepackCache
 
 if TYPE_CHECKING:

@@ -38,12 +38,13 @@ from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
-from .cpu_kernels import CpuKernels, DecoderLayer, QuantMatrix
+from .cpu_kernels import CpuKernels, DecoderLayer
 from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
 from .form_choice import FormChoice
 from .gguf_loader import QuantizedTensor
 from .linear import Linear, _param
 from .moe import SparseMoe
+from .quant_matrix import QuantMatrix
 from .repack_cache import RepackCache
 from .rope import RopeConfig, Rotary
 
