@@ -10,7 +10,8 @@ Forms, chosen per call by the number of rows (tokens) in x:
   for the call's bucket of rows, by measuring this CPU at the model's first start (or by
   assumption with LLMQ_FORMS=fixed): the GGUF's blocks on the quantized kernels
   (`QuantMatrix`, float32 arithmetic on the file's own numbers: the file's bytes, the fewest a
-  step can read), the same blocks against int8 activations (`qdot`, kernels/qdot.h), the
+  step can read), the same blocks against int8 activations (`qdot`, kernels/qdot.h; the LM
+  head's `qdot16` and `qdot_b16` on the same tiles: DOT_FORMS), the
   two-term int8 GEMM (`Int8Matrix`, int8_matrix.py), or the dequantized
   weight in bfloat16, float16 or float32 packed for oneDNN. Only the forms some bucket chose
   are built (each from the blocks, or mapped from the repack cache); the others, and the
