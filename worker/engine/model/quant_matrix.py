@@ -43,7 +43,7 @@ class QuantMatrix:
                  ) -> None:
         out_features, in_features = bq.shape
         self.out_features, self.in_features = out_features, in_features
-        self.group, self.bits, self.dot, self.unit = bq.group, bq.bits, dot, 1.0
+        self.group, self.bits, self.unit = bq.group, bq.bits, 1.0
         self.form = "qdot" if dot else "quant"
         tiles = -(-out_features // 16)
         pad = tiles * 16 - out_features
@@ -68,10 +68,11 @@ class QuantMatrix:
                    shape: tuple[int, int], group: int, bits: int,
                    bias: torch.Tensor | None = None, dot: bool = False, unit: float = 1.0,
                    form: str | None = None) -> QuantMatrix:
-        """A QuantMatrix of tiles laid out before (the repack cache's arrays)."""
+        """A QuantMatrix of tiles laid out before (the repack cache's arrays); `form`: one of
+        DOT_FORMS for qdot tiles (`dot`: `qdot`), else the float kernel's."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = shape
-        self.group, self.bits, self.dot, self.unit = group, bits, dot, unit
+        self.group, self.bits, self.unit = group, bits, unit
         self.form = form or ("qdot" if dot else "quant")
         self._bind(q, scales, offsets, bias)
         return self
@@ -81,7 +82,12 @@ class QuantMatrix:
         assert self.dot and form in DOT_FORMS
         return QuantMatrix.from_tiles(self.q, self.scales, self.offsets,
                                       (self.out_features, self.in_features), self.group,
-                                      self.bits, self.bias, dot=True, unit=self.unit, form=form)
+                                      self.bits, self.bias, unit=self.unit, form=form)
+
+    @property
+    def dot(self) -> bool:
+        """Whether the tiles are in the qdot layout (run as one of DOT_FORMS)."""
+        return self.form in DOT_FORMS
 
     def _bind(self, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
               bias: torch.Tensor | None) -> None:
