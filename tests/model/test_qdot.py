@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant
+from llmq.worker.engine.model.block_quant import BLOCK_QUANT_TYPES, BlockQuant, merge_rows
 from llmq.worker.engine.model.cpu_kernels import CpuKernels
 from llmq.worker.engine.model.form_choice import HEAD_TOLERANCE, TOLERANCE
 from llmq.worker.engine.model.quant_matrix import QuantMatrix
@@ -150,3 +150,34 @@ def test_the_qdot_layout_holds_fewer_bytes_and_adds_the_bias(tmp_path):
     kernels = CpuKernels.load()
     torch.testing.assert_close(kernels.quant_matmul(x, dot) - bias,
                                kernels.quant_matmul(x, QuantMatrix(bq, dot=True)))
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("parts", [(Q.Q6_K,), (Q.Q5_K,), (Q.Q4_K, Q.Q6_K)],
+                         ids=["Q6_K", "Q5_K", "Q4_K+Q6_K"])
+def test_six_bit_types_are_held_in_six_bits_and_compute_the_stated_arithmetic(tmp_path, parts):
+    # Given a matrix whose integers all lie in -32..31: Q6_K, a Q5 type, or a fused QKV of
+    # Q4_K rows with Q6_K ones (Q4_K_M's), in the qdot layout
+    blocks = [blocks_of(tmp_path, qtype, 32, seed=7 + i) for i, qtype in enumerate(parts)]
+    bq = merge_rows([b for b, _ in blocks])
+    w = torch.cat([dense for _, dense in blocks])
+    matrix = QuantMatrix(bq, dot=True)
+    # Then its tiles hold 0.75 bytes a weight, where the 8-bit layout took 1, and the tied
+    # embedding's lookups read them back
+    weights = bq.q.size
+    assert matrix.bits == 6 and matrix.q.nbytes == weights * 3 // 4
+    assert matrix.nbytes == weights * 3 // 4 + weights // bq.group * 2 * (
+        1 if matrix.offsets is None else 2)
+    ids = torch.tensor([0, len(w) - 1, 17, 5])
+    torch.testing.assert_close(matrix.rows(ids), w[ids], rtol=0,
+                               atol=2e-3 * float(w.abs().max()))
+    for rows in (1, 3, 8, 9, 21, 70):
+        x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows))
+        # When the kernel multiplies (up to 8 rows unpacking a tile in registers, more into a
+        # buffer once a tile)
+        y = CpuKernels.load().quant_matmul(x, matrix).double()
+        # Then it is the int8-rounded activations times the weights as held, to float32 rounding
+        expected = torch.from_numpy(quantized_activations(x.numpy())) @ weights_as_held(
+            bq, matrix.unit).t()
+        torch.testing.assert_close(y, expected, rtol=1e-5,
+                                   atol=1e-5 * float(expected.abs().max()))

@@ -29,7 +29,9 @@ class QuantMatrix:
     1/6 of them (q8g16: 1.5 -> 1.25 bytes a weight). The kernel then adds no offset term.
 
     `dot`: the tiles laid out for the int8-activation kernel instead (kernels/qdot.h, the
-    `qdot` form: [in / 8, 16, 4] bytes of nibbles or [in / 4, 16, 4] of q + 128), run against
+    `qdot` form: [in / 8, 16, 4] bytes of nibbles, [in / 16, 3, 16, 4] of 6-bit q + 32 (`bits`
+    6: an 8-bit type whose q all lie in -32..31, as Q6_K's and the Q5 types' do: 0.75 bytes a
+    weight, not 1) or [in / 4, 16, 4] of q + 128), run against
     x quantized to int8 per 32 columns, with the scales and offsets in float16 (a Q4_K weight
     0.625 bytes, not 0.75: that form's lone decode is bound by reading them), in units of
     `unit`, the power of two that puts the largest at 2^14 (float16's normal range spans 2^30,
@@ -59,7 +61,9 @@ class QuantMatrix:
             self.unit = 2.0 ** (int(np.ceil(np.log2(largest))) - 14) if largest > 0 else 1.0
             scales = (scales / self.unit).astype(np.float16)
             offsets = None if offsets is None else (offsets / self.unit).astype(np.float16)
-        q = _dot_tiles(np.pad(bq.q, ((0, pad), (0, 0))), bq.bits) if dot else tiled(
+        if dot and bq.bits == 8 and bq.q.size and -32 <= bq.q.min() and bq.q.max() <= 31:
+            self.bits = 6
+        q = _dot_tiles(np.pad(bq.q, ((0, pad), (0, 0))), self.bits) if dot else tiled(
             _nibble_pairs(bq.q) if bq.bits == 4 else bq.q.astype(np.uint8))  # int8 keeps its bits
         self._bind(q, tiled(scales), None if offsets is None else tiled(offsets), bias)
 
@@ -105,12 +109,18 @@ class QuantMatrix:
         anyway); exact to the float16 scales' rounding (2^-11 of each)."""
         assert self.dot
         tile, row = ids // 16, ids % 16
-        lanes = self.q[tile, :, row].to(torch.int16)  # [n, in / 8 | in / 4, 4] bytes
-        if self.bits == 4:  # lane byte j: column 8e + j low, 8e + 4 + j high
-            q = torch.stack((lanes & 15, lanes >> 4), dim=2)
-        else:
-            q = lanes - 128
         n = ids.shape[0]
+        if self.bits == 6:  # per 16 columns, three bytes a lane: see _dot_tiles
+            lanes = self.q[tile, :, :, row].to(torch.int16)  # [n, in / 16, 3, 4] bytes
+            top = lanes >> 6
+            last = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4)
+            q = torch.cat((lanes & 63, last[:, :, None]), dim=2) - 32
+        else:
+            lanes = self.q[tile, :, row].to(torch.int16)  # [n, in / 8 | in / 4, 4] bytes
+            if self.bits == 4:  # lane byte j: column 8e + j low, 8e + 4 + j high
+                q = torch.stack((lanes & 15, lanes >> 4), dim=2)
+            else:
+                q = lanes - 128
         grouped = q.reshape(n, -1, self.group).float()
         out = grouped * self.scales[tile, :, row].float()[..., None]
         if self.offsets is not None:
@@ -148,8 +158,17 @@ def _nibble_pairs(q: np.ndarray) -> np.ndarray:
 def _dot_tiles(q: np.ndarray, bits: int) -> torch.Tensor:
     """[out (a multiple of 16), in] integers -> qdot.h's tiles [tiles, in / 8 | in / 4, 16, 4]
     bytes: per lane of 4 bytes one row's columns 8e + j (low nibble) and 8e + 4 + j (high), or
-    its q + 128 of columns 4e + j."""
+    its q + 128 of columns 4e + j; bits 6: [tiles, in / 16, 3, 16, 4], lane byte j of vector i
+    holding u = q + 32 of column 16e + 4i + j in its low 6 bits, and bits 2i, 2i + 1 of column
+    16e + 12 + j's u in its top two."""
     out_features, in_features = q.shape
+    if bits == 6:
+        u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(
+            out_features // 16, 16, in_features // 16, 4, 4)  # [tiles, row, unit, entry, j]
+        last = u[:, :, :, 3:]
+        planes = u[:, :, :, :3] | (((last >> np.array([0, 2, 4], np.uint8)[:, None]) & 3)
+                                   << np.uint8(6))  # [tiles, row, unit, 3, j]
+        return torch.from_numpy(np.ascontiguousarray(planes.transpose(0, 2, 3, 1, 4)))
     if bits == 4:
         q = q.astype(np.uint8).reshape(out_features // 16, 16, in_features // 8, 2, 4)
         lanes = q[:, :, :, 0] | (q[:, :, :, 1] << np.uint8(4))  # [tiles, 16, in / 8, 4]

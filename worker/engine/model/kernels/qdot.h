@@ -13,15 +13,20 @@
 // activations, the offset term through the activations' sums), oneDNN's u8s8 VNNI GEMM.
 //
 // Tiles of 16 weight rows, as the float kernel's, with its scales and offsets ([groups][16] a
-// tile) in float16 (in units of a power of two per matrix: QdotWeights), the integers laid out for `vpdpbusd` (each 32-bit lane: one row's four
-// bytes): BITS 4, [K / 8][16][4] bytes, byte j of row r in entry e holding q[r][8e + j] in the
-// low nibble and q[r][8e + 4 + j] in the high one; BITS 8, [K / 4][16][4] bytes, q[r][4e + j] +
-// 128 (unsigned: `vpdpbusd` multiplies unsigned by signed; the 128 comes back out with the
-// offset term).
+// tile) in float16 (in units of a power of two per matrix: QdotWeights), the integers laid
+// out for `vpdpbusd` (each 32-bit lane: one row's four bytes, unsigned: `vpdpbusd` multiplies
+// unsigned by signed; a type's zero, ZERO below, comes back out with the offset term):
+// - BITS 4, [K / 8][16][4] bytes, byte j of row r in entry e holding q[r][8e + j] in the low
+//   nibble and q[r][8e + 4 + j] in the high one (q in 0..15);
+// - BITS 6 (q in -32..31: Q6_K, the Q5 types, a fused QKV of Q4_K and Q6_K rows), 16 columns
+//   in 192 bytes [K / 16][3][16][4]: byte j of row r in vector i (0..2) holding u = q + 32 of
+//   column 16e + 4i + j in its low 6 bits, and bits 2i, 2i + 1 of column 16e + 12 + j's u in
+//   its top two (0.75 bytes a weight, where BITS 8 takes 1: a lone decode reads every byte);
+// - BITS 8, [K / 4][16][4] bytes, q[r][4e + j] + 128.
 //
 // Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact), then
-// in float32 acc += float(dot) * (scale[g] * xs[cell's block]); per group, with offsets or
-// BITS 8, acc += (offset[g] - (BITS 8: 128 * scale[g])) * (the sum of the group's xs * q). The same operations in the
+// in float32 acc += float(dot) * (scale[g] * xs[cell's block]); per group, with offsets or a
+// zero, acc += (offset[g] - ZERO * scale[g]) * (the sum of the group's xs * q). The same operations in the
 // same order for a row whatever shares its call, so a row's products are the same bits alone or
 // in a call of any size (batch invariance, as the float kernel's).
 
@@ -195,17 +200,38 @@ struct QdotWeights {
 // One tile of 16 weight rows (t) against rows [m0, m0 + M) of x: y[m][0..16) of the tile.
 // X16: each product twice, against x's high and low halves, joined in integers (exact: a
 // cell's high sum is at most 32 * 255 * 64, times 256 < 2^31).
-template <int M, int BITS, bool OFF, bool X16>
-void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t, float* y,
-               int64_t y_stride, int64_t rows, bool prefetch_next) {
-    const int64_t K = w.K, group = w.group, cell = group < in.block ? group : in.block;
+// Bytes of `columns` columns of a tile of 16 rows.
+constexpr int64_t qdot_bytes(int BITS, int64_t columns) { return columns * BITS * 2; }
+
+// The integer a type's stored byte holds at q = 0 (its products carry ZERO * the sum of x).
+constexpr int qdot_zero(int BITS) { return BITS == 8 ? 128 : BITS == 6 ? 32 : 0; }
+
+// BITS 6's 16 columns (192 bytes, three vectors) -> its four entries of BITS 8's lanes, each
+// byte u = q + 32: the three vectors' low 6 bits, and the fourth entry from their top 2 bits.
+inline void qdot_six(const uint8_t* p, i16 w[4]) {
+    const i16 a = load_i16(p), b = load_i16(p + 64), c = load_i16(p + 128);
+    const i16 six = (i16){} + 0x3F3F3F3F;
+    w[0] = a & six;
+    w[1] = b & six;
+    w[2] = c & six;
+    // NOTE: 32-bit shifts: what crosses into a byte from its neighbour is masked off
+    w[3] = ((i16)((u16)a >> 6) & 0x03030303) | ((i16)((u16)b >> 4) & 0x0C0C0C0C) |
+           ((i16)((u16)c >> 2) & 0x30303030);
+}
+
+// One tile of 16 weight rows (its bytes `q`) against rows [m0, m0 + M) of x: y[m][0..16) of
+// the tile; q_next: the next tile's, fetched ahead, or null.
+// CELL: min(group, x's block), 16 or 32 (a constant: the loops over a cell's bytes unrolled,
+// where as loops they were half of a lone row's instructions).
+template <int M, int BITS, bool OFF, bool X16, int ZERO, int CELL>
+void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
+               const uint8_t* q, float* y, int64_t y_stride, int64_t rows,
+               const uint8_t* q_next) {
+    constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
+    const int64_t K = w.K, group = w.group;
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
     const int block_shift = cell < in.block ? 1 : 0;
-    const int64_t cell_bytes = (BITS == 4 ? cell / 2 : cell) * 16;
-    const int64_t tile_bytes = (BITS == 4 ? K / 2 : K) * 16;
-    const uint8_t* q = w.q + t * tile_bytes;
-    const uint8_t* q_next = prefetch_next ? q + tile_bytes : nullptr;
     const uint16_t* scales = w.scales + t * groups * 16;
     const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 : nullptr;
     const int8_t* xq = in.q.data() + m0 * K;
@@ -214,20 +240,29 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     // NOTE: two chains of products a row where few rows share the tile (the nibbles' low and
     // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
     // chain a row saves an add a row and cell
-    constexpr int CHAINS = BITS == 4 && M < 4 && !X16 ? 2 : 1;
+    constexpr int CHAINS = BITS != 8 && M < 4 && !X16 ? 2 : 1;
     v16 acc[M] = {};
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
         const v16 sc = load16_half(scales + g * 16);
+        if (q_next && (g & 1) == 0) {  // the next tile's scales and offsets, a line = 2 groups
+            __builtin_prefetch(scales + (groups + g) * 16, 0, 2);
+            if (OFF) __builtin_prefetch(offsets + (groups + g) * 16, 0, 2);
+        }
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             const int64_t k0 = c * cell;
             const uint8_t* qc = q + c * cell_bytes;
-            if (q_next)  // the next tile's cell, asked for while this one computes (quant_tile)
+            // NOTE: the next tile's cell, asked for while this one computes, into L2 (locality
+            // 2): a tile ahead is 9-96 KiB, past L1's 32; into L1 the lone decode's sweep of a 1B
+            // model's projections took 44-61 ms, into L2 37-41 (median of 16, interleaved)
+            if (q_next)
+#pragma GCC unroll 8
                 for (int64_t b = 0; b < cell_bytes; b += 64)
-                    __builtin_prefetch(q_next + c * cell_bytes + b);
+                    __builtin_prefetch(q_next + c * cell_bytes + b, 0, 2);
             i16 d[M][CHAINS] = {}, dl[M] = {};  // dl: X16's products with the low halves
             if (BITS == 4) {
                 const i16 low = (i16){} + 0x0F0F0F0F;
+#pragma GCC unroll 4
                 for (int64_t e = 0; e < cell / 8; ++e) {
                     const i16 v = load_i16(qc + e * 64);
                     const i16 lo = v & low, hi = (i16)((u16)v >> 4) & low;
@@ -241,7 +276,23 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                         }
                     }
                 }
+            } else if (BITS == 6) {
+#pragma GCC unroll 2
+                for (int64_t u = 0; u < cell / 16; ++u) {
+                    i16 v[4];
+                    qdot_six(qc + u * 192, v);
+                    for (int m = 0; m < M; ++m) {
+                        const int8_t* x = xq + m * K + k0 + 16 * u;
+                        for (int i = 0; i < 4; ++i)
+                            d[m][i % CHAINS] = dot4(d[m][i % CHAINS], v[i], load_x4(x + 4 * i));
+                        if (X16) {
+                            const int8_t* l = xl + m * K + k0 + 16 * u;
+                            for (int i = 0; i < 4; ++i) dl[m] = dot4(dl[m], v[i], load_x4(l + 4 * i));
+                        }
+                    }
+                }
             } else {
+#pragma GCC unroll 8
                 for (int64_t e = 0; e < cell / 4; ++e) {
                     const i16 v = load_i16(qc + e * 64);
                     for (int m = 0; m < M; ++m) {
@@ -259,10 +310,10 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
         }
         // NOTE: BITS 8 held q + 128, so the product holds 128 * scale * (the group's x) too:
         // taken back out as part of the offset term (one multiply-add a row and group, where
-        // the integer way, 128 times the sum of q, cost three a row and cell)
-        if (OFF || BITS == 8) {
+        // the integer way, 128 times the sum of q, cost three a row and cell); BITS 6, 32
+        if (OFF || ZERO) {
             v16 off = OFF ? load16_half(offsets + g * 16) : v16{};
-            if (BITS == 8) off -= 128.0f * sc;
+            if (ZERO) off -= (float)ZERO * sc;
             for (int m = 0; m < M; ++m) acc[m] += off * in.xsum[(m0 + m) * groups + g];
         }
     }
@@ -273,17 +324,18 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
 }
 
 // NOTE: the arguments by reference: by value, each tile call copied the quantized x (its vectors)
-template <int BITS, bool OFF, bool X16, typename... A>
+template <int BITS, bool OFF, bool X16, int ZERO, int CELL, typename... A>
 void qdot_rows(int64_t rows_x, const A&... a) {
+    static_assert(BITS == 4 || BITS == 6 || BITS == 8, "a qdot layout");
     switch (rows_x) {
-        case 1: qdot_tile<1, BITS, OFF, X16>(a...); break;
-        case 2: qdot_tile<2, BITS, OFF, X16>(a...); break;
-        case 3: qdot_tile<3, BITS, OFF, X16>(a...); break;
-        case 4: qdot_tile<4, BITS, OFF, X16>(a...); break;
-        case 5: qdot_tile<5, BITS, OFF, X16>(a...); break;
-        case 6: qdot_tile<6, BITS, OFF, X16>(a...); break;
-        case 7: qdot_tile<7, BITS, OFF, X16>(a...); break;
-        case 8: qdot_tile<8, BITS, OFF, X16>(a...); break;
+        case 1: qdot_tile<1, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 2: qdot_tile<2, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 3: qdot_tile<3, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 4: qdot_tile<4, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 5: qdot_tile<5, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 6: qdot_tile<6, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 7: qdot_tile<7, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 8: qdot_tile<8, BITS, OFF, X16, ZERO, CELL>(a...); break;
     }
 }
 
@@ -295,38 +347,73 @@ constexpr int64_t QDOT_PANEL_BYTES = 256 << 10;  // of quantized x a panel holds
 // NOTE: a prefill chunk's 1024 rows of a 2048-column x are 2 MiB of int8, fetched from beyond
 // L2 again for every tile as one panel: Q4_K 8192 x 2048 ran at 252 GFLOP/s so, 262 in
 // panels (Zen 4). At least 64 rows a panel: W is read once a panel.
-template <int BITS, bool OFF, bool X16>
+// BITS 6: where more than QDOT_ROWS rows of x pass over a tile, it is unpacked once into BITS
+// 8's lanes (in L1 or L2) and run as those (with BITS 6's zero: the same bits as unpacked in
+// the tile), not again for every 8 rows (~10 operations a 16 columns against 32 products: a
+// quarter more work for a batch's Q6_K projections).
+template <int BITS, bool OFF, bool X16, int CELL>
 void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, float* y,
                  int64_t y_stride) {
     int64_t panel = QDOT_PANEL_BYTES / w.K / QDOT_ROWS * QDOT_ROWS;
     panel = panel < 8 * QDOT_ROWS ? 8 * QDOT_ROWS : panel;
+    const int64_t tile_bytes = qdot_bytes(BITS, w.K);
+    thread_local std::vector<uint8_t> unpacked;
+    // NOTE: the buffer's address taken once: a thread_local's every use in a shared library
+    // is a call to find it
+    if (BITS == 6 && rows_x > QDOT_ROWS) unpacked.resize((size_t)qdot_bytes(8, w.K));
+    uint8_t* const buffer = unpacked.data();
     for (int64_t p0 = 0; p0 < rows_x; p0 += panel) {
         const int64_t p1 = rows_x - p0 < panel ? rows_x : p0 + panel;
-        for (int64_t n = 0; n < w.N; n += 16)
+        const bool unpack = BITS == 6 && p1 - p0 > QDOT_ROWS;
+        for (int64_t n = 0; n < w.N; n += 16) {
+            const uint8_t* q = w.q + n / 16 * tile_bytes;
+            const uint8_t* q_next = n + 16 < w.N ? q + tile_bytes : nullptr;
+            if (unpack)
+                for (int64_t u = 0; u < w.K / 16; ++u) {
+                    for (int64_t b = 0; q_next && b < 192; b += 64)
+                        __builtin_prefetch(q_next + u * 192 + b, 0, 2);
+                    i16 v[4];
+                    qdot_six(q + u * 192, v);
+                    // NOTE: a vector at a time: one copy of the four went through the stack
+                    for (int i = 0; i < 4; ++i) memcpy(buffer + u * 256 + 64 * i, &v[i], 64);
+                }
             for (int64_t m0 = p0; m0 < p1; m0 += QDOT_ROWS) {
                 const int64_t m = p1 - m0 < QDOT_ROWS ? p1 - m0 : QDOT_ROWS;
-                qdot_rows<BITS, OFF, X16>(m, in, m0, w, n / 16, y + m0 * y_stride + n, y_stride,
-                                     w.N - n < 16 ? w.N - n : 16, m0 == p0 && n + 16 < w.N);
+                float* ym = y + m0 * y_stride + n;
+                const int64_t cols = w.N - n < 16 ? w.N - n : 16;
+                const uint8_t* ahead = m0 == p0 ? q_next : nullptr;
+                if (unpack)
+                    qdot_rows<8, OFF, X16, qdot_zero(6), CELL>(m, in, m0, w, n / 16,
+                                                               (const uint8_t*)buffer, ym,
+                                                               y_stride, cols,
+                                                               (const uint8_t*)nullptr);
+                else
+                    qdot_rows<BITS, OFF, X16, qdot_zero(BITS), CELL>(m, in, m0, w, n / 16, q, ym,
+                                                                     y_stride, cols, ahead);
             }
+        }
     }
 }
 
 // Whether the qdot kernel runs a matrix of this shape: whole 32-column passes over x, groups
 // of 16 (two to a block of 32: Q6_K's) or of whole blocks.
 inline bool qdot_supports(int64_t K, int64_t group, int32_t bits) {
-    return (bits == 4 || bits == 8) && K % QDOT_BLOCK == 0 && K % group == 0 &&
+    return (bits == 4 || bits == 6 || bits == 8) && K % QDOT_BLOCK == 0 && K % group == 0 &&
            (group == 16 || group % QDOT_BLOCK == 0);
 }
 
-template <bool X16>
+template <bool X16, int CELL>
 void qdot_typed(const QdotInput& in, int64_t rows, const QdotWeights& w, int32_t bits, float* y,
                 int64_t y_stride) {
     if (bits == 4)
-        w.offsets ? qdot_matmul<4, true, X16>(in, rows, w, y, y_stride)
-                  : qdot_matmul<4, false, X16>(in, rows, w, y, y_stride);
+        w.offsets ? qdot_matmul<4, true, X16, CELL>(in, rows, w, y, y_stride)
+                  : qdot_matmul<4, false, X16, CELL>(in, rows, w, y, y_stride);
+    else if (bits == 6)
+        w.offsets ? qdot_matmul<6, true, X16, CELL>(in, rows, w, y, y_stride)
+                  : qdot_matmul<6, false, X16, CELL>(in, rows, w, y, y_stride);
     else
-        w.offsets ? qdot_matmul<8, true, X16>(in, rows, w, y, y_stride)
-                  : qdot_matmul<8, false, X16>(in, rows, w, y, y_stride);
+        w.offsets ? qdot_matmul<8, true, X16, CELL>(in, rows, w, y, y_stride)
+                  : qdot_matmul<8, false, X16, CELL>(in, rows, w, y, y_stride);
 }
 
 // y = x W^T for any rows, x to int8 or (x16) to 15 bits, a scale per `block` (32 or 16)
@@ -336,8 +423,13 @@ inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const QdotWe
     if (!qdot_supports(w.K, w.group, bits)) return false;
     thread_local QdotInput in;
     qdot_quantize(x, x_stride, rows, w.K, w.group, x16, block, in);
-    x16 ? qdot_typed<true>(in, rows, w, bits, y, y_stride)
-        : qdot_typed<false>(in, rows, w, bits, y, y_stride);
+    const int64_t cell = w.group < block ? w.group : block;  // 16 or 32 (qdot_supports)
+    if (cell == 16)
+        x16 ? qdot_typed<true, 16>(in, rows, w, bits, y, y_stride)
+            : qdot_typed<false, 16>(in, rows, w, bits, y, y_stride);
+    else
+        x16 ? qdot_typed<true, 32>(in, rows, w, bits, y, y_stride)
+            : qdot_typed<false, 32>(in, rows, w, bits, y, y_stride);
     return true;
 }
 
