@@ -228,6 +228,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                const uint8_t* q, float* y, int64_t y_stride, int64_t rows,
                const uint8_t* q_next) {
     constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
+    constexpr bool FEW = M < QDOT_ROWS;  // the call's rows fit one pass (a decode step's)
     const int64_t K = w.K, group = w.group;
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
@@ -245,20 +246,22 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
         const v16 sc = load16_half(scales + g * 16);
-        if (q_next && (g & 1) == 0) {  // the next tile's scales and offsets, a line = 2 groups
+        if (FEW && q_next && (g & 1) == 0) {  // the next tile's scales and offsets: 2 groups a line
             __builtin_prefetch(scales + (groups + g) * 16, 0, 2);
             if (OFF) __builtin_prefetch(offsets + (groups + g) * 16, 0, 2);
         }
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             const int64_t k0 = c * cell;
             const uint8_t* qc = q + c * cell_bytes;
-            // NOTE: the next tile's cell, asked for while this one computes, into L2 (locality
-            // 2): a tile ahead is 9-96 KiB, past L1's 32; into L1 the lone decode's sweep of a 1B
-            // model's projections took 44-61 ms, into L2 37-41 (median of 16, interleaved)
+            // NOTE: the next tile's cell, asked for while this one computes. Where few rows
+            // share the tile (a decode), into L2 (locality 2): a tile ahead is 9-96 KiB, past
+            // L1's 32; into L1 the lone decode's sweep of a 1B model's projections took 44-61
+            // ms, into L2 37-41 (median of 16, interleaved). A batch's tile, read by every 8
+            // rows, into L1 as before (into L2 its sweep at 256 rows was ~7% slower).
             if (q_next)
 #pragma GCC unroll 8
                 for (int64_t b = 0; b < cell_bytes; b += 64)
-                    __builtin_prefetch(q_next + c * cell_bytes + b, 0, 2);
+                    __builtin_prefetch(q_next + c * cell_bytes + b, 0, FEW ? 2 : 3);
             i16 d[M][CHAINS] = {}, dl[M] = {};  // dl: X16's products with the low halves
             if (BITS == 4) {
                 const i16 low = (i16){} + 0x0F0F0F0F;
