@@ -79,8 +79,8 @@ def main() -> None:
     blocks = projections(args.model)
     # the LM head's form: within its tolerance (form_choice.py), the decoder's `qdot`
     forms = ["qdot"] * (len(blocks) - 1) + ["qdot_b16"]
-    held = [QuantMatrix(bq, dot=True).against(form) for bq, form in zip(blocks, forms)]
-    eight = [in_eight_bits(bq, h) for bq, h in zip(blocks, held)]
+    held = [QuantMatrix(bq, dot=True).against(form) for bq, form in zip(blocks, forms, strict=True)]
+    eight = [in_eight_bits(bq, h) for bq, h in zip(blocks, held, strict=True)]
     del blocks
     runs = {"this build, as held": (kernels, held), "this build, 8-bit": (kernels, eight)}
     if args.against:

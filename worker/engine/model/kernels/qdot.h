@@ -26,9 +26,9 @@
 //
 // Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact), then
 // in float32 acc += float(dot) * (scale[g] * xs[cell's block]); per group, with offsets or a
-// zero, acc += (offset[g] - ZERO * scale[g]) * (the sum of the group's xs * q). The same operations in the
-// same order for a row whatever shares its call, so a row's products are the same bits alone or
-// in a call of any size (batch invariance, as the float kernel's).
+// zero, acc += (offset[g] - ZERO * scale[g]) * (the sum of the group's xs * q). The same
+// operations in the same order for a row whatever shares its call, so a row's products are the
+// same bits alone or in a call of any size (batch invariance, as the float kernel's).
 
 #ifndef LLMQ_QDOT_H
 #define LLMQ_QDOT_H
@@ -197,9 +197,6 @@ struct QdotWeights {
     float unit;
 };
 
-// One tile of 16 weight rows (t) against rows [m0, m0 + M) of x: y[m][0..16) of the tile.
-// X16: each product twice, against x's high and low halves, joined in integers (exact: a
-// cell's high sum is at most 32 * 255 * 64, times 256 < 2^31).
 // Bytes of `columns` columns of a tile of 16 rows.
 constexpr int64_t qdot_bytes(int BITS, int64_t columns) { return columns * BITS * 2; }
 
@@ -219,16 +216,18 @@ inline void qdot_six(const uint8_t* p, i16 w[4]) {
            ((i16)((u16)c >> 2) & 0x30303030);
 }
 
-// One tile of 16 weight rows (its bytes `q`) against rows [m0, m0 + M) of x: y[m][0..16) of
-// the tile; q_next: the next tile's, fetched ahead, or null.
-// CELL: min(group, x's block), 16 or 32 (a constant: the loops over a cell's bytes unrolled,
-// where as loops they were half of a lone row's instructions).
+// One tile of 16 weight rows (t, its bytes `q`) against rows [m0, m0 + M) of x: y[m][0..16)
+// of the tile; q_next: the next tile's bytes, fetched ahead, or null. X16: each product twice,
+// against x's high and low halves, joined in integers (exact: a cell's high sum is at most
+// 32 * 255 * 64, times 256 < 2^31). CELL: min(group, x's block), 16 or 32 (a constant: the
+// loops over a cell's bytes unrolled, where as loops they were half of a lone row's
+// instructions).
 template <int M, int BITS, bool OFF, bool X16, int ZERO, int CELL>
 void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                const uint8_t* q, float* y, int64_t y_stride, int64_t rows,
                const uint8_t* q_next) {
     constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
-    constexpr bool FEW = M < QDOT_ROWS;  // the call's rows fit one pass (a decode step's)
+    constexpr bool FEW = M < QDOT_ROWS;  // fewer rows than a full pass: a decode step's
     const int64_t K = w.K, group = w.group;
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
@@ -246,7 +245,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
         const v16 sc = load16_half(scales + g * 16);
-        if (FEW && q_next && (g & 1) == 0) {  // the next tile's scales and offsets: 2 groups a line
+        if (FEW && q_next && (g & 1) == 0) {  // the next tile's scales, offsets: a line 2 groups
             __builtin_prefetch(scales + (groups + g) * 16, 0, 2);
             if (OFF) __builtin_prefetch(offsets + (groups + g) * 16, 0, 2);
         }
@@ -290,7 +289,8 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                             d[m][i % CHAINS] = dot4(d[m][i % CHAINS], v[i], load_x4(x + 4 * i));
                         if (X16) {
                             const int8_t* l = xl + m * K + k0 + 16 * u;
-                            for (int i = 0; i < 4; ++i) dl[m] = dot4(dl[m], v[i], load_x4(l + 4 * i));
+                            for (int i = 0; i < 4; ++i)
+                                dl[m] = dot4(dl[m], v[i], load_x4(l + 4 * i));
                         }
                     }
                 }
