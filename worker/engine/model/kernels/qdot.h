@@ -203,6 +203,8 @@ constexpr int64_t qdot_bytes(int BITS, int64_t columns) { return columns * BITS 
 // The integer a type's stored byte holds at q = 0 (its products carry ZERO * the sum of x).
 constexpr int qdot_zero(int BITS) { return BITS == 8 ? 128 : BITS == 6 ? 32 : 0; }
 
+constexpr int64_t QDOT_SIX_COLUMNS = 16, QDOT_SIX_BYTES = qdot_bytes(6, QDOT_SIX_COLUMNS);
+
 // BITS 6's 16 columns (192 bytes, three vectors) -> its four entries of BITS 8's lanes, each
 // byte u = q + 32: the three vectors' low 6 bits, and the fourth entry from their top 2 bits.
 inline void qdot_six(const uint8_t* p, i16 w[4]) {
@@ -214,6 +216,20 @@ inline void qdot_six(const uint8_t* p, i16 w[4]) {
     // NOTE: 32-bit shifts: what crosses into a byte from its neighbour is masked off
     w[3] = ((i16)((u16)a >> 6) & 0x03030303) | ((i16)((u16)b >> 4) & 0x0C0C0C0C) |
            ((i16)((u16)c >> 2) & 0x30303030);
+}
+
+// A BITS 6 tile (its K columns) -> BITS 8's lanes in `out`, holding u = q + 32; `next`: the
+// next tile's bytes, fetched into L2 meanwhile, or null.
+inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next, uint8_t* out) {
+    for (int64_t c = 0; c < K; c += QDOT_SIX_COLUMNS) {
+        const int64_t from = qdot_bytes(6, c), to = qdot_bytes(8, c);
+        for (int64_t b = 0; next && b < QDOT_SIX_BYTES; b += 64)
+            __builtin_prefetch(next + from + b, 0, 2);
+        i16 v[4];
+        qdot_six(tile + from, v);
+        // NOTE: a vector at a time: one copy of the four went through the stack
+        for (int i = 0; i < 4; ++i) memcpy(out + to + 64 * i, &v[i], 64);
+    }
 }
 
 // One tile of 16 weight rows (t, its bytes `q`) against rows [m0, m0 + M) of x: y[m][0..16)
@@ -280,15 +296,15 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                 }
             } else if (BITS == 6) {
 #pragma GCC unroll 2
-                for (int64_t u = 0; u < cell / 16; ++u) {
+                for (int64_t u = 0; u < cell / QDOT_SIX_COLUMNS; ++u) {
                     i16 v[4];
-                    qdot_six(qc + u * 192, v);
+                    qdot_six(qc + u * QDOT_SIX_BYTES, v);
                     for (int m = 0; m < M; ++m) {
-                        const int8_t* x = xq + m * K + k0 + 16 * u;
+                        const int8_t* x = xq + m * K + k0 + QDOT_SIX_COLUMNS * u;
                         for (int i = 0; i < 4; ++i)
                             d[m][i % CHAINS] = dot4(d[m][i % CHAINS], v[i], load_x4(x + 4 * i));
                         if (X16) {
-                            const int8_t* l = xl + m * K + k0 + 16 * u;
+                            const int8_t* l = xl + m * K + k0 + QDOT_SIX_COLUMNS * u;
                             for (int i = 0; i < 4; ++i)
                                 dl[m] = dot4(dl[m], v[i], load_x4(l + 4 * i));
                         }
@@ -371,15 +387,7 @@ void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, floa
         for (int64_t n = 0; n < w.N; n += 16) {
             const uint8_t* q = w.q + n / 16 * tile_bytes;
             const uint8_t* q_next = n + 16 < w.N ? q + tile_bytes : nullptr;
-            if (unpack)
-                for (int64_t u = 0; u < w.K / 16; ++u) {
-                    for (int64_t b = 0; q_next && b < 192; b += 64)
-                        __builtin_prefetch(q_next + u * 192 + b, 0, 2);
-                    i16 v[4];
-                    qdot_six(q + u * 192, v);
-                    // NOTE: a vector at a time: one copy of the four went through the stack
-                    for (int i = 0; i < 4; ++i) memcpy(buffer + u * 256 + 64 * i, &v[i], 64);
-                }
+            if (unpack) qdot_unpack_six(q, w.K, q_next, buffer);
             for (int64_t m0 = p0; m0 < p1; m0 += QDOT_ROWS) {
                 const int64_t m = p1 - m0 < QDOT_ROWS ? p1 - m0 : QDOT_ROWS;
                 float* ym = y + m0 * y_stride + n;
