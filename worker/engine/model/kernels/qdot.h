@@ -44,7 +44,19 @@ namespace llmq {
 
 constexpr int64_t QDOT_BLOCK = 32;  // columns of x sharing one int8 scale (`qdot`, `qdot16`)
 constexpr int64_t QDOT_FINE_BLOCK = 16;  // ... in the `qdot_b16` form
-constexpr int QDOT_ROWS = 8;  // rows of x a tile computes at once (their accumulators in registers)
+constexpr int QDOT_ROWS = 4;  // rows of x a pass computes at once (accumulators in registers)
+constexpr int QDOT_PAIR = 2;  // tiles a pass of QDOT_ROWS rows computes at once
+constexpr int QDOT_FEW_ROWS = 8;  // a call of fewer rows is a decode step's: bound by reading W
+
+// Where row m's columns [k, k + 4) of x lie in QdotInput's q and lo (k a multiple of 4): rows
+// in passes of QDOT_ROWS, a pass's bytes [K / 4][its rows][4], so a pass reads its rows' x at
+// one pointer's offsets. NOTE: row by row, the tile kernel held a pointer a row and spilt
+// them out of the registers: reloading them was a fifth of a batch's time.
+inline int64_t qdot_x_at(int64_t rows, int64_t K, int64_t m, int64_t k) {
+    const int64_t m0 = m - m % QDOT_ROWS;
+    const int64_t in_pass = rows - m0 < QDOT_ROWS ? rows - m0 : QDOT_ROWS;
+    return m0 * K + k * in_pass + (m - m0) * 4;
+}
 
 // x [rows, K] float32 as one call of the qdot kernel reads it: rounded to int8 (X16 false),
 // or to 15 bits held as two int8 halves, q * 256 + lo (X16: the `qdot16` form, the same
@@ -54,8 +66,8 @@ constexpr int QDOT_ROWS = 8;  // rows of x a tile computes at once (their accumu
 // a float multiply-add more per 16 columns of a group of 32).
 struct QdotInput {
     int64_t block = QDOT_BLOCK;
-    std::vector<int8_t> q;  // [rows, K]: round(x / xs) in -127..127; X16: the high half
-    std::vector<int8_t> lo;  // X16: [rows, K] round(x / xs) - 256 * q, in -128..127
+    std::vector<int8_t> q;  // at qdot_x_at: round(x / xs) in -127..127; X16: the high half
+    std::vector<int8_t> lo;  // X16: at qdot_x_at, round(x / xs) - 256 * q, in -128..127
     std::vector<float> scale;  // [rows, K / block]: xs = max |x| / (127 | 16383) of a block
     std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
 };
@@ -72,6 +84,11 @@ inline float hmax(v16 v) {
 }
 
 typedef int8_t b16 __attribute__((vector_size(16)));
+
+// 16 int8 of columns [k, k + 16) of row m to their places (qdot_x_at), 4 at a time
+inline void qdot_x_put(int8_t* to, int64_t rows, int64_t K, int64_t m, int64_t k, b16 v) {
+    for (int j = 0; j < 16; j += 4) memcpy(to + qdot_x_at(rows, K, m, k + j), (int8_t*)&v + j, 4);
+}
 
 // x [rows, K] -> `in`: per block of 32 columns, 16 lanes at a time (a call's fixed cost: at
 // 128 rows, as a loop of scalars, it was a third of a 512-row slice's product, which is what
@@ -90,7 +107,6 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
     const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
     for (int64_t m = 0; m < rows; ++m) {
         const float* xm = x + m * x_stride;
-        int8_t* qm = in.q.data() + m * K;
         float* xsum = in.xsum.data() + m * groups;
         for (int64_t b = 0; b < blocks; ++b) {
             const v16 lo = load16(xm + b * QDOT_BLOCK), hi = load16(xm + b * QDOT_BLOCK + 16);
@@ -109,15 +125,15 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
                 const b16 qhi = __builtin_convertvector(hhi, b16);
                 const b16 llo = __builtin_convertvector(ilo - hlo * 256, b16);
                 const b16 lhi = __builtin_convertvector(ihi - hhi * 256, b16);
-                memcpy(qm + b * QDOT_BLOCK, &qlo, 16);
-                memcpy(qm + b * QDOT_BLOCK + 16, &qhi, 16);
-                memcpy(in.lo.data() + m * K + b * QDOT_BLOCK, &llo, 16);
-                memcpy(in.lo.data() + m * K + b * QDOT_BLOCK + 16, &lhi, 16);
+                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK, qlo);
+                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK + 16, qhi);
+                qdot_x_put(in.lo.data(), rows, K, m, b * QDOT_BLOCK, llo);
+                qdot_x_put(in.lo.data(), rows, K, m, b * QDOT_BLOCK + 16, lhi);
             } else {
                 const b16 qlo = __builtin_convertvector(ilo, b16);
                 const b16 qhi = __builtin_convertvector(ihi, b16);
-                memcpy(qm + b * QDOT_BLOCK, &qlo, 16);
-                memcpy(qm + b * QDOT_BLOCK + 16, &qhi, 16);
+                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK, qlo);
+                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK + 16, qhi);
             }
             if (halves) {
                 in.scale[(m * blocks + b) * 2] = scale_lo;
@@ -232,24 +248,26 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
     }
 }
 
-// One tile of 16 weight rows (t, its bytes `q`) against rows [m0, m0 + M) of x: y[m][0..16)
-// of the tile; q_next: the next tile's bytes, fetched ahead, or null. X16: each product twice,
-// against x's high and low halves, joined in integers (exact: a cell's high sum is at most
-// 32 * 255 * 64, times 256 < 2^31). CELL: min(group, x's block), 16 or 32 (a constant: the
-// loops over a cell's bytes unrolled, where as loops they were half of a lone row's
-// instructions).
-template <int M, int BITS, bool OFF, bool X16, int ZERO, int CELL>
+// T tiles of 16 weight rows (t, t + 1, ..., their bytes from `q`, `q_stride` apart) against
+// the pass of rows [m0, m0 + M) of x: y[m][0..16 T) of the tiles; q_next: the next tiles' bytes,
+// fetched ahead, or null; few: a decode step's call (fewer than QDOT_FEW_ROWS rows). X16: each
+// product twice, against x's high and low halves, joined in integers (exact: a cell's high sum
+// is at most 32 * 255 * 64, times 256 < 2^31). CELL: min(group, x's block), 16 or 32 (a
+// constant: the loops over a cell's bytes unrolled, where as loops they were half of a lone
+// row's instructions). T 2 where M is QDOT_ROWS: each load of x feeds both tiles' products,
+// and each tile's bytes serve 4 rows.
+template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL>
 void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
-               const uint8_t* q, float* y, int64_t y_stride, int64_t rows,
-               const uint8_t* q_next) {
+               const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
+               const uint8_t* q_next, bool few) {
     constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
-    constexpr bool FEW = M < QDOT_ROWS;  // fewer rows than a full pass: a decode step's
     const int64_t K = w.K, group = w.group;
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
     const int block_shift = cell < in.block ? 1 : 0;
     const uint16_t* scales = w.scales + t * groups * 16;
     const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 : nullptr;
+    // x's pass (qdot_x_at): row m's columns [k, k + 4) at xq + k * M + 4 * m
     const int8_t* xq = in.q.data() + m0 * K;
     const int8_t* xl = X16 ? in.lo.data() + m0 * K : nullptr;
     const float* xs = in.scale.data() + m0 * blocks;
@@ -257,13 +275,14 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
     // chain a row saves an add a row and cell
     constexpr int CHAINS = BITS != 8 && M < 4 && !X16 ? 2 : 1;
-    v16 acc[M] = {};
+    v16 acc[M][T] = {};
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
-        const v16 sc = load16_half(scales + g * 16);
-        if (FEW && q_next && (g & 1) == 0) {  // the next tile's scales, offsets: a line 2 groups
-            __builtin_prefetch(scales + (groups + g) * 16, 0, 2);
-            if (OFF) __builtin_prefetch(offsets + (groups + g) * 16, 0, 2);
+        v16 sc[T];
+        for (int i = 0; i < T; ++i) sc[i] = load16_half(scales + (i * groups + g) * 16);
+        if (few && q_next && (g & 1) == 0) {  // the next tile's scales, offsets: a line 2 groups
+            __builtin_prefetch(scales + (T * groups + g) * 16, 0, 2);
+            if (OFF) __builtin_prefetch(offsets + (T * groups + g) * 16, 0, 2);
         }
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             const int64_t k0 = c * cell;
@@ -271,75 +290,103 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
             // NOTE: the next tile's cell, asked for while this one computes. Where few rows
             // share the tile (a decode), into L2 (locality 2): a tile ahead is 9-96 KiB, past
             // L1's 32; into L1 the lone decode's sweep of a 1B model's projections took 44-61
-            // ms, into L2 37-41 (median of 16, interleaved). A batch's tile, read by every 8
-            // rows, into L1 as before (into L2 its sweep at 256 rows was ~7% slower).
+            // ms, into L2 37-41 (median of 16, interleaved). A batch's tile, read by every
+            // pass, into L1 as before (into L2 its sweep at 256 rows was ~7% slower).
             if (q_next)
+                for (int i = 0; i < T; ++i)
 #pragma GCC unroll 8
-                for (int64_t b = 0; b < cell_bytes; b += 64)
-                    __builtin_prefetch(q_next + c * cell_bytes + b, 0, FEW ? 2 : 3);
-            i16 d[M][CHAINS] = {}, dl[M] = {};  // dl: X16's products with the low halves
+                    for (int64_t b = 0; b < cell_bytes; b += 64) {
+                        const uint8_t* ahead = q_next + i * q_stride + c * cell_bytes + b;
+                        if (few) __builtin_prefetch(ahead, 0, 2);
+                        else __builtin_prefetch(ahead, 0, 3);
+                    }
+            // d: the products a row and tile; dl: X16's with the low halves
+            i16 d[M][T][CHAINS] = {}, dl[M][T] = {};
             if (BITS == 4) {
                 const i16 low = (i16){} + 0x0F0F0F0F;
 #pragma GCC unroll 4
                 for (int64_t e = 0; e < cell / 8; ++e) {
-                    const i16 v = load_i16(qc + e * 64);
-                    const i16 lo = v & low, hi = (i16)((u16)v >> 4) & low;
+                    i16 lo[T], hi[T];
+                    for (int i = 0; i < T; ++i) {
+                        const i16 v = load_i16(qc + i * q_stride + e * 64);
+                        lo[i] = v & low;
+                        hi[i] = (i16)((u16)v >> 4) & low;
+                    }
+                    const int64_t k = k0 + 8 * e;
                     for (int m = 0; m < M; ++m) {
-                        const int8_t* x = xq + m * K + k0 + 8 * e;
-                        d[m][0] = dot4(d[m][0], lo, load_x4(x));
-                        d[m][CHAINS - 1] = dot4(d[m][CHAINS - 1], hi, load_x4(x + 4));
+                        const int32_t a = load_x4(xq + k * M + 4 * m);
+                        const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
+                        for (int i = 0; i < T; ++i) d[m][i][0] = dot4(d[m][i][0], lo[i], a);
+                        for (int i = 0; i < T; ++i)
+                            d[m][i][CHAINS - 1] = dot4(d[m][i][CHAINS - 1], hi[i], b);
                         if (X16) {
-                            const int8_t* l = xl + m * K + k0 + 8 * e;
-                            dl[m] = dot4(dot4(dl[m], lo, load_x4(l)), hi, load_x4(l + 4));
+                            const int32_t la = load_x4(xl + k * M + 4 * m);
+                            const int32_t lb = load_x4(xl + (k + 4) * M + 4 * m);
+                            for (int i = 0; i < T; ++i)
+                                dl[m][i] = dot4(dot4(dl[m][i], lo[i], la), hi[i], lb);
                         }
                     }
                 }
             } else if (BITS == 6) {
 #pragma GCC unroll 2
                 for (int64_t u = 0; u < cell / QDOT_SIX_COLUMNS; ++u) {
-                    i16 v[4];
-                    qdot_six(qc + u * QDOT_SIX_BYTES, v);
-                    for (int m = 0; m < M; ++m) {
-                        const int8_t* x = xq + m * K + k0 + QDOT_SIX_COLUMNS * u;
-                        for (int i = 0; i < 4; ++i)
-                            d[m][i % CHAINS] = dot4(d[m][i % CHAINS], v[i], load_x4(x + 4 * i));
-                        if (X16) {
-                            const int8_t* l = xl + m * K + k0 + QDOT_SIX_COLUMNS * u;
-                            for (int i = 0; i < 4; ++i)
-                                dl[m] = dot4(dl[m], v[i], load_x4(l + 4 * i));
+                    i16 v[T][4];
+                    for (int i = 0; i < T; ++i) qdot_six(qc + i * q_stride + u * QDOT_SIX_BYTES, v[i]);
+                    const int64_t k = k0 + QDOT_SIX_COLUMNS * u;
+                    for (int m = 0; m < M; ++m)
+                        for (int j = 0; j < 4; ++j) {
+                            const int32_t a = load_x4(xq + (k + 4 * j) * M + 4 * m);
+                            for (int i = 0; i < T; ++i)
+                                d[m][i][j % CHAINS] = dot4(d[m][i][j % CHAINS], v[i][j], a);
+                            if (X16) {
+                                const int32_t la = load_x4(xl + (k + 4 * j) * M + 4 * m);
+                                for (int i = 0; i < T; ++i) dl[m][i] = dot4(dl[m][i], v[i][j], la);
+                            }
                         }
-                    }
                 }
             } else {
 #pragma GCC unroll 8
                 for (int64_t e = 0; e < cell / 4; ++e) {
-                    const i16 v = load_i16(qc + e * 64);
+                    i16 v[T];
+                    for (int i = 0; i < T; ++i) v[i] = load_i16(qc + i * q_stride + e * 64);
+                    const int64_t k = k0 + 4 * e;
                     for (int m = 0; m < M; ++m) {
-                        d[m][0] = dot4(d[m][0], v, load_x4(xq + m * K + k0 + 4 * e));
-                        if (X16) dl[m] = dot4(dl[m], v, load_x4(xl + m * K + k0 + 4 * e));
+                        const int32_t a = load_x4(xq + k * M + 4 * m);
+                        for (int i = 0; i < T; ++i) d[m][i][0] = dot4(d[m][i][0], v[i], a);
+                        if (X16) {
+                            const int32_t la = load_x4(xl + k * M + 4 * m);
+                            for (int i = 0; i < T; ++i) dl[m][i] = dot4(dl[m][i], v[i], la);
+                        }
                     }
                 }
             }
             const int64_t block = c >> block_shift;
             for (int m = 0; m < M; ++m) {
-                i16 s = CHAINS == 2 ? d[m][0] + d[m][CHAINS - 1] : d[m][0];
-                if (X16) s = s * 256 + dl[m];
-                acc[m] += __builtin_convertvector(s, v16) * (sc * xs[m * blocks + block]);
+                const float x_scale = xs[m * blocks + block];
+                for (int i = 0; i < T; ++i) {
+                    i16 s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
+                    if (X16) s = s * 256 + dl[m][i];
+                    acc[m][i] += __builtin_convertvector(s, v16) * (sc[i] * x_scale);
+                }
             }
         }
         // NOTE: BITS 8 held q + 128, so the product holds 128 * scale * (the group's x) too:
         // taken back out as part of the offset term (one multiply-add a row and group, where
         // the integer way, 128 times the sum of q, cost three a row and cell); BITS 6, 32
-        if (OFF || ZERO) {
-            v16 off = OFF ? load16_half(offsets + g * 16) : v16{};
-            if (ZERO) off -= (float)ZERO * sc;
-            for (int m = 0; m < M; ++m) acc[m] += off * in.xsum[(m0 + m) * groups + g];
+        if (OFF || ZERO)
+            for (int i = 0; i < T; ++i) {
+                v16 off = OFF ? load16_half(offsets + (i * groups + g) * 16) : v16{};
+                if (ZERO) off -= (float)ZERO * sc[i];
+                for (int m = 0; m < M; ++m) acc[m][i] += off * in.xsum[(m0 + m) * groups + g];
+            }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int i = 0; i < T; ++i) {
+            const v16 out = acc[m][i] * w.unit;
+            float* ym = y + m * y_stride + 16 * i;
+            if (rows == 16) memcpy(ym, &out, 64);
+            else for (int64_t r = 0; r < rows; ++r) ym[r] = out[r];
         }
-    }
-    for (int m = 0; m < M; ++m) {
-        const v16 out = acc[m] * w.unit;
-        for (int64_t r = 0; r < rows; ++r) y[m * y_stride + r] = out[r];
-    }
 }
 
 // NOTE: the arguments by reference: by value, each tile call copied the quantized x (its vectors)
@@ -347,61 +394,83 @@ template <int BITS, bool OFF, bool X16, int ZERO, int CELL, typename... A>
 void qdot_rows(int64_t rows_x, const A&... a) {
     static_assert(BITS == 4 || BITS == 6 || BITS == 8, "a qdot layout");
     switch (rows_x) {
-        case 1: qdot_tile<1, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 2: qdot_tile<2, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 3: qdot_tile<3, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 4: qdot_tile<4, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 5: qdot_tile<5, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 6: qdot_tile<6, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 7: qdot_tile<7, BITS, OFF, X16, ZERO, CELL>(a...); break;
-        case 8: qdot_tile<8, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 1: qdot_tile<1, 1, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 2: qdot_tile<2, 1, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 3: qdot_tile<3, 1, BITS, OFF, X16, ZERO, CELL>(a...); break;
+        case 4: qdot_tile<4, 1, BITS, OFF, X16, ZERO, CELL>(a...); break;
     }
 }
 
 constexpr int64_t QDOT_PANEL_BYTES = 256 << 10;  // of quantized x a panel holds (in L2)
 
-// y [rows, N] = x W^T for any number of rows: tile by tile, each tile against every 8 rows of x
-// in turn while its bytes are in cache (W is read from memory once a panel, not once per 8
-// rows). Panels of x's rows small enough to stay in L2 while every tile passes over them.
+// y [rows, N] = x W^T for any number of rows: tiles in pairs, each pair against every pass of
+// QDOT_ROWS rows of x in turn while its bytes are in cache (W is read from memory once a
+// panel, not once a pass). Panels of x's rows small enough to stay in L2 while every tile
+// passes over them.
 // NOTE: a prefill chunk's 1024 rows of a 2048-column x are 2 MiB of int8, fetched from beyond
 // L2 again for every tile as one panel: Q4_K 8192 x 2048 ran at 252 GFLOP/s so, 262 in
 // panels (Zen 4). At least 64 rows a panel: W is read once a panel.
-// BITS 6: where more than QDOT_ROWS rows of x pass over a tile, it is unpacked once into BITS
-// 8's lanes (in L1 or L2) and run as those (with BITS 6's zero: the same bits as unpacked in
-// the tile), not again for every 8 rows (~10 operations a 16 columns against 32 products: a
+// NOTE: pairs of tiles against 4 rows, not one tile against 8: the same products and loads of
+// W a pass, half the loads of x a product, and 4 rows' accumulators where 8 spilt pointers
+// (Zen 4, a Q4_1 3072 x 576 at 128 rows: 226 -> 309 GOP/s).
+// BITS 6: where more than QDOT_FEW_ROWS rows of x pass over a tile, it is unpacked once into
+// BITS 8's lanes (in L1 or L2) and run as those (with BITS 6's zero: the same bits as unpacked
+// in the tile), not again for every pass (~10 operations a 16 columns against 32 products: a
 // quarter more work for a batch's Q6_K projections).
 template <int BITS, bool OFF, bool X16, int CELL>
 void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, float* y,
                  int64_t y_stride) {
     int64_t panel = QDOT_PANEL_BYTES / w.K / QDOT_ROWS * QDOT_ROWS;
-    panel = panel < 8 * QDOT_ROWS ? 8 * QDOT_ROWS : panel;
-    const int64_t tile_bytes = qdot_bytes(BITS, w.K);
+    panel = panel < 64 ? 64 : panel;
+    const int64_t tile_bytes = qdot_bytes(BITS, w.K), unpacked_bytes = qdot_bytes(8, w.K);
+    const bool few = rows_x < QDOT_FEW_ROWS;
     thread_local std::vector<uint8_t> unpacked;
     // NOTE: the buffer's address taken once: a thread_local's every use in a shared library
     // is a call to find it
-    if (BITS == 6 && rows_x > QDOT_ROWS) unpacked.resize((size_t)qdot_bytes(8, w.K));
+    if (BITS == 6 && !few) unpacked.resize((size_t)(QDOT_PAIR * unpacked_bytes));
     uint8_t* const buffer = unpacked.data();
     for (int64_t p0 = 0; p0 < rows_x; p0 += panel) {
         const int64_t p1 = rows_x - p0 < panel ? rows_x : p0 + panel;
-        const bool unpack = BITS == 6 && p1 - p0 > QDOT_ROWS;
-        for (int64_t n = 0; n < w.N; n += 16) {
+        const bool unpack = BITS == 6 && p1 - p0 >= QDOT_FEW_ROWS;
+        const int64_t stride = unpack ? unpacked_bytes : tile_bytes;
+        for (int64_t n = 0; n < w.N;) {
+            // a pair of whole tiles where a pass has QDOT_ROWS rows, else one
+            const int64_t tiles =
+                p1 - p0 >= QDOT_ROWS && w.N - n >= 16 * QDOT_PAIR ? QDOT_PAIR : 1;
             const uint8_t* q = w.q + n / 16 * tile_bytes;
-            const uint8_t* q_next = n + 16 < w.N ? q + tile_bytes : nullptr;
-            if (unpack) qdot_unpack_six(q, w.K, q_next, buffer);
+            const uint8_t* q_next = n + 16 * tiles < w.N ? q + tiles * tile_bytes : nullptr;
+            for (int64_t i = 0; unpack && i < tiles; ++i)
+                qdot_unpack_six(q + i * tile_bytes, w.K,
+                                n + 16 * (i + 1) < w.N ? q + (i + 1) * tile_bytes : nullptr,
+                                buffer + i * unpacked_bytes);
+            const uint8_t* tile = unpack ? buffer : q;
             for (int64_t m0 = p0; m0 < p1; m0 += QDOT_ROWS) {
                 const int64_t m = p1 - m0 < QDOT_ROWS ? p1 - m0 : QDOT_ROWS;
                 float* ym = y + m0 * y_stride + n;
-                const int64_t cols = w.N - n < 16 ? w.N - n : 16;
-                const uint8_t* ahead = m0 == p0 ? q_next : nullptr;
-                if (unpack)
-                    qdot_rows<8, OFF, X16, qdot_zero(6), CELL>(m, in, m0, w, n / 16,
-                                                               (const uint8_t*)buffer, ym,
-                                                               y_stride, cols,
-                                                               (const uint8_t*)nullptr);
-                else
-                    qdot_rows<BITS, OFF, X16, qdot_zero(BITS), CELL>(m, in, m0, w, n / 16, q, ym,
-                                                                     y_stride, cols, ahead);
+                const uint8_t* ahead = m0 == p0 && !unpack ? q_next : nullptr;
+                if (m == QDOT_ROWS && tiles == QDOT_PAIR) {
+                    if (unpack)
+                        qdot_tile<QDOT_ROWS, QDOT_PAIR, 8, OFF, X16, qdot_zero(6), CELL>(
+                            in, m0, w, n / 16, tile, stride, ym, y_stride, 16, ahead, few);
+                    else
+                        qdot_tile<QDOT_ROWS, QDOT_PAIR, BITS, OFF, X16, qdot_zero(BITS), CELL>(
+                            in, m0, w, n / 16, tile, stride, ym, y_stride, 16, ahead, few);
+                    continue;
+                }
+                for (int64_t i = 0; i < tiles; ++i) {  // fewer rows: a tile at a time
+                    const int64_t cols = w.N - n - 16 * i < 16 ? w.N - n - 16 * i : 16;
+                    const uint8_t* after = i + 1 == tiles ? ahead : nullptr;
+                    if (unpack)
+                        qdot_rows<8, OFF, X16, qdot_zero(6), CELL>(
+                            m, in, m0, w, n / 16 + i, tile + i * stride, stride, ym + 16 * i,
+                            y_stride, cols, after, few);
+                    else
+                        qdot_rows<BITS, OFF, X16, qdot_zero(BITS), CELL>(
+                            m, in, m0, w, n / 16 + i, tile + i * stride, stride, ym + 16 * i,
+                            y_stride, cols, after, few);
+                }
             }
+            n += 16 * tiles;
         }
     }
 }
