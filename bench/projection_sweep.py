@@ -12,6 +12,8 @@ Compared, each a full sweep per round, the median and best of the rounds printed
                            once; it must take the 8-bit tiles (any checkout since `qdot`)
   floor                    the same bytes read by torch (a sum: a plain streaming read)
 
+With --against, each projection's output on the 8-bit tiles is compared between the two builds.
+
 Llama-family tensor names (blk.N.attn_q ... ffn_down, token_embd as the tied head); the fused
 QKV and gate-up as the model fuses them (a Q4_K_M QKV with a Q6_K V is one 6-bit matrix).
 """
@@ -109,6 +111,14 @@ def main() -> None:
     for name, times in seconds.items():
         print(f"  {name:40s} median {statistics.median(times) * 1e3:8.2f} ms   "
               f"best {min(times) * 1e3:8.2f} ms", flush=True)
+    if args.against:
+        # the same tiles through both builds: a kernel change that keeps the arithmetic keeps
+        # every output bit
+        (ours, _), (theirs, _) = runs["this build, 8-bit"], runs[f"{args.against}, 8-bit"]
+        same = sum(torch.equal(ours.quant_matmul(x[m.in_features], m),
+                               theirs.quant_matmul(x[m.in_features], m)) for m in eight)
+        print(f"  outputs the same bits as {args.against}'s: {same} of {len(eight)} projections",
+              flush=True)
 
 
 if __name__ == "__main__":

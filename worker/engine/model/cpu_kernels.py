@@ -10,8 +10,8 @@ of every sequence's blocks into a contiguous buffer in every layer (attention.py
 here each K/V row is read once, where the block table says it is.
 
 The C++ lives in kernels/ beside this module (package data: layer_kernels.cpp and the
-headers it includes, vec16.h, qdot.h and paged_attention.h; int8_rows.cpp for Int8Matrix,
-lora_rows.cpp for LoRA adapters). It is
+headers it includes, vec16.h, qdot.h, qdot_input.h and paged_attention.h; int8_rows.cpp for
+Int8Matrix, lora_rows.cpp for LoRA adapters). It is
 compiled on first use from where it lies, so a compiler error names the real file and line,
 into ~/.cache/llmq/kernels (LLMQ_KERNEL_DIR), keyed by a hash of every source file, the
 compiler, the flags and the CPU model, and loaded with ctypes (no torch headers, no ninja):

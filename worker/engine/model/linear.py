@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed_weight
+from . import cached_forms
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
 from .cpu_kernels import CpuKernels
 from .form_choice import BUCKETS, DENSE_DTYPES, QUANT_FORMS, FormChoice, Sample, bucket_of
@@ -61,7 +61,6 @@ logger = logging.getLogger(__name__)
 QUANT_MAX_ROWS = 8
 # rows past the last finite bucket's bound share its form (Linear._form_by_rows)
 ROUTED_ROWS = BUCKETS[-2][0] + 1
-DENSE_CHUNK_ROWS = 4096  # rows dequantized at a time into a dense form (bounds the peak RSS)
 # Batch-invariant dense projections run in calls of exactly this many rows (the last padded):
 # oneDNN's and MKL's float32 and bfloat16 GEMMs sum a row in an order that follows the call's
 # rows (one row: a GEMV), never the row's place in the call (bench/batch_invariance.py)
@@ -192,7 +191,7 @@ class Linear(nn.Module):
         else:
             self.quant = Int4Weight.from_block_quant(bq)
         if cache is not None and isinstance(self.quant, QuantMatrix):
-            meta, arrays = _tile_arrays(self.quant)
+            meta, arrays = cached_forms.tile_arrays(self.quant)
             self._bind_quant(meta, cache.put(name, meta, arrays))
 
     def _quant_from_cache(self, cache: RepackCache, name: str) -> bool:
@@ -201,21 +200,13 @@ class Linear(nn.Module):
         if found is None:
             return False
         meta, arrays = found
-        if tuple(meta["shape"]) != (self.out_features, self.in_features):
+        if tuple(meta["shape"]) != self._shape:
             return False
         self._bind_quant(meta, arrays)
         return True
 
     def _bind_quant(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        self.quant = self._from_tile_arrays(meta, arrays)
-
-    def _from_tile_arrays(self, meta: dict, arrays: dict[str, np.ndarray], dot: bool = False
-                          ) -> QuantMatrix:
-        t = {part: torch.from_numpy(a) for part, a in arrays.items()}
-        return QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"),
-                                      (self.out_features, self.in_features), meta["group"],
-                                      meta["bits"], self.bias, dot=dot,
-                                      unit=meta.get("unit", 1.0))
+        self.quant = cached_forms.from_tile_arrays(meta, arrays, self._shape, self.bias)
 
     def _build_chosen(self, forms: FormChoice, cache: RepackCache | None, name: str,
                       head: bool) -> None:
@@ -226,9 +217,11 @@ class Linear(nn.Module):
                               dot=QuantMatrix.supports_dot(self.in_features, quant.group))
         for form in sorted(set(chosen) - {"quant"}):
             if form == "int8":
-                self.int8 = self._int8_form(cache, name)
+                self.int8 = cached_forms.int8_form(self._blocks, self._shape, self.bias, cache,
+                                                   name)
             elif form in DOT_FORMS:  # their tiles are one
-                tiles = self.dot_tiles or self._qdot_form(cache, name)
+                tiles = self.dot_tiles or cached_forms.qdot_form(self._blocks, self._shape,
+                                                                 self.bias, cache, name)
                 self.dot_forms[form] = tiles.against(form)
             elif form == "fp32" and head:
                 # NOTE: the head's float32 runs oneDNN on the plain weight: as fast as the
@@ -237,8 +230,9 @@ class Linear(nn.Module):
                 self._fill_dense(cache, name)
                 self._dense[form] = self._slices(self.weight.detach())
             else:
-                self._dense[form] = [self._dense_form(form, cache, name, part)
-                                     for part in self.parts]
+                self._dense[form] = [
+                    cached_forms.dense_form(form, self._blocks, self._shape, part, cache, name,
+                                            self._backing) for part in self.parts]
         if "quant" not in chosen:
             self.quant = None
         biases = ([None] * len(self.parts) if self.bias is None
@@ -260,79 +254,10 @@ class Linear(nn.Module):
                                       None if quant.offsets is None else quant.offsets[:tiles],
                                       (rows, self.in_features),
                                       quant.group, quant.bits)
-        first = _rows(bq, 0, rows)
+        first = cached_forms.block_rows(bq, 0, rows)
         dot = (QuantMatrix(first, dot=True) if QuantMatrix.supports_dot(self.in_features, bq.group)
                else None)
         return first.dequantize_torch(), part, dot
-
-    def _qdot_form(self, cache: RepackCache | None, name: str) -> QuantMatrix:
-        """The blocks in the qdot layout (kernels/qdot.h): from the repack cache
-        (`<name>.qdot`) where it has them, else laid out from the blocks (and stored there)."""
-        found = cache.get(f"{name}.qdot") if cache is not None else None
-        if found is not None and tuple(found[0]["shape"]) == (self.out_features,
-                                                              self.in_features):
-            return self._from_tile_arrays(*found, dot=True)
-        bq = self._blocks()
-        assert bq is not None
-        qdot = QuantMatrix(bq, self.bias, dot=True)
-        if cache is None:
-            return qdot
-        meta, arrays = _tile_arrays(qdot)
-        # NOTE: run from the cache's map, as the quantized form (the copy built is dropped)
-        return self._from_tile_arrays(meta, cache.put(f"{name}.qdot", meta, arrays), dot=True)
-
-    def _int8_form(self, cache: RepackCache | None, name: str) -> Int8Matrix:
-        found = cache.get(f"{name}.int8") if cache is not None else None
-        if found is None or found[1]["q"].shape != (self.out_features, self.in_features):
-            bq = self._blocks()
-            assert bq is not None
-            # NOTE: from this projection's blocks alone: one float32 matrix at a time
-            int8 = Int8Matrix(bq.dequantize_torch(), self.bias)
-            if cache is None:
-                return int8
-            found = ({}, cache.put(f"{name}.int8", {"shape": [*int8.q.shape]},
-                                   {"q": int8.q.numpy(), "scale": int8.scale.numpy()}))
-        arrays = found[1]
-        return Int8Matrix.from_parts(torch.from_numpy(arrays["q"]),
-                                     torch.from_numpy(arrays["scale"]), self.bias)
-
-    def _dense_form(self, form: str, cache: RepackCache | None, name: str,
-                    rows: tuple[int, int]) -> torch.Tensor:
-        """Output rows [start, stop) of the weight in `form`'s dtype packed for oneDNN: mapped
-        from the repack cache (`<name>.<form>`, or `<name>.<form>.<start>-<stop>` for a part,
-        the packed bytes, packed_weight.py) where it has them for this CPU, else dequantized
-        from the blocks and packed (then stored there, and mapped back)."""
-        start, stop = rows
-        dtype, shape = DENSE_DTYPES[form], (stop - start, self.in_features)
-        if rows != (0, self.out_features):
-            name = f"{name}.{form}.{start}-{stop}"
-        else:
-            name = f"{name}.{form}"
-        found = cache.get(name) if cache is not None else None
-        if found is not None:
-            mapped = packed_weight.from_arrays(found[1], shape, dtype)
-            if mapped is not None:
-                self._backing.append(found[1]["packed"])  # the map outlives the tensor
-                return mapped
-        bq = self._blocks()
-        assert bq is not None
-        weight = torch.empty(shape, dtype=dtype)
-        for first in range(start, stop, DENSE_CHUNK_ROWS):
-            last = min(first + DENSE_CHUNK_ROWS, stop)
-            weight[first - start:last - start] = _rows(bq, first, last).dequantize_torch()
-        packed = packed_weight.pack(weight)
-        if cache is None or not packed_weight.available():
-            return packed
-        # NOTE: this start, too, runs from the map: its anonymous copy is freed, so a cold
-        # start ends with a warm one's RSS
-        arrays = cache.put(name, {"shape": list(shape)}, packed_weight.to_arrays(packed))
-        if not isinstance(arrays["packed"], np.memmap):
-            return packed  # not written (a warm entry, a full disk): keep the copy
-        mapped = packed_weight.from_arrays(arrays, shape, dtype)
-        if mapped is None:
-            return packed
-        self._backing.append(arrays["packed"])
-        return mapped
 
     def _blocks(self) -> BlockQuant | None:
         """The GGUF blocks decoded (once per finalize: the forms built from them share it)."""
@@ -378,6 +303,10 @@ class Linear(nn.Module):
         # the finer one's layout, exactly (block_quant.py `merge_rows`).
         decoded = [BlockQuant.from_gguf(t.qtype, t.data, t.shape) for _, t in parts]
         return merge_rows(decoded)
+
+    @property
+    def _shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
 
     @property
     def dot_tiles(self) -> QuantMatrix | None:
@@ -531,17 +460,3 @@ class Linear(nn.Module):
         # NOTE: the fused kernels after a projection read float32 or bfloat16, not float16
         return y.float() if form == "fp16" else y
 
-
-def _tile_arrays(quant: QuantMatrix) -> tuple[dict, dict[str, np.ndarray]]:
-    """A QuantMatrix's (meta, arrays) as the repack cache keeps them."""
-    arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy()}
-    if quant.offsets is not None:  # none where all zero (QuantMatrix)
-        arrays["offsets"] = quant.offsets.numpy()
-    return {"shape": [quant.out_features, quant.in_features], "group": quant.group,
-            "bits": quant.bits, "unit": quant.unit}, arrays
-
-
-def _rows(bq: BlockQuant, start: int, stop: int) -> BlockQuant:
-    """Rows [start, stop) of a projection's blocks (views, no copy)."""
-    return BlockQuant(bq.q[start:stop], bq.scales[start:stop], bq.offsets[start:stop],
-                      bq.group, bq.bits)

@@ -42,7 +42,8 @@ ENV = "LLMQ_REPACK_DIR"
 MANIFEST = "manifest.json"
 # The modules whose code decides the bytes of a cached form.
 _CODE = ("block_quant.py", "int8_matrix.py", "cpu_kernels.py", "quant_matrix.py", "linear.py",
-         "gguf_loader.py", "gguf_reader.py", "repack_cache.py", "packed_weight.py")
+         "cached_forms.py", "gguf_loader.py", "gguf_reader.py", "repack_cache.py",
+         "packed_weight.py")
 _SAMPLE = 4096  # bytes of each of a file's three checked samples
 
 

@@ -38,124 +38,13 @@
 
 #include <vector>
 
+#include "qdot_input.h"
 #include "vec16.h"
 
 namespace llmq {
 
-constexpr int64_t QDOT_BLOCK = 32;  // columns of x sharing one int8 scale (`qdot`, `qdot16`)
-constexpr int64_t QDOT_FINE_BLOCK = 16;  // ... in the `qdot_b16` form
-constexpr int QDOT_ROWS = 4;  // rows of x a pass computes at once (accumulators in registers)
 constexpr int QDOT_PAIR = 2;  // tiles a pass of QDOT_ROWS rows computes at once
 constexpr int QDOT_FEW_ROWS = 8;  // a call of fewer rows is a decode step's: bound by reading W
-
-// Where row m's columns [k, k + 4) of x lie in QdotInput's q and lo (k a multiple of 4): rows
-// in passes of QDOT_ROWS, a pass's bytes [K / 4][its rows][4], so a pass reads its rows' x at
-// one pointer's offsets. NOTE: row by row, the tile kernel held a pointer a row and spilt
-// them out of the registers: reloading them was a fifth of a batch's time.
-inline int64_t qdot_x_at(int64_t rows, int64_t K, int64_t m, int64_t k) {
-    const int64_t m0 = m - m % QDOT_ROWS;
-    const int64_t in_pass = rows - m0 < QDOT_ROWS ? rows - m0 : QDOT_ROWS;
-    return m0 * K + k * in_pass + (m - m0) * 4;
-}
-
-// x [rows, K] float32 as one call of the qdot kernel reads it: rounded to int8 (X16 false),
-// or to 15 bits held as two int8 halves, q * 256 + lo (X16: the `qdot16` form, the same
-// tiles against x 128x finer, for the LM head's tolerance; two products a weight); a scale
-// per `block` columns, 32, or 16 (the `qdot_b16` form: int8 x with ~0.47% error where blocks
-// of 32 give ~0.53%, as a smaller block's largest |x| sets a finer step; the same products,
-// a float multiply-add more per 16 columns of a group of 32).
-struct QdotInput {
-    int64_t block = QDOT_BLOCK;
-    std::vector<int8_t> q;  // at qdot_x_at: round(x / xs) in -127..127; X16: the high half
-    std::vector<int8_t> lo;  // X16: at qdot_x_at, round(x / xs) - 256 * q, in -128..127
-    std::vector<float> scale;  // [rows, K / block]: xs = max |x| / (127 | 16383) of a block
-    std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
-};
-
-// The largest of 16 lanes, by halving (as vec16.h's hsum).
-inline float hmax(v16 v) {
-    v = v > __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7})
-        ? v : __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v = v > __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11})
-        ? v : __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v = v > __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13})
-        ? v : __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    return v[0] > v[1] ? v[0] : v[1];
-}
-
-typedef int8_t b16 __attribute__((vector_size(16)));
-
-// 16 int8 of columns [k, k + 16) of row m to their places (qdot_x_at), 4 at a time
-inline void qdot_x_put(int8_t* to, int64_t rows, int64_t K, int64_t m, int64_t k, b16 v) {
-    for (int j = 0; j < 16; j += 4) memcpy(to + qdot_x_at(rows, K, m, k + j), (int8_t*)&v + j, 4);
-}
-
-// x [rows, K] -> `in`: per block of 32 columns, 16 lanes at a time (a call's fixed cost: at
-// 128 rows, as a loop of scalars, it was a third of a 512-row slice's product, which is what
-// form_choice.py times)
-inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_t K,
-                          int64_t group, bool x16, int64_t block, QdotInput& in) {
-    // NOTE: 32 columns a pass; with blocks of 16, each half its own scale
-    const int64_t blocks = K / QDOT_BLOCK, groups = K / group;
-    const bool halves = block == QDOT_FINE_BLOCK;
-    const float top = x16 ? 16383.0f : 127.0f;
-    in.block = block;
-    in.q.resize((size_t)(rows * K));
-    if (x16) in.lo.resize((size_t)(rows * K));
-    in.scale.resize((size_t)(rows * (K / block)));
-    in.xsum.assign((size_t)(rows * groups), 0.0f);
-    const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
-    for (int64_t m = 0; m < rows; ++m) {
-        const float* xm = x + m * x_stride;
-        float* xsum = in.xsum.data() + m * groups;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const v16 lo = load16(xm + b * QDOT_BLOCK), hi = load16(xm + b * QDOT_BLOCK + 16);
-            const v16 alo = lo < 0.0f ? -lo : lo, ahi = hi < 0.0f ? -hi : hi;
-            const float amax_lo = hmax(halves ? alo : (alo > ahi ? alo : ahi));
-            const float amax_hi = halves ? hmax(ahi) : amax_lo;
-            const float inv_lo = amax_lo > 0.0f ? top / amax_lo : 0.0f, scale_lo = amax_lo / top;
-            const float inv_hi = amax_hi > 0.0f ? top / amax_hi : 0.0f, scale_hi = amax_hi / top;
-            // round(x / xs) as floats (exact integers in -top..top), then int8 (its halves)
-            const v16 rlo = (lo * inv_lo + magic) - magic, rhi = (hi * inv_hi + magic) - magic;
-            const i16 ilo = __builtin_convertvector(rlo, i16);
-            const i16 ihi = __builtin_convertvector(rhi, i16);
-            if (x16) {  // high half floor((v + 128) / 256) in -64..64, low v - 256 * high
-                const i16 hlo = (ilo + 128) >> 8, hhi = (ihi + 128) >> 8;
-                const b16 qlo = __builtin_convertvector(hlo, b16);
-                const b16 qhi = __builtin_convertvector(hhi, b16);
-                const b16 llo = __builtin_convertvector(ilo - hlo * 256, b16);
-                const b16 lhi = __builtin_convertvector(ihi - hhi * 256, b16);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK, qlo);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK + 16, qhi);
-                qdot_x_put(in.lo.data(), rows, K, m, b * QDOT_BLOCK, llo);
-                qdot_x_put(in.lo.data(), rows, K, m, b * QDOT_BLOCK + 16, lhi);
-            } else {
-                const b16 qlo = __builtin_convertvector(ilo, b16);
-                const b16 qhi = __builtin_convertvector(ihi, b16);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK, qlo);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK + 16, qhi);
-            }
-            if (halves) {
-                in.scale[(m * blocks + b) * 2] = scale_lo;
-                in.scale[(m * blocks + b) * 2 + 1] = scale_hi;
-            } else {
-                in.scale[m * blocks + b] = scale_lo;
-            }
-            // NOTE: the sum of x as quantized, not of x: the offset term then meets the same
-            // x as the integer term, and their rounding errors cancel as the weights' terms
-            // do (q * scale of a 4-bit type is all positive, ~8x the offset-corrected
-            // weight's size)
-            const float sum_lo = hsum(rlo), sum_hi = hsum(rhi);  // exact: small integers
-            if (group == 16) {
-                xsum[2 * b] = scale_lo * sum_lo;
-                xsum[2 * b + 1] = scale_hi * sum_hi;
-            } else {
-                xsum[b * QDOT_BLOCK / group] +=
-                    halves ? scale_lo * sum_lo + scale_hi * sum_hi : scale_lo * (sum_lo + sum_hi);
-            }
-        }
-    }
-}
 
 // acc (16 int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
 // ones (x: 4 bytes, the same in every lane).
