@@ -35,6 +35,7 @@ from torch import nn
 
 from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
 
+from . import huge_pages
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
@@ -422,9 +423,10 @@ class LlamaForCausalLM(nn.Module):
         """
         arch = self.arch
         shape = (2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
-        # NOTE: torch.zeros, not a lazily zeroed anonymous map (tried 2026-12-02: ~0.1 s less
-        # at start, but a level-1 sleep then released only part of the cache's memory).
-        return [torch.zeros(shape, dtype=self.dtype) for _ in range(arch.num_layers)]
+        # NOTE: zeroed at once, not a lazily zeroed anonymous map (tried 2026-12-02: ~0.1 s
+        # less at start, but a level-1 sleep then released only part of the cache's memory);
+        # on 2 MiB pages (huge_pages.py: attention reads blocks at random)
+        return [huge_pages.zeros(shape, self.dtype) for _ in range(arch.num_layers)]
 
     def make_contiguous_cache(self, max_len: int) -> list[torch.Tensor]:
         """For `forward_contiguous`: one [2, num_kv_heads, max_len, head_dim] tensor per layer."""
