@@ -33,18 +33,6 @@ inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) 
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
-inline float hmax(v16 v) {
-    v16 w = __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v = v > w ? v : w;
-    w = __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v = v > w ? v : w;
-    w = __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v = v > w ? v : w;
-    w = __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    v = v > w ? v : w;
-    return v[0];
-}
-
 // s[0..n) <- exp(s - max) / sum, 16 lanes at a time.
 inline void softmax(float* s, int64_t n) {
     float mx = s[0];

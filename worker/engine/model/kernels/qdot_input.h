@@ -44,17 +44,6 @@ struct QdotInput {
     std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
 };
 
-// The largest of 16 lanes, by halving (as vec16.h's hsum).
-inline float hmax(v16 v) {
-    v = v > __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7})
-        ? v : __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v = v > __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11})
-        ? v : __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v = v > __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13})
-        ? v : __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    return v[0] > v[1] ? v[0] : v[1];
-}
-
 typedef int8_t b16 __attribute__((vector_size(16)));
 
 // 16 int8 of columns [k, k + 16) of row m to their places (qdot_x_at), 4 at a time

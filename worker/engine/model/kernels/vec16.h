@@ -79,6 +79,19 @@ inline float hsum(v16 v) {
     return v[0];
 }
 
+// The largest of 16 lanes by halving, as hsum.
+inline float hmax(v16 v) {
+    v16 w = __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    v = v > w ? v : w;
+    return v[0];
+}
+
 // x . y over n floats: 16 lanes at a time, then the tail.
 template <typename C>
 inline float dot(const float* x, const C* y, int64_t n) {
