@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "qdot_input.h"
@@ -322,7 +323,6 @@ void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, floa
     for (int64_t p0 = 0; p0 < rows_x; p0 += panel) {
         const int64_t p1 = rows_x - p0 < panel ? rows_x : p0 + panel;
         const bool unpack = BITS == 6 && p1 - p0 >= QDOT_FEW_ROWS;
-        const int64_t stride = unpack ? unpacked_bytes : tile_bytes;
         for (int64_t n = 0; n < w.N;) {
             // a pair of whole tiles where a pass has QDOT_ROWS rows, else one
             const int64_t tiles =
@@ -333,33 +333,35 @@ void qdot_matmul(const QdotInput& in, int64_t rows_x, const QdotWeights& w, floa
                 qdot_unpack_six(q + i * tile_bytes, w.K,
                                 n + 16 * (i + 1) < w.N ? q + (i + 1) * tile_bytes : nullptr,
                                 buffer + i * unpacked_bytes);
-            const uint8_t* tile = unpack ? buffer : q;
-            for (int64_t m0 = p0; m0 < p1; m0 += QDOT_ROWS) {
-                const int64_t m = p1 - m0 < QDOT_ROWS ? p1 - m0 : QDOT_ROWS;
-                float* ym = y + m0 * y_stride + n;
-                const uint8_t* ahead = m0 == p0 && !unpack ? q_next : nullptr;
-                if (m == QDOT_ROWS && tiles == QDOT_PAIR) {
-                    if (unpack)
-                        qdot_tile<QDOT_ROWS, QDOT_PAIR, 8, OFF, X16, qdot_zero(6), CELL>(
+            // every pass of the panel over these tiles: the held ones (TB: BITS), or those
+            // unpacked into the buffer (TB 8, with BITS 6's zero)
+            auto passes = [&](auto tb, auto zero, const uint8_t* tile, int64_t stride,
+                              const uint8_t* next) {
+                constexpr int TB = decltype(tb)::value, Z = decltype(zero)::value;
+                for (int64_t m0 = p0; m0 < p1; m0 += QDOT_ROWS) {
+                    const int64_t m = p1 - m0 < QDOT_ROWS ? p1 - m0 : QDOT_ROWS;
+                    float* ym = y + m0 * y_stride + n;
+                    const uint8_t* ahead = m0 == p0 ? next : nullptr;
+                    if (m == QDOT_ROWS && tiles == QDOT_PAIR) {
+                        qdot_tile<QDOT_ROWS, QDOT_PAIR, TB, OFF, X16, Z, CELL>(
                             in, m0, w, n / 16, tile, stride, ym, y_stride, 16, ahead, few);
-                    else
-                        qdot_tile<QDOT_ROWS, QDOT_PAIR, BITS, OFF, X16, qdot_zero(BITS), CELL>(
-                            in, m0, w, n / 16, tile, stride, ym, y_stride, 16, ahead, few);
-                    continue;
-                }
-                for (int64_t i = 0; i < tiles; ++i) {  // fewer rows: a tile at a time
-                    const int64_t cols = w.N - n - 16 * i < 16 ? w.N - n - 16 * i : 16;
-                    const uint8_t* after = i + 1 == tiles ? ahead : nullptr;
-                    if (unpack)
-                        qdot_rows<8, OFF, X16, qdot_zero(6), CELL>(
+                        continue;
+                    }
+                    for (int64_t i = 0; i < tiles; ++i) {  // fewer rows: a tile at a time
+                        const int64_t cols = w.N - n - 16 * i < 16 ? w.N - n - 16 * i : 16;
+                        qdot_rows<TB, OFF, X16, Z, CELL>(
                             m, in, m0, w, n / 16 + i, tile + i * stride, stride, ym + 16 * i,
-                            y_stride, cols, after, few);
-                    else
-                        qdot_rows<BITS, OFF, X16, qdot_zero(BITS), CELL>(
-                            m, in, m0, w, n / 16 + i, tile + i * stride, stride, ym + 16 * i,
-                            y_stride, cols, after, few);
+                            y_stride, cols, i + 1 == tiles ? ahead : nullptr, few);
+                    }
                 }
-            }
+            };
+            if (unpack)
+                passes(std::integral_constant<int, 8>{},
+                       std::integral_constant<int, qdot_zero(6)>{}, buffer, unpacked_bytes,
+                       nullptr);
+            else
+                passes(std::integral_constant<int, BITS>{},
+                       std::integral_constant<int, qdot_zero(BITS)>{}, q, tile_bytes, q_next);
             n += 16 * tiles;
         }
     }
