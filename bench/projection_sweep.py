@@ -10,6 +10,7 @@ Compared, each a full sweep per round, the median and best of the rounds printed
   this build, 8-bit        ... with the 6-bit tiles (Q6_K, the Q5 types) held in 8 bits instead
   --against DIR, 8-bit     another checkout's kernels (DIR/worker/engine/model/kernels), built
                            once; it must take the 8-bit tiles (any checkout since `qdot`)
+  --against-held           ... DIR's kernels on the tiles as held too
   floor                    the same bytes read by torch (a sum: a plain streaming read)
 
 With --against, each projection's output on the 8-bit tiles is compared between the two builds.
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--against", type=Path, help="another checkout, its kernels compared")
+    parser.add_argument("--against-held", action="store_true",
+                        help="the other checkout's kernels on the tiles as held too (it must "
+                             "take the 6-bit tiles: any checkout since 867d34f)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -89,7 +93,10 @@ def main() -> None:
         library = build_library(Path.home() / ".cache" / "llmq" / "kernels",
                                 args.against / "worker" / "engine" / "model" / "kernels")
         assert library is not None, f"could not build {args.against}'s kernels"
-        runs[f"{args.against}, 8-bit"] = (CpuKernels(ctypes.CDLL(str(library))), eight)
+        theirs = CpuKernels(ctypes.CDLL(str(library)))
+        runs[f"{args.against}, 8-bit"] = (theirs, eight)
+        if args.against_held:
+            runs[f"{args.against}, as held"] = (theirs, held)
     views = [t.view(-1).view(torch.float32) for m in held
              for t in (m.q, m.scales, m.offsets) if t is not None and t.nbytes % 4 == 0]
     x = {k: torch.randn(args.rows, k) for k in {m.in_features for m in held}}

@@ -15,7 +15,7 @@
 // Tiles of 16 weight rows, as the float kernel's, with its scales and offsets ([groups][16] a
 // tile) in float16 (in units of a power of two per matrix: QdotWeights), the integers laid
 // out for `vpdpbusd` (each 32-bit lane: one row's four bytes, unsigned: `vpdpbusd` multiplies
-// unsigned by signed; a type's zero, ZERO below, comes back out with the offset term):
+// unsigned by signed; a type's zero, ZERO below, comes back out in integers):
 // - BITS 4, [K / 8][16][4] bytes, byte j of row r in entry e holding q[r][8e + j] in the low
 //   nibble and q[r][8e + 4 + j] in the high one (q in 0..15);
 // - BITS 6 (q in -32..31: Q6_K, the Q5 types, a fused QKV of Q4_K and Q6_K rows), 16 columns
@@ -24,9 +24,13 @@
 //   its top two (0.75 bytes a weight, where BITS 8 takes 1: a lone decode reads every byte);
 // - BITS 8, [K / 4][16][4] bytes, q[r][4e + j] + 128.
 //
-// Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact), then
-// in float32 acc += float(dot) * (scale[g] * xs[cell's block]); per group, with offsets or a
-// zero, acc += (offset[g] - ZERO * scale[g]) * (the sum of the group's xs * q). The same
+// Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact; less
+// ZERO * the sum of the cell's x integers), then in float32 acc += float(dot) * (scale[g] *
+// xs[cell's block]); per group, with offsets, acc += offset[g] * (the sum of the group's
+// xs * q). NOTE: the zero's term in integers, one add a row, tile and cell, where taken out
+// with the offsets it was a float multiply-add a row, tile and group: in cells of 16 (Q6_K's
+// groups) a fifth of the vector work (Zen 4, 32 rows: the 1B's Q6_K matrices in 0.88-0.89 of
+// the time; no change at one row). The same
 // operations in the same order for a row whatever shares its call, so a row's products are the
 // same bits alone or in a call of any size (batch invariance, as the float kernel's).
 
@@ -161,6 +165,8 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     const int8_t* xq = in.q.data() + m0 * K;
     const int8_t* xl = X16 ? in.lo.data() + m0 * K : nullptr;
     const float* xs = in.scale.data() + m0 * blocks;
+    const int64_t cells = K / cell;
+    const int32_t* zq = ZERO ? in.zq.data() + m0 * cells : nullptr;
     // NOTE: two chains of products a row where few rows share the tile (the nibbles' low and
     // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
     // chain a row saves an add a row and cell
@@ -256,17 +262,14 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                 for (int i = 0; i < T; ++i) {
                     i16 s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
                     if (X16) s = s * 256 + dl[m][i];
+                    if (ZERO) s += zq[m * cells + c];  // q's own products (qdot_zero_sums)
                     acc[m][i] += __builtin_convertvector(s, v16) * (sc[i] * x_scale);
                 }
             }
         }
-        // NOTE: BITS 8 held q + 128, so the product holds 128 * scale * (the group's x) too:
-        // taken back out as part of the offset term (one multiply-add a row and group, where
-        // the integer way, 128 times the sum of q, cost three a row and cell); BITS 6, 32
-        if (OFF || ZERO)
+        if (OFF)
             for (int i = 0; i < T; ++i) {
-                v16 off = OFF ? load16_half(offsets + (i * groups + g) * 16) : v16{};
-                if (ZERO) off -= (float)ZERO * sc[i];
+                const v16 off = load16_half(offsets + (i * groups + g) * 16);
                 for (int m = 0; m < M; ++m) acc[m][i] += off * in.xsum[(m0 + m) * groups + g];
             }
     }
@@ -394,8 +397,9 @@ inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const QdotWe
                     int32_t bits, bool x16, int64_t block, float* y, int64_t y_stride) {
     if (!qdot_supports(w.K, w.group, bits)) return false;
     thread_local QdotInput in;
-    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, block, in);
+    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, block, qdot_zero(bits) != 0, in);
     const int64_t cell = w.group < block ? w.group : block;  // 16 or 32 (qdot_supports)
+    if (qdot_zero(bits)) qdot_zero_sums(in, rows, w.K, cell, qdot_zero(bits));
     if (cell == 16)
         x16 ? qdot_typed<true, 16>(in, rows, w, bits, y, y_stride)
             : qdot_typed<false, 16>(in, rows, w, bits, y, y_stride);
