@@ -42,7 +42,7 @@ struct QdotInput {
     std::vector<int8_t> lo;  // X16: at qdot_x_at, round(x / xs) - 256 * q, in -128..127
     std::vector<float> scale;  // [rows, K / block]: xs = max |x| / (127 | 16383) of a block
     std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
-    std::vector<int32_t> qsum;  // [rows, K / 16]: the sum of round(x / xs) (either form) a 16 columns
+    std::vector<int32_t> qsum;  // [rows, K / 16]: the sum of round(x / xs) a 16 columns
     std::vector<int32_t> zq;  // [rows, K / cell]: - ZERO * those sums a cell (qdot_zero_sums)
 };
 
