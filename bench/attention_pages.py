@@ -54,6 +54,9 @@ def main() -> None:
                               for _ in range(args.layers)],
               "2 MiB pages": [huge_pages.zeros(shape, torch.bfloat16)
                               for _ in range(args.layers)]}
+    # moved now, not when khugepaged gets to them
+    if not all(huge_pages.collapse(layer) for layer in caches["2 MiB pages"]):
+        raise SystemExit("this kernel moves no memory onto 2 MiB pages (MADV_COLLAPSE)")
     g = torch.Generator().manual_seed(0)
     for layer in range(args.layers):
         values = torch.randn(shape, generator=g).to(torch.bfloat16)

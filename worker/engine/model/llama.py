@@ -425,7 +425,8 @@ class LlamaForCausalLM(nn.Module):
         shape = (2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
         # NOTE: zeroed at once, not a lazily zeroed anonymous map (tried 2026-12-02: ~0.1 s
         # less at start, but a level-1 sleep then released only part of the cache's memory);
-        # on 2 MiB pages (huge_pages.py: attention reads blocks at random)
+        # moved onto 2 MiB pages in the background (huge_pages.py: attention reads blocks
+        # at random)
         return [huge_pages.zeros(shape, self.dtype) for _ in range(arch.num_layers)]
 
     def make_contiguous_cache(self, max_len: int) -> list[torch.Tensor]:
