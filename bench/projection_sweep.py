@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another checkout, its kernels compared")
     parser.add_argument("--against-held", action="store_true",
                         help="the other checkout's kernels on the tiles as held too (it must "
-                             "take the 6-bit tiles: any checkout since 867d34f)")
+                             "take the 6-bit tiles: any checkout since e8e2ab1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 

@@ -262,7 +262,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                 for (int i = 0; i < T; ++i) {
                     i16 s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
                     if (X16) s = s * 256 + dl[m][i];
-                    if (ZERO) s += zq[m * cells + c];  // q's own products (qdot_zero_sums)
+                    if (ZERO) s += zq[m * cells + c];  // q's own products (QdotInput's zq)
                     acc[m][i] += __builtin_convertvector(s, v16) * (sc[i] * x_scale);
                 }
             }
@@ -397,9 +397,8 @@ inline bool qdot_mm(const float* x, int64_t x_stride, int64_t rows, const QdotWe
                     int32_t bits, bool x16, int64_t block, float* y, int64_t y_stride) {
     if (!qdot_supports(w.K, w.group, bits)) return false;
     thread_local QdotInput in;
-    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, block, qdot_zero(bits) != 0, in);
+    qdot_quantize(x, x_stride, rows, w.K, w.group, x16, block, qdot_zero(bits), in);
     const int64_t cell = w.group < block ? w.group : block;  // 16 or 32 (qdot_supports)
-    if (qdot_zero(bits)) qdot_zero_sums(in, rows, w.K, cell, qdot_zero(bits));
     if (cell == 16)
         x16 ? qdot_typed<true, 16>(in, rows, w, bits, y, y_stride)
             : qdot_typed<false, 16>(in, rows, w, bits, y, y_stride);

@@ -42,8 +42,8 @@ struct QdotInput {
     std::vector<int8_t> lo;  // X16: at qdot_x_at, round(x / xs) - 256 * q, in -128..127
     std::vector<float> scale;  // [rows, K / block]: xs = max |x| / (127 | 16383) of a block
     std::vector<float> xsum;  // [rows, groups]: the sum of xs * (q | q * 256 + lo) a group
-    std::vector<int32_t> qsum;  // [rows, K / 16]: the sum of round(x / xs) a 16 columns
-    std::vector<int32_t> zq;  // [rows, K / cell]: - ZERO * those sums a cell (qdot_zero_sums)
+    // [rows, K / cell] where the tiles hold q + zero: - zero * the sum of round(x / xs) a cell
+    std::vector<int32_t> zq;
 };
 
 typedef int8_t b16 __attribute__((vector_size(16)));
@@ -57,8 +57,7 @@ inline void qdot_x_put(int8_t* to, int64_t rows, int64_t K, int64_t m, int64_t k
 // 128 rows, as a loop of scalars, it was a third of a 512-row slice's product, which is what
 // form_choice.py times)
 inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_t K,
-                          int64_t group, bool x16, int64_t block, bool int_sums,
-                          QdotInput& in) {
+                          int64_t group, bool x16, int64_t block, int zero, QdotInput& in) {
     // NOTE: 32 columns a pass; with blocks of 16, each half its own scale
     const int64_t blocks = K / QDOT_BLOCK, groups = K / group;
     const bool halves = block == QDOT_FINE_BLOCK;
@@ -68,7 +67,8 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
     if (x16) in.lo.resize((size_t)(rows * K));
     in.scale.resize((size_t)(rows * (K / block)));
     in.xsum.assign((size_t)(rows * groups), 0.0f);
-    if (int_sums) in.qsum.resize((size_t)(rows * (K / 16)));
+    const int64_t cell = group < block ? group : block;  // 16 or 32 (qdot_supports)
+    if (zero) in.zq.resize((size_t)(rows * (K / cell)));
     const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
     for (int64_t m = 0; m < rows; ++m) {
         const float* xm = x + m * x_stride;
@@ -111,9 +111,14 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
             // do (q * scale of a 4-bit type is all positive, ~8x the offset-corrected
             // weight's size)
             const float sum_lo = hsum(rlo), sum_hi = hsum(rhi);  // exact: small integers
-            if (int_sums) {
-                in.qsum[m * K / 16 + 2 * b] = (int32_t)sum_lo;
-                in.qsum[m * K / 16 + 2 * b + 1] = (int32_t)sum_hi;
+            if (zero) {  // the zero's term, in integers (qdot.h, "Arithmetic")
+                int32_t* zq = in.zq.data() + m * (K / cell);
+                if (cell == 16) {
+                    zq[2 * b] = -zero * (int32_t)sum_lo;
+                    zq[2 * b + 1] = -zero * (int32_t)sum_hi;
+                } else {
+                    zq[b] = -zero * (int32_t)(sum_lo + sum_hi);
+                }
             }
             if (group == 16) {
                 xsum[2 * b] = scale_lo * sum_lo;
@@ -124,21 +129,6 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
             }
         }
     }
-}
-
-// `in`'s - zero * the sums of x's integers a cell of `cell` (16 or 32) columns, where the
-// tiles' bytes hold q + zero: added to a cell's products, they leave q's own. NOTE: in
-// integers, where a float multiply-add a row, tile and group took the zero's term out (~1 in
-// 5 of the vector work of a batch's 6-bit tiles, in cells of 16)
-inline void qdot_zero_sums(QdotInput& in, int64_t rows, int64_t K, int64_t cell, int zero) {
-    const int64_t cells = K / cell, per = cell / 16;
-    in.zq.resize((size_t)(rows * cells));
-    for (int64_t m = 0; m < rows; ++m)
-        for (int64_t c = 0; c < cells; ++c) {
-            int32_t sum = 0;
-            for (int64_t j = 0; j < per; ++j) sum += in.qsum[m * K / 16 + c * per + j];
-            in.zq[m * cells + c] = -zero * sum;
-        }
 }
 
 }  // namespace llmq
