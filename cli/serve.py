@@ -10,6 +10,9 @@ run as many as you like behind a load balancer, all pointed at the same Redis.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
+
 import click
 
 from llmq.cli.options import connection_options
@@ -96,4 +99,6 @@ def serve(redis_url: str | None, prefix: str, queue: str, host: str, port: int,
     tenants = ", ".join(sorted(keys.tenants))
     click.echo(f"llmq serve: http://{host}:{port}/v1 (tenants: {tenants}); dashboard: "
                f"http://{host}:{port}/dashboard", err=True)
+    # NOTE: `kill -USR1 <pid>` prints every thread's stack to stderr, as for a worker.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server.run()

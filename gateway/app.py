@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import time
 import uuid
@@ -225,6 +226,27 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+SHUTDOWN_STEP_S = 5.0  # each step of the lifespan's teardown, before it is given up on
+
+
+async def _stop_within(seconds: float, tasks: list[asyncio.Task[None]],
+                       client: AsyncClient) -> None:
+    """Cancel the background tasks and close the client, each step bounded: a gateway told to
+    stop exits, and the log names the step that did not finish (with its task's stack)."""
+    for task in tasks:
+        task.cancel()
+    _, pending = await asyncio.wait(tasks, timeout=seconds)
+    for task in pending:
+        where = io.StringIO()
+        task.print_stack(file=where)
+        logger.warning("shutdown: a background task did not stop within %gs:\n%s", seconds,
+                       where.getvalue())
+    try:
+        await asyncio.wait_for(client.close(), seconds)
+    except TimeoutError:
+        logger.warning("shutdown: closing the Redis clients took over %gs; left to exit", seconds)
+
+
 def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
                shutting_down: Callable[[], bool] | None = None) -> Starlette:
     """The gateway app; its Redis clients open in the lifespan (one set per process).
@@ -246,12 +268,7 @@ def create_app(settings: GatewaySettings, *, redis_url: str | None = None,
         try:
             yield {}
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await client.close()
+            await _stop_within(SHUTDOWN_STEP_S, tasks, client)
             sync_redis.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers={

@@ -66,6 +66,18 @@ class GatewayProcess:
         assert self.proc is not None
         return self.proc.pid
 
+    def wait_exit(self, timeout: float) -> int:
+        """Its exit code; past `timeout`, AssertionError with its log, every thread's stack
+        (SIGUSR1) and any teardown step it logged as stuck."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            raise AssertionError(f"llmq serve did not exit within {timeout:g}s:\n"
+                                 f"{self.log_tail(120)}") from None
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return

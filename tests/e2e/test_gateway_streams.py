@@ -249,7 +249,7 @@ def test_a_gateway_stopping_lets_its_open_streams_finish(gateways, tmp_path: Pat
         chunks = [json.loads(d) for _, d in head + tail if d != "[DONE]"]
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
         # (uvicorn re-raises the SIGTERM it handled once it has shut down)
-        assert stopping.proc.wait(30) in (0, -signal.SIGTERM)
+        assert stopping.wait_exit(30) in (0, -signal.SIGTERM)
     finally:
         stopping.stop()
 
