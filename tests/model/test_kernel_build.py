@@ -7,6 +7,7 @@ every source file it compiles.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fnmatch
 import logging
 import shutil
@@ -82,3 +83,20 @@ def test_a_folder_without_sources_is_named_in_the_error(tmp_path):
     # When the sources are missing (a package installed without its data files)
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         kernel_sources(tmp_path)
+
+
+def test_workers_starting_together_compile_the_kernels_once(tmp_path, monkeypatch):
+    # Given a compiler that takes a while and notes each run (a stand-in for a new CPU's
+    # first build, minutes on an AVX2 host)
+    runs = tmp_path / "runs"
+    compiler = tmp_path / "slow-c++"
+    compiler.write_text("#!/bin/sh\necho run >> " + str(runs) + "\nsleep 1\n"
+                        "for last; do :; done\ntouch \"$last\"\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    # When four workers start together on it
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        built = list(pool.map(lambda _: build_library(tmp_path / "cache"), range(4)))
+    # Then one compiled, and every one loads its library
+    assert runs.read_text().count("run") == 1
+    assert len(set(built)) == 1 and built[0] is not None and built[0].exists()

@@ -23,12 +23,14 @@ engine runs the torch path: same results to float32 rounding.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,13 +93,27 @@ def build_library(directory: Path, kernel_dir: Path = KERNEL_DIR) -> Path | None
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
+    # NOTE: one build at a time: workers starting together on a new CPU wait for the first
+    # one's build (a minute or more on 2 cores) rather than each compiling beside it, which
+    # on an AVX2 host took them all past the timeout.
+    with open(directory / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        return _compile(compiler, sources, directory, target)
+
+
+def _compile(compiler: str, sources: list[Path], directory: Path, target: Path) -> Path | None:
+    logger.info("compiling the CPU kernels for this CPU into %s (once per CPU and version)",
+                directory)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / target.name
         # NOTE: the package's files compiled where they lie (not copied), so a compiler message
         # names the file and line to open.
         units = [str(p) for p in sources if p.suffix == ".cpp"]
         result = subprocess.run([compiler, *_FLAGS, *units, "-o", str(built)],
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=900)
         if result.returncode:
             # NOTE: the first error leads; what follows it is often its echo.
             logger.warning("CPU kernels did not compile (%s):\n%s", compiler,
@@ -105,6 +121,7 @@ def build_library(directory: Path, kernel_dir: Path = KERNEL_DIR) -> Path | None
             return None
         # NOTE: a rename, so a worker starting beside us never loads a half-written file.
         os.replace(built, target)
+    logger.info("compiled the CPU kernels in %.0f s", time.monotonic() - started)
     return target
 
 

@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from . import packed_weight
 from .cpu_kernels import CpuKernels
 from .int8_matrix import Int8Matrix
 from .quant_matrix import DOT_FORMS, QuantMatrix
@@ -290,18 +291,9 @@ def _candidates(kernels: CpuKernels, w: torch.Tensor,
     return forms
 
 
-@functools.cache
 def dense_form_runs(form: str) -> bool:
-    """Whether oneDNN runs this dense form on this CPU: float16 needs avx512_fp16 or
-    avx_ne_convert (an AMD Zen 5 has neither, and packing refuses), bfloat16 its own support."""
-    dtype = DENSE_DTYPES[form]
-    try:
-        _dense(torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), None),
-               dtype)(torch.ones(1, 16))
-    except RuntimeError as exc:
-        logger.info("kernel forms: %s is not available on this CPU (%s)", form, exc)
-        return False
-    return True
+    """Whether oneDNN runs this dense form on this CPU (`packed_weight.runs`)."""
+    return packed_weight.runs(DENSE_DTYPES[form])
 
 
 def _dense(packed: torch.Tensor, dtype: torch.dtype

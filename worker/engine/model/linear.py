@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cached_forms
+from . import cached_forms, packed_weight
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding, merge_rows
 from .cpu_kernels import CpuKernels
 from .form_choice import BUCKETS, DENSE_DTYPES, QUANT_FORMS, FormChoice, Sample, bucket_of
@@ -72,12 +72,6 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # NOTE: torch.empty, not zeros: load_weights overwrites every element, and untouched
     # pages cost no memory until then.
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-def _onednn_available() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class Linear(nn.Module):
@@ -171,7 +165,7 @@ class Linear(nn.Module):
         # in place, never swapped for a map of the cache
         self._fill_dense(None if keep_dense else cache, name)
         self._quantized_rows, self._decoded = [], None
-        if _onednn_available():
+        if packed_weight.runs(self.weight.dtype):
             # NOTE: a float32 dense form decoded from GGUF blocks runs oneDNN on the plain
             # weight (see _build_chosen)
             dense = self.weight.detach()

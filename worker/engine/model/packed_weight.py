@@ -87,6 +87,26 @@ def available() -> bool:
     return _shim() is not None
 
 
+@functools.cache
+def runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a matmul in `dtype` on this CPU. Not every CPU has every
+    dtype: bfloat16 needs avx512bw/vl/dq or avx_ne_convert (an AMD Zen 3 has neither), float16
+    avx512_fp16 or avx_ne_convert (a Zen 5 has neither); packing refuses, naming what is
+    missing."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=dtype), packed, None, "none",
+                                           [None], "")
+    except RuntimeError as exc:
+        logger.info("oneDNN does not run %s on this CPU (%s)", dtype, exc)
+        return False
+    return True
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] in oneDNN's blocked layout (an opaque tensor, anonymous memory)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)

@@ -124,6 +124,21 @@ inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
 inline v16 widen_int8(const uint8_t* p) {
     return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+#elif defined(__AVX2__)
+inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    const __m256i low = _mm256_set1_epi32(15);
+    lo = join(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)),
+              _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)));
+    hi = join(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)),
+              _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)));
+}
+inline v16 widen_int8(const uint8_t* p) {
+    return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+                _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)))));
+}
 #else
 inline void unpack_nibbles(const uint8_t* p, v16& lo, v16& hi) {
     for (int i = 0; i < 16; ++i) lo[i] = (float)(p[i] & 15), hi[i] = (float)(p[i] >> 4);

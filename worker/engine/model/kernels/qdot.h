@@ -52,12 +52,36 @@ constexpr int QDOT_PAIR = 2;  // tiles a pass of QDOT_ROWS rows computes at once
 constexpr int QDOT_FEW_ROWS = 8;  // a call of fewer rows is a decode step's: bound by reading W
 
 // acc (16 int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
-// ones (x: 4 bytes, the same in every lane).
+// ones (x: 4 bytes, the same in every lane). WIDE: w's bytes may pass 127 (BITS 8's q + 128);
+// otherwise they are at most 63 (BITS 4, BITS 6 and its unpacked lanes).
 #if defined(__AVX512VNNI__)
+template <bool WIDE>
 inline i16 dot4(i16 acc, i16 w, int32_t x) {
     return (i16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x));
 }
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+// NOTE: vpmaddubsw sums a pair of u8 x s8 products in int16, saturating: exact for bytes up
+// to 63 (|2 * 63 * -128| < 32768); WIDE bytes go in as their two nibbles (each exact), the
+// high one's pair sums weighted by 16 as they widen to int32. Without this the scalar loop
+// below was the AVX2 build: 64 multiply-adds a call, ~5 min to compile, ~10x the time to run.
+inline __m256i dot4_half(__m256i w, __m256i x, bool wide) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (!wide) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(w, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x),
+                                              _mm256_set1_epi16(16)));
+}
+template <bool WIDE>
+inline i16 dot4(i16 acc, i16 w, int32_t x) {
+    const __m256i xs = _mm256_set1_epi32(x);
+    return join(_mm256_add_epi32(low_half(acc), dot4_half(low_half(w), xs, WIDE)),
+                _mm256_add_epi32(high_half(acc), dot4_half(high_half(w), xs, WIDE)));
+}
 #else
+template <bool WIDE>
 inline i16 dot4(i16 acc, i16 w, int32_t x) {
     uint8_t wb[64];
     int8_t xb[4];
@@ -76,6 +100,11 @@ inline int32_t load_x4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v;
 #ifdef __AVX512F__
 inline v16 load16_half(const uint16_t* p) {
     return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+inline v16 load16_half(const uint16_t* p) {
+    return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8))));
 }
 #else
 inline float half_to_float(uint16_t h) {
@@ -171,6 +200,7 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
     // chain a row saves an add a row and cell
     constexpr int CHAINS = BITS != 8 && M < 4 && !X16 ? 2 : 1;
+    constexpr bool WIDE = BITS == 8 && ZERO == 128;  // q + 128: bytes up to 255
     v16 acc[M][T] = {};
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
@@ -212,14 +242,14 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                     for (int m = 0; m < M; ++m) {
                         const int32_t a = load_x4(xq + k * M + 4 * m);
                         const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
-                        for (int i = 0; i < T; ++i) d[m][i][0] = dot4(d[m][i][0], lo[i], a);
+                        for (int i = 0; i < T; ++i) d[m][i][0] = dot4<WIDE>(d[m][i][0], lo[i], a);
                         for (int i = 0; i < T; ++i)
-                            d[m][i][CHAINS - 1] = dot4(d[m][i][CHAINS - 1], hi[i], b);
+                            d[m][i][CHAINS - 1] = dot4<WIDE>(d[m][i][CHAINS - 1], hi[i], b);
                         if (X16) {
                             const int32_t la = load_x4(xl + k * M + 4 * m);
                             const int32_t lb = load_x4(xl + (k + 4) * M + 4 * m);
                             for (int i = 0; i < T; ++i)
-                                dl[m][i] = dot4(dot4(dl[m][i], lo[i], la), hi[i], lb);
+                                dl[m][i] = dot4<WIDE>(dot4<WIDE>(dl[m][i], lo[i], la), hi[i], lb);
                         }
                     }
                 }
@@ -233,10 +263,10 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                         for (int j = 0; j < 4; ++j) {
                             const int32_t a = load_x4(xq + (k + 4 * j) * M + 4 * m);
                             for (int i = 0; i < T; ++i)
-                                d[m][i][j % CHAINS] = dot4(d[m][i][j % CHAINS], v[i][j], a);
+                                d[m][i][j % CHAINS] = dot4<WIDE>(d[m][i][j % CHAINS], v[i][j], a);
                             if (X16) {
                                 const int32_t la = load_x4(xl + (k + 4 * j) * M + 4 * m);
-                                for (int i = 0; i < T; ++i) dl[m][i] = dot4(dl[m][i], v[i][j], la);
+                                for (int i = 0; i < T; ++i) dl[m][i] = dot4<WIDE>(dl[m][i], v[i][j], la);
                             }
                         }
                 }
@@ -248,10 +278,10 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                     const int64_t k = k0 + 4 * e;
                     for (int m = 0; m < M; ++m) {
                         const int32_t a = load_x4(xq + k * M + 4 * m);
-                        for (int i = 0; i < T; ++i) d[m][i][0] = dot4(d[m][i][0], v[i], a);
+                        for (int i = 0; i < T; ++i) d[m][i][0] = dot4<WIDE>(d[m][i][0], v[i], a);
                         if (X16) {
                             const int32_t la = load_x4(xl + k * M + 4 * m);
-                            for (int i = 0; i < T; ++i) dl[m][i] = dot4(dl[m][i], v[i], la);
+                            for (int i = 0; i < T; ++i) dl[m][i] = dot4<WIDE>(dl[m][i], v[i], la);
                         }
                     }
                 }
