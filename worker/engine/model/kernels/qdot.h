@@ -48,10 +48,26 @@
 
 namespace llmq {
 
-constexpr int QDOT_PAIR = 2;  // tiles a pass of QDOT_ROWS rows computes at once
 constexpr int QDOT_FEW_ROWS = 8;  // a call of fewer rows is a decode step's: bound by reading W
 
-// acc (16 int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
+// The rows of a tile one call of qdot_tile computes, one vector of int32 or float lanes: all
+// 16 with AVX-512 (a zmm); 8 elsewhere (a ymm with AVX2), the tile in two halves. NOTE: GCC
+// builds a 16-lane vector extension without AVX-512 from pieces (element inserts, extracts
+// and spills): on Zen 3 the 16-lane tile ran a 1B model's matrices at 10-12 GFLOP/s.
+#ifdef __AVX512F__
+constexpr int QDOT_LANES = 16;
+#else
+constexpr int QDOT_LANES = 8;
+#endif
+// tiles a pass of QDOT_ROWS rows computes at once. NOTE: two with AVX2's 16 registers too,
+// though a pair's accumulators and products spill there: Zen 3, the 1B's projections at 32
+// rows (bench/projection_sweep.py) in 863 ms a sweep, one tile a pass 1,017
+constexpr int QDOT_PAIR = 2;
+template <int L> struct QLanes;  // the vector types of L lanes: F float, I int32, U uint32
+template <> struct QLanes<16> { typedef v16 F; typedef i16 I; typedef u16 U; };
+template <> struct QLanes<8> { typedef f8x F; typedef i8x I; typedef u8x U; };
+
+// acc (int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
 // ones (x: 4 bytes, the same in every lane). WIDE: w's bytes may pass 127 (BITS 8's q + 128);
 // otherwise they are at most 63 (BITS 4, BITS 6 and its unpacked lanes).
 #if defined(__AVX512VNNI__)
@@ -62,52 +78,58 @@ inline i16 dot4(i16 acc, i16 w, int32_t x) {
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 // NOTE: vpmaddubsw sums a pair of u8 x s8 products in int16, saturating: exact for bytes up
 // to 63 (|2 * 63 * -128| < 32768); WIDE bytes go in as their two nibbles (each exact), the
-// high one's pair sums weighted by 16 as they widen to int32. Without this the scalar loop
-// below was the AVX2 build: 64 multiply-adds a call, ~5 min to compile, ~10x the time to run.
-inline __m256i dot4_half(__m256i w, __m256i x, bool wide) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (!wide) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(w, nibble);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x),
-                                              _mm256_set1_epi16(16)));
-}
+// high one's pair sums weighted by 16 as they widen to int32. Where this was a scalar loop,
+// layer_kernels.cpp took 282 s to compile on Zen 3.
 template <bool WIDE>
-inline i16 dot4(i16 acc, i16 w, int32_t x) {
-    const __m256i xs = _mm256_set1_epi32(x);
-    return join(_mm256_add_epi32(low_half(acc), dot4_half(low_half(w), xs, WIDE)),
-                _mm256_add_epi32(high_half(acc), dot4_half(high_half(w), xs, WIDE)));
+inline i8x dot4(i8x acc, i8x w, int32_t x) {
+    const __m256i xs = _mm256_set1_epi32(x), ones = _mm256_set1_epi16(1);
+    if (!WIDE)
+        return (i8x)_mm256_add_epi32(
+            (__m256i)acc, _mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)w, xs), ones));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256((__m256i)w, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16((__m256i)w, 4), nibble);
+    const __m256i sum = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xs), ones),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xs), _mm256_set1_epi16(16)));
+    return (i8x)_mm256_add_epi32((__m256i)acc, sum);
 }
 #else
-template <bool WIDE>
-inline i16 dot4(i16 acc, i16 w, int32_t x) {
-    uint8_t wb[64];
+template <bool WIDE, typename I>
+inline I dot4(I acc, I w, int32_t x) {
+    constexpr int L = sizeof(I) / 4;
+    uint8_t wb[4 * L];
     int8_t xb[4];
-    memcpy(wb, &w, 64);
+    memcpy(wb, &w, sizeof(I));
     memcpy(xb, &x, 4);
-    for (int r = 0; r < 16; ++r)
+    for (int r = 0; r < L; ++r)
         for (int j = 0; j < 4; ++j) acc[r] += (int32_t)wb[4 * r + j] * xb[j];
     return acc;
 }
 #endif
 
-inline i16 load_i16(const uint8_t* p) { i16 v; memcpy(&v, p, 64); return v; }
+// a * b + c rounded once, as an instruction, not as GCC contracts it: on Zen 3 (8 lanes) it
+// fused the one-row tile's and not the two-row one's, and a row's bits changed with the rows
+// sharing its call.
+template <typename F> inline F fused(F a, F b, F c) {
+#ifdef __AVX512F__
+    if constexpr (sizeof(F) == 64) return (F)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+#ifdef __FMA__
+    if constexpr (sizeof(F) == 32) return (F)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+    return a * b + c;
+}
+
+template <typename F> inline F splat_lanes(float f) {  // as splat(): no + 0.0
+    F v = {f};
+    return __builtin_shuffle(v, typename QLanes<sizeof(F) / 4>::I{});
+}
+
+template <typename I> inline I load_lanes(const uint8_t* p) { I v; memcpy(&v, p, sizeof(I)); return v; }
 inline int32_t load_x4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-// 16 float16 (IEEE half) -> 16 floats
-#ifdef __AVX512F__
-inline v16 load16_half(const uint16_t* p) {
-    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-}
-#elif defined(__AVX2__) && defined(__F16C__)
-inline v16 load16_half(const uint16_t* p) {
-    return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8))));
-}
-#else
-inline float half_to_float(uint16_t h) {
+inline float half_to_float(uint16_t h) {  // float16 (IEEE half) -> float
     const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
     float f;
     if (exp == 0) {  // zero or subnormal: man * 2^-24
@@ -118,12 +140,19 @@ inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
-inline v16 load16_half(const uint16_t* p) {
-    v16 v;
-    for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
+
+// L float16 -> L floats (F: QLanes<L>::F)
+template <typename F> inline F load_halves(const uint16_t* p) {
+#ifdef __AVX512F__
+    if constexpr (sizeof(F) == 64) return (F)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#endif
+#ifdef __F16C__
+    if constexpr (sizeof(F) == 32) return (F)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#endif
+    F v;
+    for (int i = 0; i < (int)(sizeof(F) / 4); ++i) v[i] = half_to_float(p[i]);
     return v;
 }
-#endif
 
 // A matrix in the qdot layout (QMat with `dot` set): scales and offsets [tiles][groups][16]
 // float16, in units of `unit` (a power of two, so a model's range of scales fits float16's
@@ -146,15 +175,19 @@ constexpr int64_t QDOT_SIX_COLUMNS = 16, QDOT_SIX_BYTES = qdot_bytes(6, QDOT_SIX
 
 // BITS 6's 16 columns (192 bytes, three vectors) -> its four entries of BITS 8's lanes, each
 // byte u = q + 32: the three vectors' low 6 bits, and the fourth entry from their top 2 bits.
-inline void qdot_six(const uint8_t* p, i16 w[4]) {
-    const i16 a = load_i16(p), b = load_i16(p + 64), c = load_i16(p + 128);
-    const i16 six = (i16){} + 0x3F3F3F3F;
+// L lanes: the rows [0, L) from `p`, so p + 4 * row0 for the rows from row0.
+template <int L>
+inline void qdot_six(const uint8_t* p, typename QLanes<L>::I w[4]) {
+    typedef typename QLanes<L>::I I;
+    typedef typename QLanes<L>::U U;
+    const I a = load_lanes<I>(p), b = load_lanes<I>(p + 64), c = load_lanes<I>(p + 128);
+    const I six = (I){} + 0x3F3F3F3F;
     w[0] = a & six;
     w[1] = b & six;
     w[2] = c & six;
     // NOTE: 32-bit shifts: what crosses into a byte from its neighbour is masked off
-    w[3] = ((i16)((u16)a >> 6) & 0x03030303) | ((i16)((u16)b >> 4) & 0x0C0C0C0C) |
-           ((i16)((u16)c >> 2) & 0x30303030);
+    w[3] = ((I)((U)a >> 6) & 0x03030303) | ((I)((U)b >> 4) & 0x0C0C0C0C) |
+           ((I)((U)c >> 2) & 0x30303030);
 }
 
 // A BITS 6 tile (its K columns) -> BITS 8's lanes in `out`, holding u = q + 32; `next`: the
@@ -164,10 +197,12 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
         const int64_t from = qdot_bytes(6, c), to = qdot_bytes(8, c);
         for (int64_t b = 0; next && b < QDOT_SIX_BYTES; b += 64)
             __builtin_prefetch(next + from + b, 0, 2);
-        i16 v[4];
-        qdot_six(tile + from, v);
-        // NOTE: a vector at a time: one copy of the four went through the stack
-        for (int i = 0; i < 4; ++i) memcpy(out + to + 64 * i, &v[i], 64);
+        for (int r0 = 0; r0 < 16; r0 += QDOT_LANES) {
+            typename QLanes<QDOT_LANES>::I v[4];
+            qdot_six<QDOT_LANES>(tile + from + 4 * r0, v);
+            // NOTE: a vector at a time: one copy of the four went through the stack
+            for (int i = 0; i < 4; ++i) memcpy(out + to + 64 * i + 4 * r0, &v[i], sizeof(v[i]));
+        }
     }
 }
 
@@ -179,17 +214,21 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
 // constant: the loops over a cell's bytes unrolled, where as loops they were half of a lone
 // row's instructions). T 2 where M is QDOT_ROWS: each load of x feeds both tiles' products,
 // and each tile's bytes serve 4 rows.
-template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL>
-void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
-               const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
-               const uint8_t* q_next, bool few) {
+// qdot_tile's rows [row0, row0 + L) of its tiles (L: QDOT_LANES)
+template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL, int L>
+void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
+                const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
+                const uint8_t* q_next, bool few, int row0) {
+    typedef typename QLanes<L>::F F;
+    typedef typename QLanes<L>::I I;
+    typedef typename QLanes<L>::U U;
     constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
     const int64_t K = w.K, group = w.group;
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
     const int block_shift = cell < in.block ? 1 : 0;
-    const uint16_t* scales = w.scales + t * groups * 16;
-    const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 : nullptr;
+    const uint16_t* scales = w.scales + t * groups * 16 + row0;
+    const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 + row0 : nullptr;
     // x's pass (qdot_x_at): row m's columns [k, k + 4) at xq + k * M + 4 * m
     const int8_t* xq = in.q.data() + m0 * K;
     const int8_t* xl = X16 ? in.lo.data() + m0 * K : nullptr;
@@ -201,18 +240,18 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
     // chain a row saves an add a row and cell
     constexpr int CHAINS = BITS != 8 && M < 4 && !X16 ? 2 : 1;
     constexpr bool WIDE = BITS == 8 && ZERO == 128;  // q + 128: bytes up to 255
-    v16 acc[M][T] = {};
+    F acc[M][T] = {};
     // NOTE: groups outer, their cells inner: no division in the loop (two a cell cost ~10%)
     for (int64_t g = 0; g < groups; ++g) {
-        v16 sc[T];
-        for (int i = 0; i < T; ++i) sc[i] = load16_half(scales + (i * groups + g) * 16);
+        F sc[T];
+        for (int i = 0; i < T; ++i) sc[i] = load_halves<F>(scales + (i * groups + g) * 16);
         if (few && q_next && (g & 1) == 0) {  // the next tile's scales, offsets: a line 2 groups
             __builtin_prefetch(scales + (T * groups + g) * 16, 0, 2);
             if (OFF) __builtin_prefetch(offsets + (T * groups + g) * 16, 0, 2);
         }
         for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
             const int64_t k0 = c * cell;
-            const uint8_t* qc = q + c * cell_bytes;
+            const uint8_t* qc = q + c * cell_bytes + 4 * row0;  // row r's 4 bytes: 4 r in 64
             // NOTE: the next tile's cell, asked for while this one computes. Where few rows
             // share the tile (a decode), into L2 (locality 2): a tile ahead is 9-96 KiB, past
             // L1's 32; into L1 the lone decode's sweep of a 1B model's projections took 44-61
@@ -227,16 +266,16 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                         else __builtin_prefetch(ahead, 0, 3);
                     }
             // d: the products a row and tile; dl: X16's with the low halves
-            i16 d[M][T][CHAINS] = {}, dl[M][T] = {};
+            I d[M][T][CHAINS] = {}, dl[M][T] = {};
             if (BITS == 4) {
-                const i16 low = (i16){} + 0x0F0F0F0F;
+                const I low = (I){} + 0x0F0F0F0F;
 #pragma GCC unroll 4
                 for (int64_t e = 0; e < cell / 8; ++e) {
-                    i16 lo[T], hi[T];
+                    I lo[T], hi[T];
                     for (int i = 0; i < T; ++i) {
-                        const i16 v = load_i16(qc + i * q_stride + e * 64);
+                        const I v = load_lanes<I>(qc + i * q_stride + e * 64);
                         lo[i] = v & low;
-                        hi[i] = (i16)((u16)v >> 4) & low;
+                        hi[i] = (I)((U)v >> 4) & low;
                     }
                     const int64_t k = k0 + 8 * e;
                     for (int m = 0; m < M; ++m) {
@@ -256,8 +295,9 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
             } else if (BITS == 6) {
 #pragma GCC unroll 2
                 for (int64_t u = 0; u < cell / QDOT_SIX_COLUMNS; ++u) {
-                    i16 v[T][4];
-                    for (int i = 0; i < T; ++i) qdot_six(qc + i * q_stride + u * QDOT_SIX_BYTES, v[i]);
+                    I v[T][4];
+                    for (int i = 0; i < T; ++i)
+                        qdot_six<L>(qc + i * q_stride + u * QDOT_SIX_BYTES, v[i]);
                     const int64_t k = k0 + QDOT_SIX_COLUMNS * u;
                     for (int m = 0; m < M; ++m)
                         for (int j = 0; j < 4; ++j) {
@@ -273,8 +313,8 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
             } else {
 #pragma GCC unroll 8
                 for (int64_t e = 0; e < cell / 4; ++e) {
-                    i16 v[T];
-                    for (int i = 0; i < T; ++i) v[i] = load_i16(qc + i * q_stride + e * 64);
+                    I v[T];
+                    for (int i = 0; i < T; ++i) v[i] = load_lanes<I>(qc + i * q_stride + e * 64);
                     const int64_t k = k0 + 4 * e;
                     for (int m = 0; m < M; ++m) {
                         const int32_t a = load_x4(xq + k * M + 4 * m);
@@ -290,26 +330,39 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
             for (int m = 0; m < M; ++m) {
                 const float x_scale = xs[m * blocks + block];
                 for (int i = 0; i < T; ++i) {
-                    i16 s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
+                    I s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
                     if (X16) s = s * 256 + dl[m][i];
                     if (ZERO) s += zq[m * cells + c];  // q's own products (QdotInput's zq)
-                    acc[m][i] += __builtin_convertvector(s, v16) * (sc[i] * x_scale);
+                    acc[m][i] = fused(__builtin_convertvector(s, F), sc[i] * x_scale, acc[m][i]);
                 }
             }
         }
         if (OFF)
             for (int i = 0; i < T; ++i) {
-                const v16 off = load16_half(offsets + (i * groups + g) * 16);
-                for (int m = 0; m < M; ++m) acc[m][i] += off * in.xsum[(m0 + m) * groups + g];
+                const F off = load_halves<F>(offsets + (i * groups + g) * 16);
+                for (int m = 0; m < M; ++m)
+                    acc[m][i] = fused(off, splat_lanes<F>(in.xsum[(m0 + m) * groups + g]), acc[m][i]);
             }
     }
     for (int m = 0; m < M; ++m)
         for (int i = 0; i < T; ++i) {
-            const v16 out = acc[m][i] * w.unit;
-            float* ym = y + m * y_stride + 16 * i;
-            if (rows == 16) memcpy(ym, &out, 64);
-            else for (int64_t r = 0; r < rows; ++r) ym[r] = out[r];
+            const F out = acc[m][i] * w.unit;
+            float* ym = y + m * y_stride + 16 * i + row0;
+            if (rows - row0 >= L) memcpy(ym, &out, sizeof(F));
+            else for (int64_t r = 0; r < rows - row0; ++r) ym[r] = out[r];
         }
+}
+
+template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL>
+void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
+               const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
+               const uint8_t* q_next, bool few) {
+    // QDOT_LANES of the tile's rows at a time: its halves in turn where that is 8 (AVX2), the
+    // second's bytes in cache from the first's
+    for (int row0 = 0; row0 < 16 && row0 < rows; row0 += QDOT_LANES)
+        qdot_lanes<M, T, BITS, OFF, X16, ZERO, CELL, QDOT_LANES>(
+            in, m0, w, t, q, q_stride, y, y_stride, rows, row0 == 0 ? q_next : nullptr, few,
+            row0);
 }
 
 // NOTE: the arguments by reference: by value, each tile call copied the quantized x (its vectors)

@@ -47,19 +47,13 @@ typedef uint32_t u16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// A 16-lane vector as the two ymm halves GCC holds it in, and back (register moves, no
-// memory): for the intrinsics of the AVX2 paths.
+// 8 lanes (one ymm with AVX2): the qdot kernel's tiles in halves where there is no AVX-512.
 typedef int32_t i8x __attribute__((vector_size(32)));
+typedef uint32_t u8x __attribute__((vector_size(32)));
 typedef float f8x __attribute__((vector_size(32)));
-inline __m256i low_half(i16 v) { return (__m256i)__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
-inline __m256i high_half(i16 v) {
-    return (__m256i)__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-inline i16 join(__m256i lo, __m256i hi) {
-    return __builtin_shufflevector((i8x)lo, (i8x)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                   13, 14, 15);
-}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two ymm of floats as the 16-lane vector GCC holds in them (register moves, no memory).
 inline v16 join(__m256 lo, __m256 hi) {
     return __builtin_shufflevector((f8x)lo, (f8x)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
                                    13, 14, 15);
