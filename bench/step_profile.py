@@ -216,10 +216,11 @@ def main() -> None:
     other_bytes = sum(m.nbytes for m in projections) - quant_bytes
     flops_per_token = 2 * sum(m.out_features * m.in_features for m in projections)
     bandwidth, peak8 = stream_bandwidth(), int8_peak()
-    # NOTE: float16 only where oneDNN runs it (not on an AMD Zen 5: no avx512_fp16)
-    peaks = {"fp32": gemm_peak(), "bf16": dense_peak(torch.bfloat16),
-             "fp16": (dense_peak(torch.float16) if form_choice.dense_form_runs("fp16")
-                      else float("nan")),
+    # NOTE: a dense dtype only where oneDNN runs it: no float16 on an AMD Zen 5 (no
+    # avx512_fp16), no bfloat16 on a Zen 3 (AVX2 only)
+    peaks = {"fp32": gemm_peak(),
+             **{form: (dense_peak(dtype) if form_choice.dense_form_runs(form) else float("nan"))
+                for form, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))},
              "int8": peak8 / 2,  # int8: two terms a row
              "qdot": peak8,  # qdot: one int8 term a row (its VNNI products, not torch's GEMM)
              "qdot_b16": peak8,  # qdot_b16: one (more float work, not more products)
