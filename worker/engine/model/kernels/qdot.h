@@ -121,11 +121,6 @@ template <typename F> inline F fused(F a, F b, F c) {
     return a * b + c;
 }
 
-template <typename F> inline F splat_lanes(float f) {  // as splat(): no + 0.0
-    F v = {f};
-    return __builtin_shuffle(v, typename QLanes<sizeof(F) / 4>::I{});
-}
-
 template <typename I> inline I load_lanes(const uint8_t* p) { I v; memcpy(&v, p, sizeof(I)); return v; }
 inline int32_t load_x4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -341,7 +336,7 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
             for (int i = 0; i < T; ++i) {
                 const F off = load_halves<F>(offsets + (i * groups + g) * 16);
                 for (int m = 0; m < M; ++m)
-                    acc[m][i] = fused(off, splat_lanes<F>(in.xsum[(m0 + m) * groups + g]), acc[m][i]);
+                    acc[m][i] = fused(off, splat<F>(in.xsum[(m0 + m) * groups + g]), acc[m][i]);
             }
     }
     for (int m = 0; m < M; ++m)

@@ -59,11 +59,13 @@ inline v16 join(__m256 lo, __m256 hi) {
                                    13, 14, 15);
 }
 #endif
-// NOTE: a shuffle of lane 0 (one vbroadcastss), not `f + v16{}`: without -ffast-math that
-// first adds 0.0 (which would turn -0.0 into +0.0), nor a loop (sixteen masked broadcasts).
-inline v16 splat(float f) {
-    v16 v = {f};
-    return __builtin_shuffle(v, i16{});
+// f in every lane of a float vector (v16, or the 8-lane f8x). NOTE: a shuffle of lane 0 (one
+// vbroadcastss), not `f + v16{}`: without -ffast-math that first adds 0.0 (which would turn
+// -0.0 into +0.0), nor a loop (sixteen masked broadcasts).
+template <typename F = v16> inline F splat(float f) {
+    typedef int32_t lanes __attribute__((vector_size(sizeof(F))));
+    F v = {f};
+    return __builtin_shuffle(v, lanes{});
 }
 inline v16 load16(const bf16* p) {
 #ifdef __AVX512F__
