@@ -201,15 +201,16 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
     }
 }
 
-// T tiles of 16 weight rows (t, t + 1, ..., their bytes from `q`, `q_stride` apart) against
-// the pass of rows [m0, m0 + M) of x: y[m][0..16 T) of the tiles; q_next: the next tiles' bytes,
-// fetched ahead, or null; few: a decode step's call (fewer than QDOT_FEW_ROWS rows). X16: each
-// product twice, against x's high and low halves, joined in integers (exact: a cell's high sum
-// is at most 32 * 255 * 64, times 256 < 2^31). CELL: min(group, x's block), 16 or 32 (a
-// constant: the loops over a cell's bytes unrolled, where as loops they were half of a lone
-// row's instructions). T 2 where M is QDOT_ROWS: each load of x feeds both tiles' products,
-// and each tile's bytes serve 4 rows.
-// qdot_tile's rows [row0, row0 + L) of its tiles (L: QDOT_LANES)
+// qdot_tile (below): T tiles of 16 weight rows (t, t + 1, ..., their bytes from `q`, `q_stride`
+// apart) against the pass of rows [m0, m0 + M) of x: y[m][0..16 T) of the tiles; q_next: the next
+// tiles' bytes, fetched ahead, or null; few: a decode step's call (fewer than QDOT_FEW_ROWS rows).
+// X16: each product twice, against x's high and low halves, joined in integers (exact: a cell's
+// high sum is at most 32 * 255 * 64, times 256 < 2^31). CELL: min(group, x's block), 16 or 32 (a
+// constant: the loops over a cell's bytes unrolled, where as loops they were half of a lone row's
+// instructions). T 2 where M is QDOT_ROWS: each load of x feeds both tiles' products, and each
+// tile's bytes serve 4 rows.
+// qdot_lanes: the rows [row0, row0 + L) of those tiles (L: QDOT_LANES); qdot_tile runs it for
+// each such part of its 16 rows.
 template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL, int L>
 void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                 const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
