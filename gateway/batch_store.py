@@ -42,6 +42,7 @@ FINAL_STATUSES = ("completed", "cancelled", "failed", "expired")
 # whose lock a killed batch worker keeps for a minute.
 RETRY_INTERVALS = [0, 30, 120]
 _MAINTENANCE_S = 5  # s between a batch worker's looks for abandoned batches
+_PUBSUB_READ_S = 1  # s a batch worker's command-channel read waits; bounds its stop
 _MAINTENANCE_LOCK_S = 30  # s rq's registry-cleaning lock may outlive its holder
 _DAY = 24 * 3600
 
@@ -249,7 +250,8 @@ class BatchStore:
 
 def new_batch_worker(store: BatchStore, name: str | None) -> Any:
     """The rq worker `llmq batch-worker` runs: rq's, plus a look for abandoned batches at each
-    maintenance round (every few seconds rather than rq's ten minutes)."""
+    maintenance round (every few seconds rather than rq's ten minutes), and a command-channel
+    thread that stops within a second of being asked."""
     from rq import Worker
 
     from llmq.gateway.batch_job import LEASE_MS
@@ -261,6 +263,17 @@ def new_batch_worker(store: BatchStore, name: str | None) -> Any:
             for batch_id in store.rescue_abandoned(LEASE_MS / 1000):
                 self.log.warning("batch %s was abandoned by its worker: handed back to rq",
                                  batch_id)
+
+        def subscribe(self) -> None:
+            # rq reads its command channel with a 60 s timeout, and redis-py's `stop()` waits
+            # for that read. When the UNSUBSCRIBE reply lands before `stop()` clears the thread's
+            # flag, the thread goes back to wait up to 60 s for a subscription, and a SIGTERMed
+            # worker takes that long to exit. A short read bounds the stop.
+            self.pubsub = self.connection.pubsub()
+            self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+            self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment]  # rq types it None
+                sleep_time=_PUBSUB_READ_S, daemon=True,
+                exception_handler=self._pubsub_exception_handler)
 
     # NOTE: worker_ttl bounds how long an idle worker blocks between maintenance rounds.
     return BatchWorker([store.queue], connection=store.rq, serializer=store.serializer,
