@@ -73,13 +73,18 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
         // NOTE: a block's last keys too (a sequence's last block is half full on average):
         // the unused slots' lanes are computed and dropped. Key by key, that last block cost
         // about as much as all the full ones (batch 64 at ~140 tokens: 16% of attention)
-        if (i0 + 16 <= block_size) {  // 16 keys per multiply-add, no horizontal sums
-            v16 s[G] = {};
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const v16 k = load16(kt + d * block_size + i0);
-                for (int g = 0; g < G; ++g) s[g] += qs[g * head_dim + d] * k;
+        if (i0 + 16 <= block_size) {  // LANES keys per multiply-add, no horizontal sums
+            for (int64_t j0 = 0; j0 < m; j0 += LANES) {
+                vf s[G] = {};
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    const vf k = load_vf(kt + d * block_size + i0 + j0);
+                    for (int g = 0; g < G; ++g)
+                        s[g] = fused(splat<vf>(qs[g * head_dim + d]), k, s[g]);
+                }
+                const int64_t used = m - j0 < LANES ? m - j0 : LANES;
+                for (int g = 0; g < G; ++g)
+                    memcpy(scores + g * stride + i0 + j0, &s[g], 4 * used);
             }
-            for (int g = 0; g < G; ++g) memcpy(scores + g * stride + i0, &s[g], 4 * m);
         } else {
             for (int g = 0; g < G; ++g)
                 for (int64_t i = 0; i < m; ++i) {
@@ -92,20 +97,20 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
     }
 }
 
-// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], 16 dims at
-// a time with the G accumulators in registers.
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], LANES dims
+// at a time with the G accumulators in registers.
 template <int G, typename C>
 void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
                   float* acc) {
     int64_t d0 = 0;
-    for (; d0 + 16 <= head_dim; d0 += 16) {
-        v16 a[G];
-        for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, 64);
+    for (; d0 + LANES <= head_dim; d0 += LANES) {
+        vf a[G];
+        for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, sizeof(vf));
         for (int64_t i = 0; i < n; ++i) {
-            const v16 x = load16(v + i * head_dim + d0);
-            for (int g = 0; g < G; ++g) a[g] += p[g * stride + i] * x;
+            const vf x = load_vf(v + i * head_dim + d0);
+            for (int g = 0; g < G; ++g) a[g] = fused(splat<vf>(p[g * stride + i]), x, a[g]);
         }
-        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], 64);
+        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], sizeof(vf));
     }
     for (; d0 < head_dim; ++d0)
         for (int64_t i = 0; i < n; ++i)
@@ -202,11 +207,16 @@ template <typename C, typename O, typename... A> bool decode_attention_g(int64_t
     return with_group(group, [&](auto g) { decode_attention<decltype(g)::value, C, O>(a...); });
 }
 
-// Query rows of one prompt a tile shares its K/V reads between: R rows x G heads <= 16
-// accumulators, one a row and head in registers (block_scores / block_values).
+// Query rows of one prompt a tile shares its K/V reads between: R rows x G heads accumulators,
+// one a row and head in registers (block_scores / block_values), at most 16 with AVX-512's 32
+// registers and 12 with AVX2's 16.
 // NOTE: at 18 to 24 they spilled: 2,000-token prompts ran at 57 GFLOP/s so, 78 at 12 to 16,
-// 64-72 row by row as decodes (Zen 4, one thread).
-constexpr int prompt_rows(int G) { return 16 / G < 8 ? 16 / G : 8; }
+// 64-72 row by row as decodes (Zen 4, one thread). On Zen 3 (AVX2, G 3, a 512-token prompt)
+// 15 ran at 22 GFLOP/s, 12 at 26, 6 at 24.
+constexpr int PROMPT_ACCUMULATORS = LANES == 16 ? 16 : 12;
+constexpr int prompt_rows(int G) {
+    return PROMPT_ACCUMULATORS / G < 8 ? PROMPT_ACCUMULATORS / G : 8;
+}
 
 // The query rows of prompts (prefill chunks), each row attending causally to its sequence's
 // keys in the cache (this step's included). Each row's arithmetic is decode_attention's for

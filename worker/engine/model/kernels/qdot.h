@@ -50,22 +50,10 @@ namespace llmq {
 
 constexpr int QDOT_FEW_ROWS = 8;  // a call of fewer rows is a decode step's: bound by reading W
 
-// The rows of a tile one call of qdot_tile computes, one vector of int32 or float lanes: all
-// 16 with AVX-512 (a zmm); 8 elsewhere (a ymm with AVX2), the tile in two halves. NOTE: GCC
-// builds a 16-lane vector extension without AVX-512 from pieces (element inserts, extracts
-// and spills): on Zen 3 the 16-lane tile ran a 1B model's matrices at 10-12 GFLOP/s.
-#ifdef __AVX512F__
-constexpr int QDOT_LANES = 16;
-#else
-constexpr int QDOT_LANES = 8;
-#endif
 // tiles a pass of QDOT_ROWS rows computes at once. NOTE: two with AVX2's 16 registers too,
 // though a pair's accumulators and products spill there: Zen 3, the 1B's projections at 32
 // rows (bench/projection_sweep.py) in 863 ms a sweep, one tile a pass 1,017
 constexpr int QDOT_PAIR = 2;
-template <int L> struct QLanes;  // the vector types of L lanes: F float, I int32, U uint32
-template <> struct QLanes<16> { typedef v16 F; typedef i16 I; typedef u16 U; };
-template <> struct QLanes<8> { typedef f8x F; typedef i8x I; typedef u8x U; };
 
 // acc (int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
 // ones (x: 4 bytes, the same in every lane). WIDE: w's bytes may pass 127 (BITS 8's q + 128);
@@ -108,19 +96,6 @@ inline I dot4(I acc, I w, int32_t x) {
 }
 #endif
 
-// a * b + c rounded once, as an instruction, not as GCC contracts it: on Zen 3 (8 lanes) it
-// fused the one-row tile's and not the two-row one's, and a row's bits changed with the rows
-// sharing its call.
-template <typename F> inline F fused(F a, F b, F c) {
-#ifdef __AVX512F__
-    if constexpr (sizeof(F) == 64) return (F)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#endif
-#ifdef __FMA__
-    if constexpr (sizeof(F) == 32) return (F)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#endif
-    return a * b + c;
-}
-
 template <typename I> inline I load_lanes(const uint8_t* p) { I v; memcpy(&v, p, sizeof(I)); return v; }
 inline int32_t load_x4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -136,7 +111,7 @@ inline float half_to_float(uint16_t h) {  // float16 (IEEE half) -> float
     return f;
 }
 
-// L float16 -> L floats (F: QLanes<L>::F)
+// L float16 -> L floats (F: Lanes<L>::F)
 template <typename F> inline F load_halves(const uint16_t* p) {
 #ifdef __AVX512F__
     if constexpr (sizeof(F) == 64) return (F)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
@@ -172,9 +147,9 @@ constexpr int64_t QDOT_SIX_COLUMNS = 16, QDOT_SIX_BYTES = qdot_bytes(6, QDOT_SIX
 // byte u = q + 32: the three vectors' low 6 bits, and the fourth entry from their top 2 bits.
 // L lanes: the rows [0, L) from `p`, so p + 4 * row0 for the rows from row0.
 template <int L>
-inline void qdot_six(const uint8_t* p, typename QLanes<L>::I w[4]) {
-    typedef typename QLanes<L>::I I;
-    typedef typename QLanes<L>::U U;
+inline void qdot_six(const uint8_t* p, typename Lanes<L>::I w[4]) {
+    typedef typename Lanes<L>::I I;
+    typedef typename Lanes<L>::U U;
     const I a = load_lanes<I>(p), b = load_lanes<I>(p + 64), c = load_lanes<I>(p + 128);
     const I six = (I){} + 0x3F3F3F3F;
     w[0] = a & six;
@@ -192,9 +167,9 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
         const int64_t from = qdot_bytes(6, c), to = qdot_bytes(8, c);
         for (int64_t b = 0; next && b < QDOT_SIX_BYTES; b += 64)
             __builtin_prefetch(next + from + b, 0, 2);
-        for (int r0 = 0; r0 < 16; r0 += QDOT_LANES) {
-            typename QLanes<QDOT_LANES>::I v[4];
-            qdot_six<QDOT_LANES>(tile + from + 4 * r0, v);
+        for (int r0 = 0; r0 < 16; r0 += LANES) {
+            typename Lanes<LANES>::I v[4];
+            qdot_six<LANES>(tile + from + 4 * r0, v);
             // NOTE: a vector at a time: one copy of the four went through the stack
             for (int i = 0; i < 4; ++i) memcpy(out + to + 64 * i + 4 * r0, &v[i], sizeof(v[i]));
         }
@@ -209,15 +184,15 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
 // constant: the loops over a cell's bytes unrolled, where as loops they were half of a lone row's
 // instructions). T 2 where M is QDOT_ROWS: each load of x feeds both tiles' products, and each
 // tile's bytes serve 4 rows.
-// qdot_lanes: the rows [row0, row0 + L) of those tiles (L: QDOT_LANES); qdot_tile runs it for
+// qdot_lanes: the rows [row0, row0 + L) of those tiles (L: LANES); qdot_tile runs it for
 // each such part of its 16 rows.
 template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL, int L>
 void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                 const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
                 const uint8_t* q_next, bool few, int row0) {
-    typedef typename QLanes<L>::F F;
-    typedef typename QLanes<L>::I I;
-    typedef typename QLanes<L>::U U;
+    typedef typename Lanes<L>::F F;
+    typedef typename Lanes<L>::I I;
+    typedef typename Lanes<L>::U U;
     constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
     const int64_t K = w.K, group = w.group;
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
@@ -353,10 +328,10 @@ template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL>
 void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
                const uint8_t* q_next, bool few) {
-    // QDOT_LANES of the tile's rows at a time: its halves in turn where that is 8 (AVX2), the
+    // LANES of the tile's rows at a time: its halves in turn where that is 8 (AVX2), the
     // second's bytes in cache from the first's
-    for (int row0 = 0; row0 < 16 && row0 < rows; row0 += QDOT_LANES)
-        qdot_lanes<M, T, BITS, OFF, X16, ZERO, CELL, QDOT_LANES>(
+    for (int row0 = 0; row0 < 16 && row0 < rows; row0 += LANES)
+        qdot_lanes<M, T, BITS, OFF, X16, ZERO, CELL, LANES>(
             in, m0, w, t, q, q_stride, y, y_stride, rows, row0 == 0 ? q_next : nullptr, few,
             row0);
 }

@@ -85,6 +85,53 @@ inline v16 load16(const bf16* p) {
 #endif
 }
 
+// One native vector of float (or int32) lanes: 16 with AVX-512 (a zmm), 8 elsewhere (a ymm
+// with AVX2). Kernels that keep arrays of accumulators loop over LANES, not 16. NOTE: GCC
+// builds a 16-lane vector extension without AVX-512 from pieces (element inserts, extracts
+// and spills): on Zen 3 qdot's 16-lane tile ran a 1B model's matrices at 10-12 GFLOP/s, and
+// decode attention over a bfloat16 cache took as long as all the projections.
+#ifdef __AVX512F__
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+template <int L> struct Lanes;  // the vector types of L lanes: F float, I int32, U uint32
+template <> struct Lanes<16> { typedef v16 F; typedef i16 I; typedef u16 U; };
+template <> struct Lanes<8> { typedef f8x F; typedef i8x I; typedef u8x U; };
+typedef Lanes<LANES>::F vf;
+
+// LANES floats from float32 or bfloat16.
+inline vf load_vf(const float* p) { vf v; memcpy(&v, p, sizeof(vf)); return v; }
+inline vf load_vf(const bf16* p) {
+#ifdef __AVX512F__
+    return load16(p);
+#elif defined(__AVX2__)
+    return (vf)_mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+    typedef uint16_t h8 __attribute__((vector_size(16)));
+    h8 h;
+    memcpy(&h, p, 16);
+    const u8x w = __builtin_convertvector(h, u8x) << 16;
+    vf v;
+    memcpy(&v, &w, 32);
+    return v;
+#endif
+}
+
+// a * b + c rounded once, as an instruction, not as GCC contracts it: on Zen 3 (8 lanes) it
+// fused qdot's one-row tile's and not the two-row one's, and a row's bits changed with the
+// rows sharing its call.
+template <typename F> inline F fused(F a, F b, F c) {
+#ifdef __AVX512F__
+    if constexpr (sizeof(F) == 64) return (F)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+#ifdef __FMA__
+    if constexpr (sizeof(F) == 32) return (F)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+    return a * b + c;
+}
+
 // The sum of 16 lanes by halving (a shuffle tree), not lane by lane.
 inline float hsum(v16 v) {
     v = v + __builtin_shuffle(v, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
