@@ -329,10 +329,14 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
                const uint8_t* q_next, bool few) {
     // LANES of the tile's rows at a time: its halves in turn where that is 8 (AVX2), the
-    // second's bytes in cache from the first's
+    // second's bytes in cache from the first's. A decode's second half fetches the tile after
+    // the next meanwhile, or memory would idle through it.
+    // NOTE: Zen 3, a lone decode's 30 layers of SmolLM2 projections (66 MB), best of 8
+    // interleaved: 5.23 ms a token fetching one tile ahead, 4.37 with this.
+    const uint8_t* after = few && q_next && 16 * (t + 2) < w.N ? q_next + q_stride : nullptr;
     for (int row0 = 0; row0 < 16 && row0 < rows; row0 += LANES)
         qdot_lanes<M, T, BITS, OFF, X16, ZERO, CELL, LANES>(
-            in, m0, w, t, q, q_stride, y, y_stride, rows, row0 == 0 ? q_next : nullptr, few,
+            in, m0, w, t, q, q_stride, y, y_stride, rows, row0 == 0 ? q_next : after, few,
             row0);
 }
 
