@@ -35,10 +35,11 @@ build and this module's code, so every later start reads it and measures nothing
 How a form is measured: its time on the first (at most) `SLICE_ROWS` output rows of the
 projection, scaled to all of them, at least the time to stream the whole form's bytes once at
 the measured memory bandwidth (a model's weights are read from memory every step, not from a
-cache as a repeated measurement's are), the minimum of `REPEATS` calls after one warm-up (the
-forms' calls interleaved, so a burst of a neighbour's load slows one call of each), CPU
-time on one thread (wall time with more). That is ~0.6 s of CPU for SmolLM2 (5 shapes) and
-~2.4 s for the 1B-class model (7 shapes and layouts) at a cold start; the log says how long.
+cache as a repeated measurement's are), the fastest of at least `REPEATS` calls after one
+warm-up, more until each form has run `FORM_SECONDS` (the forms' calls interleaved, so a burst
+of a neighbour's load slows one call of each), CPU time on one thread (wall time with more).
+That is ~0.6 s of CPU for SmolLM2 (5 shapes) and ~2.4 s for the 1B-class model (7 shapes and
+layouts) at a cold start; the log says how long.
 
 Numerics: a form is a candidate only if its output for a random activation (standard normal,
 `SAMPLE_ROWS` rows) is within `TOLERANCE` of the float32 form's, as ||y - y_fp32|| / ||y_fp32||;
@@ -85,6 +86,12 @@ HEAD_TOLERANCE = 0.005  # of the LM head's logits
 SLICE_ROWS = 512  # output rows a form is timed on (a multiple of QuantMatrix's 16-row tiles)
 SAMPLE_ROWS = 32  # activation rows the numerics are checked on
 REPEATS = 5
+# NOTE: calls of a few rows take microseconds: five of them all fell in one burst of a
+# neighbour's load, and qdot16 (qdot's products twice) beat qdot at 1 and 4 rows of a
+# 960x576 projection (Zen 3, 17.7 against 11.0 GFLOP/s). So each form is called until it has
+# run FORM_SECONDS in all (at most MOST_REPEATS times), its fastest call kept.
+FORM_SECONDS = 0.002
+MOST_REPEATS = 200
 # NOTE: a decode step of up to 8 rows whose every projection runs on the quantized kernels is
 # one kernel call for all layers (llama.py); any other form there splits it into ~9 calls a
 # layer, ~40 us of Python and ctypes per projection (bench/step_profile.py --op-by-op on
@@ -99,6 +106,11 @@ ONE_CALL_CREDIT = 40e-6
 # at 1.15 the 1B model held bfloat16 copies of its Q6_K projections and of its head beside
 # their qdot tiles (Zen 4: 544 MiB, a worker's peak 1.84x of file + KV, now 1.4x).
 MEMORY_SLACK = 2.0
+# NOTE: qdot16 runs qdot's products twice: beside qdot it must win by this factor. At a row or
+# two both are bound by the call's own cost and tie, and a measurement's noise chose qdot16
+# (Zen 3: SmolLM2's 576x1536 at 1 row, 18.2 against 18.0 GFLOP/s; its 960x576 at 1 and 4
+# rows), and then every decode step paid the second products.
+MORE_WORK_MARGIN = 1.15
 # forms that hold another's bytes (qdot16 and qdot_b16 run qdot's tiles): no memory to save
 # between them
 HOLDS = {form: "qdot" for form in DOT_FORMS if form != "qdot"}
@@ -358,9 +370,13 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
         # another, a busy VM's slow second made a form lose buckets it wins, and the choice
         # file keeps that for good (a 960x576 projection on bfloat16 from 33 rows, seen)
         spent = {form: float("inf") for form in calls}
-        for _ in range(REPEATS):
+        total = dict.fromkeys(calls, 0.0)
+        for repeat in range(MOST_REPEATS):
+            if repeat >= REPEATS and min(total.values(), default=1.0) >= FORM_SECONDS:
+                break
             for form, call in calls.items():
-                spent[form] = min(spent[form], _seconds(call))
+                seconds = _seconds(call)
+                spent[form], total[form] = min(spent[form], seconds), total[form] + seconds
         cost: dict[str, float] = {}
         for form in rates:
             rate: float | None = (
@@ -372,6 +388,8 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
                 fused = (one_call and form not in QUANT_FORMS
                          and num_rows <= CpuKernels.MAX_QUANT_ROWS)
                 cost[form] = flops / (rate * 1e9) + (ONE_CALL_CREDIT if fused else 0.0)
+        if "qdot" in cost and "qdot16" in cost:
+            cost["qdot16"] *= MORE_WORK_MARGIN
         costs.append(cost)
     return {"errors": errors, "rates": rates, "bytes": sizes, "chosen": _fewest_forms(costs),
             "tolerance": tolerance}
