@@ -33,34 +33,41 @@ inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) 
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
-// s[0..n) <- exp(s - max) / sum, 16 lanes at a time.
+// s[0..n) <- exp(s - max) / sum, LANES at a time.
 inline void softmax(float* s, int64_t n) {
     float mx = s[0];
     int64_t i = 0;
-    if (n >= 16) {
-        v16 m = load16(s);
-        for (i = 16; i + 16 <= n; i += 16) {
-            const v16 x = load16(s + i);
+    if (n >= LANES) {
+        vf m = load_vf(s);
+        for (i = LANES; i + LANES <= n; i += LANES) {
+            const vf x = load_vf(s + i);
             m = x > m ? x : m;
         }
         mx = hmax(m);
     }
     for (; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
-    v16 vsum = {};
+    vf vsum = {};
     float sum = 0.0f;
-    for (i = 0; i + 16 <= n; i += 16) {
-        const v16 e = exp_neg16(load16(s + i) - mx);
-        memcpy(s + i, &e, 64);
+    for (i = 0; i + LANES <= n; i += LANES) {
+        const vf e = exp_neg_lanes(load_vf(s + i) - mx);
+        memcpy(s + i, &e, sizeof(vf));
         vsum += e;
     }
     for (; i < n; ++i) sum += (s[i] = exp_neg(s[i] - mx));
     const float inv = 1.0f / (hsum(vsum) + sum);
-    for (i = 0; i + 16 <= n; i += 16) {
-        const v16 e = load16(s + i) * inv;
-        memcpy(s + i, &e, 64);
+    for (i = 0; i + LANES <= n; i += LANES) {
+        const vf e = load_vf(s + i) * inv;
+        memcpy(s + i, &e, sizeof(vf));
     }
     for (; i < n; ++i) s[i] *= inv;
 }
+
+// Vectors of LANES a pass of block_scores (keys) or block_values (dims) takes per query head:
+// 2 with 8 lanes where the 2 G accumulators leave registers over. NOTE: G chains of dependent
+// multiply-adds alone wait on their latency: on Zen 3 (G 3) a lone decode's attention ran at
+// ~15 GFLOP/s so. Each lane's arithmetic is the same whatever P is (a prompt's rows, which
+// take the GR accumulators' P, get the floats of their decodes).
+constexpr int parts_a_pass(int G) { return LANES == 8 && 2 * G <= 8 ? 2 : 1; }
 
 // Scores of one block for G query heads sharing a kv head. kt [head_dim, block_size]: the
 // block's keys transposed; n <= block_size of them are used; scores[g] gets n entries.
@@ -74,16 +81,24 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
         // the unused slots' lanes are computed and dropped. Key by key, that last block cost
         // about as much as all the full ones (batch 64 at ~140 tokens: 16% of attention)
         if (i0 + 16 <= block_size) {  // LANES keys per multiply-add, no horizontal sums
-            for (int64_t j0 = 0; j0 < m; j0 += LANES) {
-                vf s[G] = {};
+            constexpr int P = parts_a_pass(G);
+            for (int64_t j0 = 0; j0 < m; j0 += P * LANES) {
+                vf s[G][P] = {};
                 for (int64_t d = 0; d < head_dim; ++d) {
-                    const vf k = load_vf(kt + d * block_size + i0 + j0);
-                    for (int g = 0; g < G; ++g)
-                        s[g] = fused(splat<vf>(qs[g * head_dim + d]), k, s[g]);
+                    vf k[P];
+                    for (int p = 0; p < P; ++p)
+                        k[p] = load_vf(kt + d * block_size + i0 + j0 + p * LANES);
+                    for (int g = 0; g < G; ++g) {
+                        const vf qd = splat<vf>(qs[g * head_dim + d]);
+                        for (int p = 0; p < P; ++p) s[g][p] = fused(qd, k[p], s[g][p]);
+                    }
                 }
-                const int64_t used = m - j0 < LANES ? m - j0 : LANES;
-                for (int g = 0; g < G; ++g)
-                    memcpy(scores + g * stride + i0 + j0, &s[g], 4 * used);
+                for (int p = 0; p < P; ++p) {
+                    const int64_t first = j0 + p * LANES;
+                    const int64_t used = m - first < LANES ? m - first : LANES;
+                    for (int g = 0; used > 0 && g < G; ++g)
+                        memcpy(scores + g * stride + i0 + first, &s[g][p], 4 * used);
+                }
             }
         } else {
             for (int g = 0; g < G; ++g)
@@ -97,21 +112,33 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
     }
 }
 
-// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], LANES dims
-// at a time with the G accumulators in registers.
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], P LANES
+// dims at a time with the G P accumulators in registers.
+template <int G, int P, typename C>
+void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
+                        int64_t head_dim, float* acc, int64_t& d0) {
+    for (; d0 + P * LANES <= head_dim; d0 += P * LANES) {
+        vf a[G][P];
+        for (int g = 0; g < G; ++g) memcpy(a[g], acc + g * head_dim + d0, sizeof(a[g]));
+        for (int64_t i = 0; i < n; ++i) {
+            vf x[P];
+            for (int q = 0; q < P; ++q) x[q] = load_vf(v + i * head_dim + d0 + q * LANES);
+            for (int g = 0; g < G; ++g) {
+                const vf pi = splat<vf>(p[g * stride + i]);
+                for (int q = 0; q < P; ++q) a[g][q] = fused(pi, x[q], a[g][q]);
+            }
+        }
+        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, a[g], sizeof(a[g]));
+    }
+}
+
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim].
 template <int G, typename C>
 void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
                   float* acc) {
     int64_t d0 = 0;
-    for (; d0 + LANES <= head_dim; d0 += LANES) {
-        vf a[G];
-        for (int g = 0; g < G; ++g) memcpy(&a[g], acc + g * head_dim + d0, sizeof(vf));
-        for (int64_t i = 0; i < n; ++i) {
-            const vf x = load_vf(v + i * head_dim + d0);
-            for (int g = 0; g < G; ++g) a[g] = fused(splat<vf>(p[g * stride + i]), x, a[g]);
-        }
-        for (int g = 0; g < G; ++g) memcpy(acc + g * head_dim + d0, &a[g], sizeof(vf));
-    }
+    block_values_lanes<G, parts_a_pass(G)>(p, stride, v, n, head_dim, acc, d0);
+    block_values_lanes<G, 1>(p, stride, v, n, head_dim, acc, d0);
     for (; d0 < head_dim; ++d0)
         for (int64_t i = 0; i < n; ++i)
             for (int g = 0; g < G; ++g)

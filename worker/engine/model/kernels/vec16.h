@@ -154,6 +154,23 @@ inline float hmax(v16 v) {
     return v[0];
 }
 
+// hsum and hmax of 8 lanes, by halving as theirs of 16.
+inline float hsum(f8x v) {
+    v = v + __builtin_shuffle(v, (i8x){4, 5, 6, 7, 0, 1, 2, 3});
+    v = v + __builtin_shuffle(v, (i8x){2, 3, 0, 1, 6, 7, 4, 5});
+    v = v + __builtin_shuffle(v, (i8x){1, 0, 3, 2, 5, 4, 7, 6});
+    return v[0];
+}
+inline float hmax(f8x v) {
+    f8x w = __builtin_shuffle(v, (i8x){4, 5, 6, 7, 0, 1, 2, 3});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i8x){2, 3, 0, 1, 6, 7, 4, 5});
+    v = v > w ? v : w;
+    w = __builtin_shuffle(v, (i8x){1, 0, 3, 2, 5, 4, 7, 6});
+    v = v > w ? v : w;
+    return v[0];
+}
+
 // x . y over n floats: 16 lanes at a time, then the tail.
 template <typename C>
 inline float dot(const float* x, const C* y, int64_t n) {
@@ -201,26 +218,29 @@ inline float exp_neg(float x) {
     return p * scale;
 }
 
-// exp_neg on 16 lanes (the same polynomial); round to nearest by the 1.5 * 2^23 trick.
-inline v16 exp_neg16(v16 x) {
-    const v16 lo = splat(-87.0f);
+// exp_neg on a vector of floats (v16, or vf's 8 lanes: the same polynomial); round to
+// nearest by the 1.5 * 2^23 trick.
+template <typename F> inline F exp_neg_lanes(F x) {
+    typedef typename Lanes<sizeof(F) / 4>::I I;
+    const F lo = splat<F>(-87.0f);
     x = x < lo ? lo : x;
-    const v16 magic = splat(12582912.0f);
-    const v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693359375f;
+    const F magic = splat<F>(12582912.0f);
+    const F n = (x * 1.44269504088896341f + magic) - magic;
+    F r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
+    F p = splat<F>(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &bits, 64);
+    const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+    F scale;
+    memcpy(&scale, &bits, sizeof(F));
     return p * scale;
 }
+inline v16 exp_neg16(v16 x) { return exp_neg_lanes(x); }
 
 inline v16 silu16(v16 g) {
     const v16 neg = g < 0.0f ? g : -g;  // -|g|
