@@ -244,6 +244,21 @@ def test_a_form_is_held_only_where_it_wins_by_more_than_the_memory_slack():
     assert form_choice._fewest_forms(costs) == ["quant", "int8", "bf16"]
 
 
+def test_qdot16_beside_qdot_is_chosen_only_for_a_clear_win():
+    # Given a lone decode's buckets where qdot16 (qdot's products twice) measured a tie, 5%
+    # faster (noise: Zen 3 chose it so at 1 row, 18.2 against 18.0 GFLOP/s), and 30% faster
+    rates = {"qdot": [18.0, 18.0, 18.0], "qdot16": [18.0, 18.9, 23.4]}
+    costs = [form_choice._charge_more_work({form: 1 / r[i] for form, r in rates.items()})
+             for i in range(3)]
+
+    # Then qdot keeps the tie and the noise's win, and qdot16 takes only the clear one
+    assert form_choice._fewest_forms(costs) == ["qdot", "qdot", "qdot16"]
+
+    # And where qdot is no candidate (out of tolerance), qdot16 is charged nothing
+    assert form_choice._charge_more_work({"qdot16": 1.0, "fp32": 1.1}) == {"qdot16": 1.0,
+                                                                          "fp32": 1.1}
+
+
 def test_a_second_copy_is_built_only_for_a_large_win_and_shared_tiles_cost_none():
     # Given the 1B model's Q6_K down projection as measured on Zen 4 (seconds per call, from
     # GFLOP/s): qdot16 wins 1-4 rows, qdot 8-32, bfloat16 128 and up by 1.0-1.25x

@@ -388,11 +388,16 @@ def measure(kernels: CpuKernels, out_features: int, quant_bytes: int, sample: Sa
                 fused = (one_call and form not in QUANT_FORMS
                          and num_rows <= CpuKernels.MAX_QUANT_ROWS)
                 cost[form] = flops / (rate * 1e9) + (ONE_CALL_CREDIT if fused else 0.0)
-        if "qdot" in cost and "qdot16" in cost:
-            cost["qdot16"] *= MORE_WORK_MARGIN
-        costs.append(cost)
+        costs.append(_charge_more_work(cost))
     return {"errors": errors, "rates": rates, "bytes": sizes, "chosen": _fewest_forms(costs),
             "tolerance": tolerance}
+
+
+def _charge_more_work(cost: dict[str, float]) -> dict[str, float]:
+    """A bucket's costs with qdot16 charged MORE_WORK_MARGIN where qdot is a candidate too."""
+    if "qdot" in cost and "qdot16" in cost:
+        return {**cost, "qdot16": cost["qdot16"] * MORE_WORK_MARGIN}
+    return cost
 
 
 def _fewest_forms(costs: list[dict[str, float]]) -> list[str]:
