@@ -334,15 +334,12 @@ template <int M, int T, int BITS, bool OFF, bool X16, int ZERO, int CELL>
 void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride, int64_t rows,
                const uint8_t* q_next, bool few) {
-    // LANES of the tile's rows at a time: its halves in turn where that is 8 (AVX2), the
-    // second's bytes in cache from the first's. A decode's second half fetches the tile after
-    // the next meanwhile, or memory would idle through it.
-    // NOTE: Zen 3, a lone decode's 30 layers of SmolLM2 projections (66 MB), best of 8
-    // interleaved: 5.23 ms a token fetching one tile ahead, 4.37 with this.
-    // A decode of a row or two instead runs both halves in one pass over the tile's bytes (as
-    // two parts, HALVES), each 64-byte entry read once: the same sweep 3.45 ms at one row (the
-    // memory's streaming rate), 5.15 against 6.59 at two; at four rows their accumulators
-    // spill, and it gained nothing.
+    // A decode of a row or two with 8 lanes (AVX2): both halves of the tile in one pass over
+    // its bytes (as two parts, HALVES), each 64-byte entry read once.
+    // NOTE: Zen 3, a lone decode's 30 layers of SmolLM2 projections (66 MB, a C++ harness,
+    // best of interleaved runs): 4.28 ms a token in halves one after the other, 3.45 in one
+    // pass (the memory's streaming rate); 6.59 and 5.15 at two rows. At four rows their
+    // accumulators spill, and it gained nothing.
     if constexpr (LANES == 8 && T == 1 && M <= 2) {
         if (few) {
             qdot_lanes<M, 2, BITS, OFF, X16, ZERO, CELL, LANES, true>(
@@ -350,6 +347,11 @@ void qdot_tile(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
             return;
         }
     }
+    // Otherwise LANES of the tile's rows at a time: its halves in turn where that is 8, the
+    // second's bytes in cache from the first's. A decode's second half fetches the tile after
+    // the next meanwhile, or memory would idle through it. NOTE: measured where it was a lone
+    // decode's path (one row, as above): 5.23 ms a token fetching one tile ahead, 4.37 so; the
+    // 3-7 rows that take it now were not measured apart.
     const uint8_t* after = few && q_next && 16 * (t + 2) < w.N ? q_next + q_stride : nullptr;
     for (int row0 = 0; row0 < 16 && row0 < rows; row0 += LANES)
         qdot_lanes<M, T, BITS, OFF, X16, ZERO, CELL, LANES>(

@@ -240,11 +240,10 @@ template <typename F> inline F exp_neg_lanes(F x) {
     memcpy(&scale, &bits, sizeof(F));
     return p * scale;
 }
-inline v16 exp_neg16(v16 x) { return exp_neg_lanes(x); }
 
 inline v16 silu16(v16 g) {
     const v16 neg = g < 0.0f ? g : -g;  // -|g|
-    const v16 e = exp_neg16(neg);
+    const v16 e = exp_neg_lanes(neg);
     return g * (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
 }
 
