@@ -22,16 +22,28 @@ namespace {
 
 thread_local std::vector<float> scratch;
 
-// Ask for a block's rows before they are needed: a sequence's blocks lie anywhere in the
-// cache, so the hardware prefetcher cannot guess the next one. Into L2 (hint 2), not L1:
-// decode attention asks 8 blocks ahead, more lines than L1 has room to wait for (on a Zen 5
-// 30 layers' batch-64 attention took 15.3 ms so against 17.9 ms into L1 2 blocks ahead).
-template <typename C>
-inline void prefetch_block(const C* rows, int64_t block_size, int64_t head_dim) {
-    const char* p = (const char*)rows;
-    const int64_t bytes = block_size * head_dim * (int64_t)sizeof(C);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
-}
+// Asks for a block's lines (into L2, hint 2: decode attention asks blocks ahead, more lines than
+// L1 has room to wait for) a few per step of the loop that works on the block before it, so the
+// requests go out among the arithmetic. NOTE: all of a block's lines in one burst filled the
+// core's miss buffers, and the burst's prefetch instructions then stalled the arithmetic behind
+// them (Zen 3, a lone decode's profile: most of decode_attention's own time).
+struct SpreadPrefetch {
+    const char* next = nullptr;  // the block to fetch, or null
+    int64_t bytes = 0, per_step = 0, done = 0;
+    SpreadPrefetch() = default;
+    template <typename C>
+    SpreadPrefetch(const C* block, int64_t block_size, int64_t head_dim, int64_t steps)
+        : next((const char*)block), bytes(block_size * head_dim * (int64_t)sizeof(C)) {
+        per_step = (bytes / (steps > 0 ? steps : 1) + 63) / 64 * 64;
+    }
+    void step() {
+        for (const int64_t end = done + per_step; next && done < end && done < bytes; done += 64)
+            __builtin_prefetch(next + done, 0, 2);
+    }
+    void rest() {  // what the loop left (it ended early)
+        for (; next && done < bytes; done += 64) __builtin_prefetch(next + done, 0, 2);
+    }
+};
 
 // s[0..n) <- exp(s - max) / sum, LANES at a time.
 inline void softmax(float* s, int64_t n) {
@@ -70,11 +82,13 @@ inline void softmax(float* s, int64_t n) {
 constexpr int parts_a_pass(int G) { return LANES == 8 && 2 * G <= 8 ? 2 : 1; }
 
 // Scores of one block for G query heads sharing a kv head. kt [head_dim, block_size]: the
-// block's keys transposed; n <= block_size of them are used; scores[g] gets n entries.
+// block's keys transposed; n <= block_size of them are used; scores[g] gets n entries;
+// `ahead`: the block to fetch meanwhile.
 // G is a template argument so the per-head accumulators live in registers.
 template <int G, typename C>
 void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
-                  int64_t head_dim, float* scores, int64_t stride) {
+                  int64_t head_dim, float* scores, int64_t stride,
+                  SpreadPrefetch ahead = SpreadPrefetch()) {
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
         const int64_t m = n - i0 < 16 ? n - i0 : 16;
         // NOTE: a block's last keys too (a sequence's last block is half full on average):
@@ -85,6 +99,7 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
             for (int64_t j0 = 0; j0 < m; j0 += P * LANES) {
                 vf s[G][P] = {};
                 for (int64_t d = 0; d < head_dim; ++d) {
+                    ahead.step();
                     vf k[P];
                     for (int p = 0; p < P; ++p)
                         k[p] = load_vf(kt + d * block_size + i0 + j0 + p * LANES);
@@ -96,7 +111,11 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
                 for (int p = 0; p < P; ++p) {
                     const int64_t first = j0 + p * LANES;
                     const int64_t used = m - first < LANES ? m - first : LANES;
-                    for (int g = 0; used > 0 && g < G; ++g)
+                    // NOTE: a whole vector's store where it is one: a variable length was a
+                    // `rep movs`, a quarter of this function's time in a lone decode
+                    for (int g = 0; used == LANES && g < G; ++g)
+                        memcpy(scores + g * stride + i0 + first, &s[g][p], sizeof(vf));
+                    for (int g = 0; used > 0 && used < LANES && g < G; ++g)
                         memcpy(scores + g * stride + i0 + first, &s[g][p], 4 * used);
                 }
             }
@@ -110,17 +129,19 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
                 }
         }
     }
+    ahead.rest();
 }
 
 // acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim], P LANES
 // dims at a time with the G P accumulators in registers.
 template <int G, int P, typename C>
 void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
-                        int64_t head_dim, float* acc, int64_t& d0) {
+                        int64_t head_dim, float* acc, int64_t& d0, SpreadPrefetch& ahead) {
     for (; d0 + P * LANES <= head_dim; d0 += P * LANES) {
         vf a[G][P];
         for (int g = 0; g < G; ++g) memcpy(a[g], acc + g * head_dim + d0, sizeof(a[g]));
         for (int64_t i = 0; i < n; ++i) {
+            ahead.step();
             vf x[P];
             for (int q = 0; q < P; ++q) x[q] = load_vf(v + i * head_dim + d0 + q * LANES);
             for (int g = 0; g < G; ++g) {
@@ -132,33 +153,41 @@ void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
     }
 }
 
-// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim].
+// acc[g] += sum_i p[g][i] * v_i over one block's n rows v [block_size, head_dim]; `ahead`: the
+// block to fetch meanwhile.
 template <int G, typename C>
 void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
-                  float* acc) {
+                  float* acc, SpreadPrefetch ahead = SpreadPrefetch()) {
     int64_t d0 = 0;
-    block_values_lanes<G, parts_a_pass(G)>(p, stride, v, n, head_dim, acc, d0);
-    block_values_lanes<G, 1>(p, stride, v, n, head_dim, acc, d0);
+    block_values_lanes<G, parts_a_pass(G)>(p, stride, v, n, head_dim, acc, d0, ahead);
+    block_values_lanes<G, 1>(p, stride, v, n, head_dim, acc, d0, ahead);
     for (; d0 < head_dim; ++d0)
         for (int64_t i = 0; i < n; ++i)
             for (int g = 0; g < G; ++g)
                 acc[g * head_dim + d0] += p[g * stride + i] * load(v, i * head_dim + d0);
+    ahead.rest();
 }
 
 // One decode query per sequence, K/V read through the block table where they lie.
 // q [seqs, heads, head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks,
 // block_size * head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks];
 // out [seqs, heads, head_dim]. Two passes per (sequence, kv head): scores of every key, one
-// softmax, then the weighted values; the next blocks (and the next pair's first ones) are
-// prefetched while one is worked on: a sequence's blocks lie anywhere in the cache.
+// softmax, then the weighted values. The blocks are read in one order (each pair's K blocks,
+// then its V blocks, then the next pair's), and each block's work fetches the block AHEAD
+// places after it in that order: a sequence's blocks lie anywhere in the cache.
+// NOTE: 8 blocks ahead counted within a pair skipped a short sequence's first V blocks and the
+// next pair's first K blocks (below 8 blocks, 128 keys, the most of them). Zen 3, 30 layers of
+// SmolLM2's attention at batch 64, ~147 keys (bench/attention_pages.py, 2 MiB pages): 46.9 ms
+// so, 37.3 in this order with each block's fetch spread over the work before it (39.9 at 4
+// blocks ahead).
 template <int G, typename C, typename O>
 void decode_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
                       const int64_t* seq_lens, int64_t seqs, int64_t max_blocks, int64_t heads,
                       int64_t kv_heads, int64_t num_blocks, int64_t block_size,
                       int64_t head_dim, float scale, O* out) {
+    constexpr int64_t AHEAD = 8;
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const int64_t block_stride = block_size * head_dim;
-    const int64_t ahead = 8;
     int64_t max_len = 0;
     for (int64_t s = 0; s < seqs; ++s) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     const int64_t stride = (max_len + 15) / 16 * 16;
@@ -166,46 +195,45 @@ void decode_attention(const float* q, int64_t q_stride, const C* cache, const in
     float* scores = scratch.data();              // [G, stride]
     float* qs = scores + G * stride;             // [G, head_dim]: q * scale
     float* acc = qs + G * head_dim;              // [G, head_dim]
-    auto k_block = [&](int64_t s, int64_t h, int64_t b) {
-        return cache + h * head_stride + tables[s * max_blocks + b] * block_stride;
+    thread_local std::vector<const C*> order;    // every block, in the order they are read
+    order.clear();
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t num_used = (seq_lens[s] + block_size - 1) / block_size;
+        for (int64_t h = 0; h < 2 * kv_heads; ++h)  // (K, V) of head h: h and kv_heads + h
+            for (int64_t b = 0; b < num_used; ++b)
+                order.push_back(cache + (h / 2 + (h & 1) * kv_heads) * head_stride +
+                                tables[s * max_blocks + b] * block_stride);
+    }
+    const int64_t steps = block_size * head_dim / 16;  // of block_scores' and block_values' loops
+    int64_t read = 0;                                  // blocks read so far
+    auto ahead = [&]() {
+        const int64_t i = read++ + AHEAD;
+        return i < (int64_t)order.size() ? SpreadPrefetch(order[i], block_size, head_dim, steps)
+                                         : SpreadPrefetch();
     };
-    auto v_block = [&](int64_t s, int64_t h, int64_t b) {
-        return cache + (kv_heads + h) * head_stride + tables[s * max_blocks + b] * block_stride;
-    };
+    for (int64_t i = 0; i < AHEAD && i < (int64_t)order.size(); ++i)
+        SpreadPrefetch(order[i], block_size, head_dim, 1).rest();
     for (int64_t s = 0; s < seqs; ++s) {
         const int64_t len = seq_lens[s];
         const int64_t num_used = (len + block_size - 1) / block_size;
         for (int64_t h = 0; h < kv_heads; ++h) {
             const float* qh = q + s * q_stride + h * G * head_dim;
             for (int64_t i = 0; i < G * head_dim; ++i) qs[i] = qh[i] * scale;
-            if (s == 0 && h == 0)
-                for (int64_t b = 0; b < ahead && b < num_used; ++b)
-                    prefetch_block(k_block(s, h, b), block_size, head_dim);
+            const C* const* k_blocks = order.data() + read;
             for (int64_t b = 0; b < num_used; ++b) {
-                if (b + ahead < num_used)
-                    prefetch_block(k_block(s, h, b + ahead), block_size, head_dim);
-                else  // the V blocks of this pair come next
-                    prefetch_block(v_block(s, h, b + ahead - num_used), block_size, head_dim);
                 const int64_t n = len - b * block_size < block_size ? len - b * block_size
                                                                     : block_size;
-                block_scores<G>(qs, k_block(s, h, b), n, block_size, head_dim,
-                                scores + b * block_size, stride);
+                block_scores<G>(qs, k_blocks[b], n, block_size, head_dim,
+                                scores + b * block_size, stride, ahead());
             }
             for (int g = 0; g < G; ++g) softmax(scores + g * stride, len);
             memset(acc, 0, sizeof(float) * G * head_dim);
-            // the pair after this one: its sequence, its head
-            const int64_t s2 = h + 1 < kv_heads ? s : s + 1, h2 = h + 1 < kv_heads ? h + 1 : 0;
-            const int64_t next_used = s2 < seqs ? (seq_lens[s2] + block_size - 1) / block_size
-                                                : 0;
+            const C* const* v_blocks = order.data() + read;
             for (int64_t b = 0; b < num_used; ++b) {
-                if (b + ahead < num_used)
-                    prefetch_block(v_block(s, h, b + ahead), block_size, head_dim);
-                else if (b + ahead - num_used < next_used)  // the next pair's first K blocks
-                    prefetch_block(k_block(s2, h2, b + ahead - num_used), block_size, head_dim);
                 const int64_t n = len - b * block_size < block_size ? len - b * block_size
                                                                     : block_size;
-                block_values<G>(scores + b * block_size, stride, v_block(s, h, b), n, head_dim,
-                                acc);
+                block_values<G>(scores + b * block_size, stride, v_blocks[b], n, head_dim, acc,
+                                ahead());
             }
             O* oh = out + (s * heads + h * G) * head_dim;
             for (int64_t i = 0; i < G * head_dim; ++i) store(oh, i, acc[i]);

@@ -53,11 +53,30 @@ inline void qdot_x_put(int8_t* to, int64_t rows, int64_t K, int64_t m, int64_t k
     for (int j = 0; j < 16; j += 4) memcpy(to + qdot_x_at(rows, K, m, k + j), (int8_t*)&v + j, 4);
 }
 
-// x [rows, K] -> `in`: per block of 32 columns, 16 lanes at a time (a call's fixed cost: at
-// 128 rows, as a loop of scalars, it was a third of a 512-row slice's product, which is what
-// form_choice.py times)
+// 16 int32 in -128..127 (HV vectors of LANES) -> 16 int8, in order
+inline b16 narrow_b16(const Lanes<LANES>::I* v) {
+#ifdef __AVX512F__
+    return __builtin_convertvector(v[0], b16);
+#elif defined(__AVX2__)
+    // int16 [v0 0-3, v1 0-3 | v0 4-7, v1 4-7], the quarters into order, then int8
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32((__m256i)v[0], (__m256i)v[1]),
+                                               0xD8);
+    return (b16)_mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+#else
+    b16 out;
+    for (int i = 0; i < 16; ++i) out[i] = (int8_t)v[i / LANES][i % LANES];
+    return out;
+#endif
+}
+
+// x [rows, K] -> `in`: per block of 32 columns, its two halves of 16 in native vectors (a
+// call's fixed cost: at 128 rows, as a loop of scalars, it was a third of a 512-row slice's
+// product, which is what form_choice.py times; in 16-lane vectors without AVX-512, 2% of a
+// lone decode's step on Zen 3)
 inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_t K,
                           int64_t group, bool x16, int64_t block, int zero, QdotInput& in) {
+    typedef Lanes<LANES>::I I;
+    constexpr int HV = 16 / LANES;  // vectors a half of 16 columns
     // NOTE: 32 columns a pass; with blocks of 16, each half its own scale
     const int64_t blocks = K / QDOT_BLOCK, groups = K / group;
     const bool halves = block == QDOT_FINE_BLOCK;
@@ -69,37 +88,43 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
     in.xsum.assign((size_t)(rows * groups), 0.0f);
     const int64_t cell = group < block ? group : block;  // 16 or 32 (qdot_supports)
     if (zero) in.zq.resize((size_t)(rows * (K / cell)));
-    const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
+    const vf magic = splat<vf>(12582912.0f);  // 1.5 * 2^23: adding it rounds to nearest, even
     for (int64_t m = 0; m < rows; ++m) {
         const float* xm = x + m * x_stride;
         float* xsum = in.xsum.data() + m * groups;
         for (int64_t b = 0; b < blocks; ++b) {
-            const v16 lo = load16(xm + b * QDOT_BLOCK), hi = load16(xm + b * QDOT_BLOCK + 16);
-            const v16 alo = lo < 0.0f ? -lo : lo, ahi = hi < 0.0f ? -hi : hi;
-            const float amax_lo = hmax(halves ? alo : (alo > ahi ? alo : ahi));
-            const float amax_hi = halves ? hmax(ahi) : amax_lo;
-            const float inv_lo = amax_lo > 0.0f ? top / amax_lo : 0.0f, scale_lo = amax_lo / top;
-            const float inv_hi = amax_hi > 0.0f ? top / amax_hi : 0.0f, scale_hi = amax_hi / top;
-            // round(x / xs) as floats (exact integers in -top..top), then int8 (its halves)
-            const v16 rlo = (lo * inv_lo + magic) - magic, rhi = (hi * inv_hi + magic) - magic;
-            const i16 ilo = __builtin_convertvector(rlo, i16);
-            const i16 ihi = __builtin_convertvector(rhi, i16);
-            if (x16) {  // high half floor((v + 128) / 256) in -64..64, low v - 256 * high
-                const i16 hlo = (ilo + 128) >> 8, hhi = (ihi + 128) >> 8;
-                const b16 qlo = __builtin_convertvector(hlo, b16);
-                const b16 qhi = __builtin_convertvector(hhi, b16);
-                const b16 llo = __builtin_convertvector(ilo - hlo * 256, b16);
-                const b16 lhi = __builtin_convertvector(ihi - hhi * 256, b16);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK, qlo);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK + 16, qhi);
-                qdot_x_put(in.lo.data(), rows, K, m, b * QDOT_BLOCK, llo);
-                qdot_x_put(in.lo.data(), rows, K, m, b * QDOT_BLOCK + 16, lhi);
-            } else {
-                const b16 qlo = __builtin_convertvector(ilo, b16);
-                const b16 qhi = __builtin_convertvector(ihi, b16);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK, qlo);
-                qdot_x_put(in.q.data(), rows, K, m, b * QDOT_BLOCK + 16, qhi);
+            vf v[2][HV], top_abs[2];  // [half][vector]; the largest |x| a lane
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < HV; ++i) {
+                    v[h][i] = load_vf(xm + b * QDOT_BLOCK + 16 * h + LANES * i);
+                    const vf a = v[h][i] < 0.0f ? -v[h][i] : v[h][i];
+                    top_abs[h] = i == 0 ? a : a > top_abs[h] ? a : top_abs[h];
+                }
+            const vf both = top_abs[0] > top_abs[1] ? top_abs[0] : top_abs[1];
+            const float amax_lo = hmax(halves ? top_abs[0] : both);
+            const float amax_hi = halves ? hmax(top_abs[1]) : amax_lo;
+            const float inv[2] = {amax_lo > 0.0f ? top / amax_lo : 0.0f,
+                                  amax_hi > 0.0f ? top / amax_hi : 0.0f};
+            const float scale_lo = amax_lo / top, scale_hi = amax_hi / top;
+            float sums[2];  // of round(x / xs) a half: exact (small integers)
+            for (int h = 0; h < 2; ++h) {
+                // round(x / xs) as floats (exact integers in -top..top), then int8 (halves)
+                I r[HV], high[HV], low[HV];
+                vf sum = {};
+                for (int i = 0; i < HV; ++i) {
+                    const vf rounded = fused(v[h][i], splat<vf>(inv[h]), magic) - magic;
+                    sum += rounded;
+                    r[i] = __builtin_convertvector(rounded, I);
+                    // X16: high half floor((v + 128) / 256) in -64..64, low v - 256 * high
+                    high[i] = (r[i] + 128) >> 8;
+                    low[i] = r[i] - high[i] * 256;
+                }
+                sums[h] = hsum(sum);
+                const int64_t k = b * QDOT_BLOCK + 16 * h;
+                qdot_x_put(in.q.data(), rows, K, m, k, narrow_b16(x16 ? high : r));
+                if (x16) qdot_x_put(in.lo.data(), rows, K, m, k, narrow_b16(low));
             }
+            const float sum_lo = sums[0], sum_hi = sums[1];
             if (halves) {
                 in.scale[(m * blocks + b) * 2] = scale_lo;
                 in.scale[(m * blocks + b) * 2 + 1] = scale_hi;
@@ -110,7 +135,6 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
             // x as the integer term, and their rounding errors cancel as the weights' terms
             // do (q * scale of a 4-bit type is all positive, ~8x the offset-corrected
             // weight's size)
-            const float sum_lo = hsum(rlo), sum_hi = hsum(rhi);  // exact: small integers
             if (zero) {  // the zero's term, in integers (qdot.h, "Arithmetic")
                 int32_t* zq = in.zq.data() + m * (K / cell);
                 if (cell == 16) {

@@ -183,15 +183,23 @@ inline float dot(const float* x, const C* y, int64_t n) {
 }
 
 inline void store16(float* p, v16 x) { memcpy(p, &x, 64); }
-inline void store16(bf16* p, v16 x) {  // round to nearest even, NaN kept, as store() does
-    u16 u;
-    memcpy(&u, &x, 64);
-    const u16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const u16 nan = (u >> 16) | 64u;
-    const u16 r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-    const h16 h = __builtin_convertvector(r, h16);
-    memcpy(p, &h, 32);
+// L floats to bfloat16: round to nearest even, NaN kept, as store() does
+template <int L> inline void store_bf16(bf16* p, typename Lanes<L>::F x) {
+    typedef typename Lanes<L>::U U;
+    typedef uint16_t H __attribute__((vector_size(2 * L)));
+    U u;
+    memcpy(&u, &x, sizeof(u));
+    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const U nan = (u >> 16) | 64u;
+    const U r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    const H h = __builtin_convertvector(r, H);
+    memcpy(p, &h, sizeof(h));
 }
+inline void store16(bf16* p, v16 x) { store_bf16<16>(p, x); }
+
+// LANES floats to float32 or bfloat16.
+inline void store_vf(float* p, vf x) { memcpy(p, &x, sizeof(vf)); }
+inline void store_vf(bf16* p, vf x) { store_bf16<LANES>(p, x); }
 
 // Call f with a null pointer of the element type a flag names: float32 (0) or bfloat16 (1).
 template <typename F> void typed(int32_t is_bf16, F f) {
@@ -241,10 +249,11 @@ template <typename F> inline F exp_neg_lanes(F x) {
     return p * scale;
 }
 
-inline v16 silu16(v16 g) {
-    const v16 neg = g < 0.0f ? g : -g;  // -|g|
-    const v16 e = exp_neg_lanes(neg);
-    return g * (g < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+// silu on a vector of floats (v16, or vf's 8 lanes)
+template <typename F> inline F silu_lanes(F g) {
+    const F neg = g < 0.0f ? g : -g;  // -|g|
+    const F e = exp_neg_lanes(neg);
+    return g * (g < 0.0f ? e : splat<F>(1.0f)) / (1.0f + e);
 }
 
 inline float silu(float g) {
