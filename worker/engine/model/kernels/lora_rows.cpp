@@ -39,10 +39,13 @@ struct LoraSegment {
     int64_t table_len;
 };
 
-// NOTE: 4 x 4 (16 accumulators, 4 weight vectors): 8 x 2, 6 x 2 and 4 x 2 measured the same
-// at 8 and 64 rows; a step's time goes to reading 8 adapters' weights from memory.
+// NOTE: with AVX-512, 4 x 4 (16 accumulators, 4 weight vectors): 8 x 2, 6 x 2 and 4 x 2
+// measured the same at 8 and 64 rows; a step's time goes to reading 8 adapters' weights from
+// memory. With AVX2's 16 registers, 4 x 2 of its 8-lane vectors: GCC's 16-lane ones spilt
+// there (see vec16.h's LANES), and on Zen 3 8 adapters' batch ran at 0.70x the base model's
+// tokens/s so, 0.92x in these (bench/lora.py, 64 requests, one run after the other).
 constexpr int ROWS = 4;  // rows a tile holds: each weight vector is loaded once for them
-constexpr int CHUNKS = 4;  // 16-lane columns a tile holds
+constexpr int CHUNKS = LANES == 16 ? 4 : 2;  // vectors of LANES columns a tile holds
 
 // f(std::integral_constant<int, n>()) for a runtime n in 1..MAX: a tile's size is a template
 // argument, so its accumulators stay in registers.
@@ -54,52 +57,53 @@ void with_size(int64_t n, F f) {
     }
 }
 
-// xa[r, c] = x[r] . A[:, c] for R rows and C 16-column chunks of A.
+// xa[r, c] = x[r] . A[:, c] for R rows and C LANES-column chunks of A.
 template <int R, int C, typename X>
 void xa_tile(const X* x, int64_t x_stride, int64_t in, const float* a, int64_t a_stride,
              float* xa, int64_t xa_stride) {
-    v16 acc[R][C] = {};
+    vf acc[R][C] = {};
     for (int64_t i = 0; i < in; i++) {
-        v16 av[C];
-        for (int c = 0; c < C; c++) av[c] = load16(a + i * a_stride + 16 * c);
+        vf av[C];
+        for (int c = 0; c < C; c++) av[c] = load_vf(a + i * a_stride + LANES * c);
         for (int r = 0; r < R; r++) {
-            const v16 xv = splat(load(x + r * x_stride, i));
-            for (int c = 0; c < C; c++) acc[r][c] += xv * av[c];
+            const vf xv = splat<vf>(load(x + r * x_stride, i));
+            for (int c = 0; c < C; c++) acc[r][c] = fused(xv, av[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) store16(xa + r * xa_stride + 16 * c, acc[r][c]);
+        for (int c = 0; c < C; c++) store_vf(xa + r * xa_stride + LANES * c, acc[r][c]);
 }
 
 template <int R, typename X>
 void xa_rows(const X* x, int64_t x_stride, const LoraProj& p, float* xa) {
-    const int64_t chunks = p.rank_padded / 16, stride = p.rank_padded;
+    const int64_t chunks = p.rank_padded / LANES, stride = p.rank_padded;
     int64_t c = 0;
     for (; c + CHUNKS <= chunks; c += CHUNKS)
-        xa_tile<R, CHUNKS>(x, x_stride, p.in_features, p.a + 16 * c, stride, xa + 16 * c, stride);
+        xa_tile<R, CHUNKS>(x, x_stride, p.in_features, p.a + LANES * c, stride, xa + LANES * c,
+                           stride);
     with_size<CHUNKS - 1>(chunks - c, [&](auto n) {
-        xa_tile<R, decltype(n)::value>(x, x_stride, p.in_features, p.a + 16 * c, stride,
-                                       xa + 16 * c, stride);
+        xa_tile<R, decltype(n)::value>(x, x_stride, p.in_features, p.a + LANES * c, stride,
+                                       xa + LANES * c, stride);
     });
 }
 
-// y[r, 16 C columns] += xa[r, :rank] B[:, those columns] for R rows.
+// y[r, LANES C columns] += xa[r, :rank] B[:, those columns] for R rows.
 template <int R, int C, typename Y>
 void b_tile(const float* xa, int64_t xa_stride, int64_t rank, const float* b, int64_t b_stride,
             Y* y, int64_t y_stride) {
-    v16 acc[R][C] = {};
+    vf acc[R][C] = {};
     for (int64_t k = 0; k < rank; k++) {
-        v16 bv[C];
-        for (int c = 0; c < C; c++) bv[c] = load16(b + k * b_stride + 16 * c);
+        vf bv[C];
+        for (int c = 0; c < C; c++) bv[c] = load_vf(b + k * b_stride + LANES * c);
         for (int r = 0; r < R; r++) {
-            const v16 s = splat(xa[r * xa_stride + k]);
-            for (int c = 0; c < C; c++) acc[r][c] += s * bv[c];
+            const vf s = splat<vf>(xa[r * xa_stride + k]);
+            for (int c = 0; c < C; c++) acc[r][c] = fused(s, bv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            Y* out = y + r * y_stride + 16 * c;
-            store16(out, load16(out) + acc[r][c]);
+            Y* out = y + r * y_stride + LANES * c;
+            store_vf(out, load_vf(out) + acc[r][c]);
         }
 }
 
@@ -108,11 +112,11 @@ void b_rows(const float* xa, int64_t xa_stride, const LoraBlock& block, Y* y, in
     const float* xb = xa + block.rank_offset;
     Y* yb = y + block.col_start;
     int64_t j = 0;
-    for (; j + 16 * CHUNKS <= block.cols; j += 16 * CHUNKS)
+    for (; j + LANES * CHUNKS <= block.cols; j += LANES * CHUNKS)
         b_tile<R, CHUNKS>(xb, xa_stride, block.rank, block.b + j, block.cols, yb + j, y_stride);
-    for (; j + 16 <= block.cols; j += 16)
+    for (; j + LANES <= block.cols; j += LANES)
         b_tile<R, 1>(xb, xa_stride, block.rank, block.b + j, block.cols, yb + j, y_stride);
-    for (; j < block.cols; j++)  // the last columns of a width that is no multiple of 16
+    for (; j < block.cols; j++)  // the last columns of a width that is no multiple of LANES
         for (int r = 0; r < R; r++) {
             float sum = 0.f;
             for (int64_t k = 0; k < block.rank; k++)
