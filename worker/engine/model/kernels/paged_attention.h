@@ -22,11 +22,12 @@ namespace {
 
 thread_local std::vector<float> scratch;
 
-// Asks for a block's lines (into L2, hint 2: decode attention asks blocks ahead, more lines than
-// L1 has room to wait for) a few per step of the loop that works on the block before it, so the
-// requests go out among the arithmetic. NOTE: all of a block's lines in one burst filled the
-// core's miss buffers, and the burst's prefetch instructions then stalled the arithmetic behind
-// them (Zen 3, a lone decode's profile: most of decode_attention's own time).
+// Asks for a block's lines a few per step of the loop that works on the block before it, so the
+// requests go out among the arithmetic. Into L2 (hint 2), not L1: decode attention asks 8 blocks
+// ahead, more lines than L1 has room to wait for (on a Zen 5 30 layers' batch-64 attention took
+// 15.3 ms so against 17.9 ms into L1 2 blocks ahead). NOTE: all of a block's lines in one burst
+// filled the core's miss buffers, and the burst's prefetch instructions then stalled the arithmetic
+// behind them (Zen 3, a lone decode's profile: most of decode_attention's own time).
 struct SpreadPrefetch {
     const char* next = nullptr;  // the block to fetch, or null
     int64_t bytes = 0, per_step = 0, done = 0;
@@ -168,18 +169,17 @@ void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t
     ahead.rest();
 }
 
-// One decode query per sequence, K/V read through the block table where they lie.
-// q [seqs, heads, head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks,
-// block_size * head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks];
-// out [seqs, heads, head_dim]. Two passes per (sequence, kv head): scores of every key, one
-// softmax, then the weighted values. The blocks are read in one order (each pair's K blocks,
-// then its V blocks, then the next pair's), and each block's work fetches the block AHEAD
-// places after it in that order: a sequence's blocks lie anywhere in the cache.
-// NOTE: 8 blocks ahead counted within a pair skipped a short sequence's first V blocks and the
-// next pair's first K blocks (below 8 blocks, 128 keys, the most of them). Zen 3, 30 layers of
-// SmolLM2's attention at batch 64, ~147 keys (bench/attention_pages.py, 2 MiB pages): 46.9 ms
-// so, 37.3 in this order with each block's fetch spread over the work before it (39.9 at 4
-// blocks ahead).
+// One decode query per sequence, K/V read through the block table where they lie. q [seqs, heads,
+// head_dim] float32 with rows q_stride apart; cache [2, kv_heads, num_blocks, block_size *
+// head_dim] (K blocks transposed, see attention.py); tables [seqs, max_blocks]; out [seqs, heads,
+// head_dim]. Two passes per (sequence, kv head): scores of every key, one softmax, then the
+// weighted values. The blocks are read in one order (each pair's K blocks, then its V blocks, then
+// the next pair's), and each block's work fetches the block AHEAD places after it in that order: a
+// sequence's blocks lie anywhere in the cache. NOTE: counted within a pair, 8 blocks ahead skipped
+// the first V blocks and the next pair's first K blocks of a sequence under 8 blocks (128 keys),
+// and fetched blocks past its end. Zen 3, 30 layers of SmolLM2's attention at batch 64, ~147 keys
+// (bench/attention_pages.py, 2 MiB pages): 46.9 ms so, 37.3 in this order with each block's fetch
+// spread over the work before it (39.9 at 4 blocks ahead).
 template <int G, typename C, typename O>
 void decode_attention(const float* q, int64_t q_stride, const C* cache, const int64_t* tables,
                       const int64_t* seq_lens, int64_t seqs, int64_t max_blocks, int64_t heads,
