@@ -29,7 +29,7 @@ thread_local std::vector<float> scratch;
 // filled the core's miss buffers, and the burst's prefetch instructions then stalled the arithmetic
 // behind them (Zen 3, a lone decode's profile: most of decode_attention's own time).
 struct SpreadPrefetch {
-    const char* next = nullptr;  // the block to fetch, or null
+    const char* next = nullptr;  // the block to fetch (none: bytes 0)
     int64_t bytes = 0, per_step = 0, done = 0;
     SpreadPrefetch() = default;
     template <typename C>
@@ -38,11 +38,11 @@ struct SpreadPrefetch {
         per_step = (bytes / (steps > 0 ? steps : 1) + 63) / 64 * 64;
     }
     void step() {
-        for (const int64_t end = done + per_step; next && done < end && done < bytes; done += 64)
+        for (const int64_t end = done + per_step; done < end && done < bytes; done += 64)
             __builtin_prefetch(next + done, 0, 2);
     }
     void rest() {  // what the loop left (it ended early)
-        for (; next && done < bytes; done += 64) __builtin_prefetch(next + done, 0, 2);
+        for (; done < bytes; done += 64) __builtin_prefetch(next + done, 0, 2);
     }
 };
 
@@ -199,10 +199,11 @@ void decode_attention(const float* q, int64_t q_stride, const C* cache, const in
     order.clear();
     for (int64_t s = 0; s < seqs; ++s) {
         const int64_t num_used = (seq_lens[s] + block_size - 1) / block_size;
-        for (int64_t h = 0; h < 2 * kv_heads; ++h)  // (K, V) of head h: h and kv_heads + h
-            for (int64_t b = 0; b < num_used; ++b)
-                order.push_back(cache + (h / 2 + (h & 1) * kv_heads) * head_stride +
-                                tables[s * max_blocks + b] * block_stride);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (const int64_t part : {h, kv_heads + h})  // the head's K, then its V
+                for (int64_t b = 0; b < num_used; ++b)
+                    order.push_back(cache + part * head_stride +
+                                    tables[s * max_blocks + b] * block_stride);
     }
     const int64_t steps = block_size * head_dim / 16;  // of block_scores' and block_values' loops
     int64_t read = 0;                                  // blocks read so far

@@ -109,20 +109,26 @@ inline void qdot_quantize(const float* x, int64_t x_stride, int64_t rows, int64_
             float sums[2];  // of round(x / xs) a half: exact (small integers)
             for (int h = 0; h < 2; ++h) {
                 // round(x / xs) as floats (exact integers in -top..top), then int8 (halves)
-                I r[HV], high[HV], low[HV];
+                I r[HV];
                 vf sum = {};
                 for (int i = 0; i < HV; ++i) {
                     const vf rounded = fused(v[h][i], splat<vf>(inv[h]), magic) - magic;
                     sum += rounded;
                     r[i] = __builtin_convertvector(rounded, I);
-                    // X16: high half floor((v + 128) / 256) in -64..64, low v - 256 * high
-                    high[i] = (r[i] + 128) >> 8;
-                    low[i] = r[i] - high[i] * 256;
                 }
                 sums[h] = hsum(sum);
                 const int64_t k = b * QDOT_BLOCK + 16 * h;
-                qdot_x_put(in.q.data(), rows, K, m, k, narrow_b16(x16 ? high : r));
-                if (x16) qdot_x_put(in.lo.data(), rows, K, m, k, narrow_b16(low));
+                if (x16) {  // high half floor((v + 128) / 256) in -64..64, low v - 256 * high
+                    I high[HV], low[HV];
+                    for (int i = 0; i < HV; ++i) {
+                        high[i] = (r[i] + 128) >> 8;
+                        low[i] = r[i] - high[i] * 256;
+                    }
+                    qdot_x_put(in.q.data(), rows, K, m, k, narrow_b16(high));
+                    qdot_x_put(in.lo.data(), rows, K, m, k, narrow_b16(low));
+                } else {
+                    qdot_x_put(in.q.data(), rows, K, m, k, narrow_b16(r));
+                }
             }
             const float sum_lo = sums[0], sum_hi = sums[1];
             if (halves) {
