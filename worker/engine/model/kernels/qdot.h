@@ -82,7 +82,42 @@ inline i8x dot4(i8x acc, i8x w, int32_t x) {
         _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xs), _mm256_set1_epi16(16)));
     return (i8x)_mm256_add_epi32((__m256i)acc, sum);
 }
+#endif
+
+// AVX2 has no instruction that sums u8 x s8 products into int32 lanes: `dot4` above takes
+// three (vpmaddubsw, vpmaddwd by ones, vpaddd), two of them multiplies. Where the sums stay
+// small, the pass loops below add vpmaddubsw's int16 pair sums in int16 (`sum16`) and widen
+// them to int32 once a cell (`widen16`): one multiply a product group, not two.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool QDOT_SUM16 = true;
+// acc (16 int16 lanes) += w's u8 by x's s8 bytes, in pairs: each lane's sum exact while it
+// stays within int16 (the caller bounds how many it adds)
+inline i8x sum16(i8x acc, i8x w, int32_t x) {
+    return (i8x)_mm256_add_epi16(
+        (__m256i)acc, _mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(x)));
+}
+// the int16 lanes summed in pairs, times `factor`, as int32 lanes (one row's each)
+inline i8x widen16(i8x acc, int16_t factor) {
+    return (i8x)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(factor));
+}
+// q x (x's 4 bytes) summed in int32 lanes, for q signed (-128..127): vpmaddubsw takes |q|
+// and x with q's sign, exact (|2 * 128 * 127| < 32768); one multiply fewer than WIDE's nibbles
+inline i8x dot4_signed(i8x acc, i8x abs_q, i8x q, int32_t x) {
+    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x), (__m256i)q);
+    return (i8x)_mm256_add_epi32(
+        (__m256i)acc, _mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)abs_q, signed_x),
+                                        _mm256_set1_epi16(1)));
+}
+inline i8x abs8(i8x q) { return (i8x)_mm256_abs_epi8((__m256i)q); }
 #else
+constexpr bool QDOT_SUM16 = false;
+template <typename I> inline I sum16(I, I, int32_t) { __builtin_unreachable(); }
+template <typename I> inline I widen16(I, int16_t) { __builtin_unreachable(); }
+template <typename I> inline I dot4_signed(I, I, I, int32_t) { __builtin_unreachable(); }
+template <typename I> inline I abs8(I) { __builtin_unreachable(); }
+#endif
+
+#if !defined(__AVX512VNNI__) && !(defined(__AVX2__) && !defined(__AVX512F__))
 template <bool WIDE, typename I>
 inline I dot4(I acc, I w, int32_t x) {
     constexpr int L = sizeof(I) / 4;
@@ -211,8 +246,14 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
     // NOTE: two chains of products a row where few rows share the tile (the nibbles' low and
     // high halves), so the adds' latency overlaps; with 4 rows or more theirs do, and one
     // chain a row saves an add a row and cell
-    constexpr int CHAINS = BITS != 8 && M < 4 && !X16 ? 2 : 1;
+    constexpr int CHAINS = BITS != 8 && M < 4 && !X16 && !(QDOT_SUM16 && BITS == 4) ? 2 : 1;
     constexpr bool WIDE = BITS == 8 && ZERO == 128;  // q + 128: bytes up to 255
+    // AVX2 (`sum16`): a cell's nibble products (|2 * 15 * 127| a pair, 8 pairs a lane in a
+    // cell of 32) summed in int16 whole; 6-bit ones (|2 * 63 * 127|) two pairs at a time; WIDE
+    // bytes as their signed q (`dot4_signed`: no ZERO term). Not X16: its low halves reach -128.
+    constexpr bool SUM4 = QDOT_SUM16 && BITS == 4 && !X16;
+    constexpr bool SUM6 = QDOT_SUM16 && BITS == 8 && !WIDE && !X16;
+    constexpr bool SIGNED = QDOT_SUM16 && WIDE && !X16;
     F acc[M][T] = {};
     constexpr int tiles = HALVES ? 1 : T;
     // where part i's scales and offsets lie from part 0's
@@ -243,7 +284,30 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
                     }
             // d: the products a row and tile; dl: X16's with the low halves
             I d[M][T][CHAINS] = {}, dl[M][T] = {};
-            if (BITS == 4) {
+            // NOTE: AVX2's paths by `if constexpr`, so AVX-512's code stays as it was compiled
+            // before them (with plain `if`s, GCC allocated its registers otherwise)
+            if constexpr (SUM4) {
+                const I low = (I){} + 0x0F0F0F0F;
+                I d16[M][T] = {};  // int16 lanes
+#pragma GCC unroll 1
+                for (int64_t e = 0; e < cell / 8; ++e) {
+                    I lo[T], hi[T];
+                    for (int i = 0; i < T; ++i) {
+                        const I v = load_lanes<I>(qc + i * q_stride + e * 64);
+                        lo[i] = v & low;
+                        hi[i] = (I)((U)v >> 4) & low;
+                    }
+                    const int64_t k = k0 + 8 * e;
+                    for (int m = 0; m < M; ++m) {
+                        const int32_t a = load_x4(xq + k * M + 4 * m);
+                        const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
+                        for (int i = 0; i < T; ++i)
+                            d16[m][i] = sum16(sum16(d16[m][i], lo[i], a), hi[i], b);
+                    }
+                }
+                for (int m = 0; m < M; ++m)
+                    for (int i = 0; i < T; ++i) d[m][i][0] = widen16(d16[m][i], 1);
+            } else if (BITS == 4) {
                 const I low = (I){} + 0x0F0F0F0F;
 #pragma GCC unroll 4
                 for (int64_t e = 0; e < cell / 8; ++e) {
@@ -286,6 +350,37 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
                             }
                         }
                 }
+            } else if constexpr (SUM6) {
+#pragma GCC unroll 1
+                for (int64_t e = 0; e < cell / 4; e += 2) {
+                    I v[T], w[T];
+                    for (int i = 0; i < T; ++i) {
+                        v[i] = load_lanes<I>(qc + i * q_stride + e * 64);
+                        w[i] = load_lanes<I>(qc + i * q_stride + e * 64 + 64);
+                    }
+                    const int64_t k = k0 + 4 * e;
+                    for (int m = 0; m < M; ++m) {
+                        const int32_t a = load_x4(xq + k * M + 4 * m);
+                        const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
+                        for (int i = 0; i < T; ++i)
+                            d[m][i][0] += widen16(sum16(sum16((I){}, v[i], a), w[i], b), 1);
+                    }
+                }
+            } else if constexpr (SIGNED) {
+#pragma GCC unroll 1
+                for (int64_t e = 0; e < cell / 4; ++e) {
+                    I q8[T], abs_q[T];  // q = the stored byte - 128
+                    for (int i = 0; i < T; ++i) {
+                        q8[i] = (I)((U)load_lanes<I>(qc + i * q_stride + e * 64) ^ 0x80808080u);
+                        abs_q[i] = abs8(q8[i]);
+                    }
+                    const int64_t k = k0 + 4 * e;
+                    for (int m = 0; m < M; ++m) {
+                        const int32_t a = load_x4(xq + k * M + 4 * m);
+                        for (int i = 0; i < T; ++i)
+                            d[m][i][0] = dot4_signed(d[m][i][0], abs_q[i], q8[i], a);
+                    }
+                }
             } else {
 #pragma GCC unroll 8
                 for (int64_t e = 0; e < cell / 4; ++e) {
@@ -308,7 +403,8 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
                 for (int i = 0; i < T; ++i) {
                     I s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
                     if (X16) s = s * 256 + dl[m][i];
-                    if (ZERO) s += zq[m * cells + c];  // q's own products (QdotInput's zq)
+                    // q's own products (QdotInput's zq); SIGNED's are already q's
+                    if (ZERO && !SIGNED) s += zq[m * cells + c];
                     acc[m][i] = fused(__builtin_convertvector(s, F), sc[i] * x_scale, acc[m][i]);
                 }
             }
