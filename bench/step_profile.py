@@ -148,6 +148,17 @@ def print_forms(model) -> None:
             print(f"    {rows:>5} {1e3 * floor:>8.3f} " + "".join(cells))
 
 
+def best_rates(forms) -> dict[str, float]:
+    """Each form's best rate in FLOP/s over every shape and bucket the choice measured."""
+    best: dict[str, float] = {}
+    for shape in (forms.shapes.values() if forms is not None else ()):
+        for form, rates in shape["rates"].items():
+            measured = [r for r in rates if r is not None]
+            if measured:
+                best[form] = max(best.get(form, 0.0), 1e9 * max(measured))
+    return best
+
+
 def int8_peak() -> float:
     """int8 multiply-adds x 2 per second of torch._int_mm at the same shape."""
     w = torch.randint(-127, 128, (3072, 576), dtype=torch.int8)
@@ -225,10 +236,16 @@ def main() -> None:
              "qdot": peak8,  # qdot: one int8 term a row (its VNNI products, not torch's GEMM)
              "qdot_b16": peak8,  # qdot_b16: one (more float work, not more products)
              "qdot16": peak8 / 2}  # qdot16: two
+    # NOTE: where oneDNN has no fast int8 GEMM (AVX2: ~3 GOP/s), torch's rate is no roof for
+    # the qdot kernels: their own best rate over every shape and bucket is
+    for form, rate in best_rates(model.forms).items():
+        if form.startswith("qdot"):
+            peaks[form] = max(peaks[form], rate)
     print(f"weights {model.weights}, KV cache {args.dtype}, 1 thread. Measured here: streaming "
           f"read {bandwidth / 1e9:.1f} GB/s, GEMM peaks float32 {peaks['fp32'] / 1e9:.0f}, "
           f"bfloat16 {peaks['bf16'] / 1e9:.0f}, float16 {peaks['fp16'] / 1e9:.0f} GFLOP/s "
-          f"(nan: this CPU's oneDNN has none), int8 {peak8 / 1e9:.0f} GOP/s")
+          f"(nan: this CPU's oneDNN has none), int8 {peak8 / 1e9:.0f} GOP/s; qdot's roof "
+          f"{peaks['qdot'] / 1e9:.0f} GOP/s")
     print(f"projections: quantized forms {quant_bytes / 2**20:.0f} MiB, other forms "
           f"{other_bytes / 2**20:.0f} MiB, {flops_per_token / 1e6:.0f} MFLOP per token "
           "(LM head included)")
