@@ -80,6 +80,36 @@ def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path,
 
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("form", "block"), [("qdot", 32), ("qdot_b16", 16)])
+def test_the_integer_sums_are_exact_at_their_extremes(tmp_path, qtype, form, block):
+    # Given every weight of a row at its type's largest magnitude (a 4-bit q at 15, a 6-bit
+    # one at 31 or -32, an 8-bit one at 127 or -128), rows of either sign, against x whose
+    # every int8 is +-127: the largest sums a cell's integer products reach (AVX2 adds a whole
+    # cell's nibble products in int16 lanes, kernels/qdot.h `sum16`: 8 pair sums of 3,810)
+    bq, _ = blocks_of(tmp_path, qtype, 40, seed=6)
+    six_bit = bq.bits == 8 and bq.q.min() >= -32 and bq.q.max() <= 31
+    top, bottom = (15, 15) if bq.bits == 4 else (31, -32) if six_bit else (127, -128)
+    bq.q[:] = np.where(np.arange(bq.q.shape[0])[:, None] % 2 == 0, top, bottom)
+    matrix = QuantMatrix(bq, dot=True).against(form)
+    signs = torch.tensor([1.0, -1.0, 1.0]).repeat(7)[:, None]  # 21 rows: more than a decode's
+    x = signs * torch.ones(21, IN_FEATURES)
+    x[2::3, 1::2] *= -1  # every third row alternates sign column by column
+
+    # When the kernel multiplies them, all rows in one call and the first alone
+    y = CpuKernels.load().quant_matmul(x, matrix).double()
+    alone = CpuKernels.load().quant_matmul(x[:1], matrix).double()
+
+    # Then both are the product of the int8 activations with the weights as held, to float32
+    # rounding: no sum wrapped or saturated
+    held = weights_as_held(bq, matrix.unit)
+    expected = torch.from_numpy(quantized_activations(x.numpy(), block=block)) @ held.t()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    torch.testing.assert_close(alone, expected[:1], rtol=1e-5,
+                               atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_against_x_in_15_bits_the_error_is_the_scales_alone(tmp_path, qtype):
     # Given a quantized matrix's qdot tiles run against x rounded to 15 bits (`qdot16`)
     bq, w = blocks_of(tmp_path, qtype, 40, seed=3)

@@ -101,7 +101,8 @@ inline i8x widen16(i8x acc, int16_t factor) {
     return (i8x)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(factor));
 }
 // q x (x's 4 bytes) summed in int32 lanes, for q signed (-128..127): vpmaddubsw takes |q|
-// and x with q's sign, exact (|2 * 128 * 127| < 32768); one multiply fewer than WIDE's nibbles
+// and x with q's sign, exact (|2 * 128 * 127| < 32768; x is never -128, whose sign flip would
+// wrap: qdot rounds x to -127..127); two multiplies where WIDE's nibbles take four
 inline i8x dot4_signed(i8x acc, i8x abs_q, i8x q, int32_t x) {
     const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x), (__m256i)q);
     return (i8x)_mm256_add_epi32(
@@ -111,6 +112,7 @@ inline i8x dot4_signed(i8x acc, i8x abs_q, i8x q, int32_t x) {
 inline i8x abs8(i8x q) { return (i8x)_mm256_abs_epi8((__m256i)q); }
 #else
 constexpr bool QDOT_SUM16 = false;
+// declared for the branches other builds discard (`if constexpr` on QDOT_SUM16), never run
 template <typename I> inline I sum16(I, I, int32_t) { __builtin_unreachable(); }
 template <typename I> inline I widen16(I, int16_t) { __builtin_unreachable(); }
 template <typename I> inline I dot4_signed(I, I, I, int32_t) { __builtin_unreachable(); }
