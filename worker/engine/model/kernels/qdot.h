@@ -355,17 +355,17 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
             } else if constexpr (SUM6) {
 #pragma GCC unroll 1
                 for (int64_t e = 0; e < cell / 4; e += 2) {
-                    I v[T], w[T];
+                    I v[T], v_next[T];  // entries e and e + 1
                     for (int i = 0; i < T; ++i) {
                         v[i] = load_lanes<I>(qc + i * q_stride + e * 64);
-                        w[i] = load_lanes<I>(qc + i * q_stride + e * 64 + 64);
+                        v_next[i] = load_lanes<I>(qc + i * q_stride + e * 64 + 64);
                     }
                     const int64_t k = k0 + 4 * e;
                     for (int m = 0; m < M; ++m) {
                         const int32_t a = load_x4(xq + k * M + 4 * m);
                         const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
                         for (int i = 0; i < T; ++i)
-                            d[m][i][0] += widen16(sum16(sum16((I){}, v[i], a), w[i], b), 1);
+                            d[m][i][0] += widen16(sum16(sum16((I){}, v[i], a), v_next[i], b), 1);
                     }
                 }
             } else if constexpr (SIGNED) {
