@@ -96,8 +96,9 @@ def test_the_integer_sums_are_exact_at_their_extremes(tmp_path, qtype, form, blo
     x[2::3, 1::2] *= -1  # every third row alternates sign column by column
 
     # When the kernel multiplies them, all rows in one call and the first alone
-    y = CpuKernels.load().quant_matmul(x, matrix).double()
-    alone = CpuKernels.load().quant_matmul(x[:1], matrix).double()
+    kernels = CpuKernels.load()
+    y = kernels.quant_matmul(x, matrix).double()
+    alone = kernels.quant_matmul(x[:1], matrix).double()
 
     # Then both are the product of the int8 activations with the weights as held, to float32
     # rounding: no sum wrapped or saturated
