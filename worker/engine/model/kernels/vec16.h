@@ -119,6 +119,37 @@ inline vf load_vf(const bf16* p) {
 #endif
 }
 
+// Whether pairs of 8-lane vectors of C are read interleaved (`load_pair`): bfloat16 on AVX2.
+template <typename C> constexpr bool INTERLEAVED_PAIRS =
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    sizeof(C) == 2;
+#else
+    false;
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 16 bfloat16 as two 8-lane float vectors in an interleaved order: `lo` holds elements 0-3 and
+// 8-11, `hi` 4-7 and 12-15 (each 128-bit half's words unpacked against zeros: one shuffle a
+// vector, where load_vf takes a widening load and a shift). `swap_halves` restores the order.
+inline void load_pair(const bf16* p, f8x& lo, f8x& hi) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)p), zero = _mm256_setzero_si256();
+    lo = (f8x)_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h));
+    hi = (f8x)_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h));
+}
+// (a, b) <- (a's and b's low 128 bits, their high 128 bits): from load_pair's order to the
+// elements' order, and back (it is its own inverse).
+inline void swap_halves(f8x& a, f8x& b) {
+    const __m256 low = _mm256_permute2f128_ps((__m256)a, (__m256)b, 0x20);
+    const __m256 high = _mm256_permute2f128_ps((__m256)a, (__m256)b, 0x31);
+    a = (f8x)low;
+    b = (f8x)high;
+}
+#else
+// Never called: INTERLEAVED_PAIRS is false here (they keep the calls compiling).
+inline void load_pair(const bf16*, vf&, vf&) {}
+inline void swap_halves(vf&, vf&) {}
+#endif
+
 // a * b + c rounded once, as an instruction, not as GCC contracts it: on Zen 3 (8 lanes) it
 // fused qdot's one-row tile's and not the two-row one's, and a row's bits changed with the
 // rows sharing its call.
