@@ -97,24 +97,18 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
         // about as much as all the full ones (batch 64 at ~140 tokens: 16% of attention)
         if (i0 + 16 <= block_size) {  // LANES keys per multiply-add, no horizontal sums
             constexpr int P = parts_a_pass(G);
-            constexpr bool pairs = P == 2 && INTERLEAVED_PAIRS<C>;
             for (int64_t j0 = 0; j0 < m; j0 += P * LANES) {
                 vf s[G][P] = {};
                 for (int64_t d = 0; d < head_dim; ++d) {
                     ahead.step();
-                    vf k[P];
-                    if constexpr (pairs)  // the keys' lanes interleaved, the scores' with them
-                        load_pair(kt + d * block_size + i0 + j0, k[0], k[1]);
-                    else
-                        for (int p = 0; p < P; ++p)
-                            k[p] = load_vf(kt + d * block_size + i0 + j0 + p * LANES);
+                    vf k[P];  // maybe interleaved (load_parts), the scores with them
+                    load_parts(kt + d * block_size + i0 + j0, k);
                     for (int g = 0; g < G; ++g) {
                         const vf qd = splat<vf>(qs[g * head_dim + d]);
                         for (int p = 0; p < P; ++p) s[g][p] = fused(qd, k[p], s[g][p]);
                     }
                 }
-                if constexpr (pairs)
-                    for (int g = 0; g < G; ++g) swap_halves(s[g][0], s[g][1]);
+                for (int g = 0; g < G; ++g) reorder_parts<P, C>(s[g]);
                 for (int p = 0; p < P; ++p) {
                     const int64_t first = j0 + p * LANES;
                     const int64_t used = m - first < LANES ? m - first : LANES;
@@ -144,7 +138,6 @@ void block_scores(const float* qs, const C* kt, int64_t n, int64_t block_size,
 template <int G, int P, typename C>
 void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
                         int64_t head_dim, float* acc, int64_t& d0, SpreadPrefetch& ahead) {
-    constexpr bool pairs = P == 2 && INTERLEAVED_PAIRS<C>;
     // NOTE: a copy, written back at the end: through the reference, its count was stored to
     // memory every key (a tenth of this loop's perf samples on Zen 3)
     SpreadPrefetch fetch = ahead;
@@ -154,22 +147,17 @@ void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
         // stack in 16-byte pieces (with both: one L3-resident layer 0.82 -> 0.68 ms, Zen 3)
         for (int g = 0; g < G; ++g)
             for (int q = 0; q < P; ++q) a[g][q] = load_vf(acc + g * head_dim + d0 + q * LANES);
-        if constexpr (pairs)  // in x's order of lanes
-            for (int g = 0; g < G; ++g) swap_halves(a[g][0], a[g][1]);
+        for (int g = 0; g < G; ++g) reorder_parts<P, C>(a[g]);  // in x's order of lanes
         for (int64_t i = 0; i < n; ++i) {
             fetch.step();
             vf x[P];
-            if constexpr (pairs)
-                load_pair(v + i * head_dim + d0, x[0], x[1]);
-            else
-                for (int q = 0; q < P; ++q) x[q] = load_vf(v + i * head_dim + d0 + q * LANES);
+            load_parts(v + i * head_dim + d0, x);
             for (int g = 0; g < G; ++g) {
                 const vf pi = splat<vf>(p[g * stride + i]);
                 for (int q = 0; q < P; ++q) a[g][q] = fused(pi, x[q], a[g][q]);
             }
         }
-        if constexpr (pairs)
-            for (int g = 0; g < G; ++g) swap_halves(a[g][0], a[g][1]);
+        for (int g = 0; g < G; ++g) reorder_parts<P, C>(a[g]);
         for (int g = 0; g < G; ++g)
             for (int q = 0; q < P; ++q) store_vf(acc + g * head_dim + d0 + q * LANES, a[g][q]);
     }

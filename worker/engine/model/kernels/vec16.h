@@ -119,15 +119,9 @@ inline vf load_vf(const bf16* p) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
 // Whether pairs of 8-lane vectors of C are read interleaved (`load_pair`): bfloat16 on AVX2.
-template <typename C> constexpr bool INTERLEAVED_PAIRS =
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    sizeof(C) == 2;
-#else
-    false;
-#endif
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
+template <typename C> constexpr bool INTERLEAVED_PAIRS = sizeof(C) == 2;
 // 16 bfloat16 as two 8-lane float vectors in an interleaved order: `lo` holds elements 0-3 and
 // 8-11, `hi` 4-7 and 12-15 (each 128-bit half's words unpacked against zeros: one shuffle a
 // vector, where load_vf takes a widening load and a shift). `swap_halves` restores the order.
@@ -145,10 +139,25 @@ inline void swap_halves(f8x& a, f8x& b) {
     b = (f8x)high;
 }
 #else
-// Never called: INTERLEAVED_PAIRS is false here (they keep the calls compiling).
-inline void load_pair(const bf16*, vf&, vf&) {}
-inline void swap_halves(vf&, vf&) {}
+template <typename C> constexpr bool INTERLEAVED_PAIRS = false;
+// declared for the branches other builds discard (`if constexpr` on INTERLEAVED_PAIRS), never run
+inline void load_pair(const bf16*, vf&, vf&) { __builtin_unreachable(); }
+inline void swap_halves(vf&, vf&) { __builtin_unreachable(); }
 #endif
+
+// P vectors of LANES elements from p on, in load_pair's interleaved order where a pair of C is
+// read so (P 2, INTERLEAVED_PAIRS), else in the elements' order.
+template <int P, typename C> inline void load_parts(const C* p, vf (&x)[P]) {
+    if constexpr (P == 2 && INTERLEAVED_PAIRS<C>)
+        load_pair(p, x[0], x[1]);
+    else
+        for (int q = 0; q < P; ++q) x[q] = load_vf(p + q * LANES);
+}
+// Lanes computed against load_parts' vectors <-> the elements' order (its own inverse; nothing
+// to do where load_parts reads in order).
+template <int P, typename C> inline void reorder_parts(vf (&x)[P]) {
+    if constexpr (P == 2 && INTERLEAVED_PAIRS<C>) swap_halves(x[0], x[1]);
+}
 
 // a * b + c rounded once, as an instruction, not as GCC contracts it: on Zen 3 (8 lanes) it
 // fused qdot's one-row tile's and not the two-row one's, and a row's bits changed with the
