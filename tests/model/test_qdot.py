@@ -38,8 +38,9 @@ def quantized_activations(x: np.ndarray, top: int = 127, block: int = 32) -> np.
     return (q * scale).reshape(x.shape).astype(np.float64)
 
 
-def blocks_of(tmp_path, qtype: Q, out_features: int, seed: int) -> tuple[BlockQuant, torch.Tensor]:
-    tensor = write_and_read(tmp_path, qtype, (out_features, IN_FEATURES), seed=seed)
+def blocks_of(tmp_path, qtype: Q, out_features: int, seed: int,
+              in_features: int = IN_FEATURES) -> tuple[BlockQuant, torch.Tensor]:
+    tensor = write_and_read(tmp_path, qtype, (out_features, in_features), seed=seed)
     return BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape), tensor.dequantize()
 
 
@@ -56,13 +57,15 @@ def weights_as_held(bq: BlockQuant, unit: float) -> torch.Tensor:
 @pytest.mark.parametrize(("form", "block"), [("qdot", 32), ("qdot_b16", 16)])
 def test_the_int8_kernel_computes_the_stated_arithmetic_for_every_type(tmp_path, qtype, form,
                                                                         block):
-    # Given a quantized matrix (40 rows: a partial 16-row tile) in the qdot layout, against x
-    # in int8 a scale per `block` columns
-    bq, w = blocks_of(tmp_path, qtype, 40, seed=2)
-    assert QuantMatrix.supports_dot(IN_FEATURES, bq.group)
+    # Given a quantized matrix (40 rows: a partial 16-row tile; 768 columns: 24 cells of 32,
+    # more than the 16 a batch pass on AVX2 sums before adding them up, kernels/qdot.h
+    # QDOT_CHUNK_CELLS) in the qdot layout, against x in int8 a scale per `block` columns
+    in_features = 768
+    bq, w = blocks_of(tmp_path, qtype, 40, seed=2, in_features=in_features)
+    assert QuantMatrix.supports_dot(in_features, bq.group)
     matrix = QuantMatrix(bq, dot=True).against(form)
     for rows in (1, 2, 5, 8, 9, 21):
-        x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows))
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
 
         # When the kernel multiplies (more than 8 rows too: one call, W read once)
         y = CpuKernels.load().quant_matmul(x, matrix).double()

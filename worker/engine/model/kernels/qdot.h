@@ -51,8 +51,9 @@ namespace llmq {
 constexpr int QDOT_FEW_ROWS = 8;  // a call of fewer rows is a decode step's: bound by reading W
 
 // tiles a pass of QDOT_ROWS rows computes at once. NOTE: two with AVX2's 16 registers too,
-// though a pair's accumulators and products spill there: Zen 3, the 1B's projections at 32
-// rows (bench/projection_sweep.py) in 863 ms a sweep, one tile a pass 1,017
+// though a pair's accumulators and products spilt there in one loop (qdot_lanes_in_phases
+// splits it): Zen 3, the 1B's projections at 32 rows (bench/projection_sweep.py) in 863 ms a
+// sweep, one tile a pass 1,017
 constexpr int QDOT_PAIR = 2;
 
 // acc (int32 lanes) += per lane the sum of 4 products of w's unsigned bytes by x's signed
@@ -213,6 +214,150 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
     }
 }
 
+// AVX2 (QDOT_SUM16): one cell's integer products, M rows of x against T parts of L rows of
+// the tiles (`q_stride` apart), as int32 lanes in `sums`. BITS 4: vpmaddubsw's pair sums of
+// the nibble products added in int16 (`sum16`) over the whole cell (|2 * 15 * 127| a pair, 8
+// pairs a lane in a cell of 32: 30,480 < 32,768) and widened once; BITS 8 with ZERO 32 (6-bit
+// tiles unpacked for a batch, bytes q + 32 up to 63): two pair sums at a time (2 * 2 * 63 *
+// 127 = 32,004). NOTE: the empty asm holds each row's sum in a register as it is updated:
+// without it GCC computed most of an entry's products before adding any, and spilt 5 of the
+// 8 sums of 4 rows x 2 tiles to the stack (Zen 3: the batch passes' 4-bit matrices ~5% slower).
+template <int M, int T, int BITS, int ZERO, int CELL, int L>
+inline void qdot_cell_sums(const uint8_t* qc, int64_t q_stride, const int8_t* xq, int64_t k0,
+                           typename Lanes<L>::I (&sums)[M][T]) {
+    typedef typename Lanes<L>::I I;
+    typedef typename Lanes<L>::U U;
+    static_assert(BITS == 4 || (BITS == 8 && ZERO == 32), "products summed in int16");
+    if constexpr (BITS == 4) {
+        const I low = (I){} + 0x0F0F0F0F;
+        I d16[M][T] = {};  // int16 lanes
+#pragma GCC unroll 1
+        for (int64_t e = 0; e < CELL / 8; ++e) {
+            I lo[T], hi[T];
+            for (int i = 0; i < T; ++i) {
+                const I v = load_lanes<I>(qc + i * q_stride + e * 64);
+                lo[i] = v & low;
+                hi[i] = (I)((U)v >> 4) & low;
+            }
+            const int64_t k = k0 + 8 * e;
+            for (int m = 0; m < M; ++m) {
+                const int32_t a = load_x4(xq + k * M + 4 * m);
+                const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
+                for (int i = 0; i < T; ++i) {
+                    d16[m][i] = sum16(sum16(d16[m][i], lo[i], a), hi[i], b);
+                    __asm__("" : "+x"(d16[m][i]));
+                }
+            }
+        }
+        for (int m = 0; m < M; ++m)
+            for (int i = 0; i < T; ++i) sums[m][i] = widen16(d16[m][i], 1);
+    } else {
+        for (int m = 0; m < M; ++m)
+            for (int i = 0; i < T; ++i) sums[m][i] = (I){};
+#pragma GCC unroll 1
+        for (int64_t e = 0; e < CELL / 4; e += 2) {
+            I v[T], v_next[T];  // entries e and e + 1
+            for (int i = 0; i < T; ++i) {
+                v[i] = load_lanes<I>(qc + i * q_stride + e * 64);
+                v_next[i] = load_lanes<I>(qc + i * q_stride + e * 64 + 64);
+            }
+            const int64_t k = k0 + 4 * e;
+            for (int m = 0; m < M; ++m) {
+                const int32_t a = load_x4(xq + k * M + 4 * m);
+                const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
+                for (int i = 0; i < T; ++i) {
+                    sums[m][i] += widen16(sum16(sum16((I){}, v[i], a), v_next[i], b), 1);
+                    __asm__("" : "+x"(sums[m][i]));
+                }
+            }
+        }
+    }
+}
+
+// cells a batch pass on AVX2 sums (`qdot_cell_sums`) before it adds them up in floats
+constexpr int QDOT_CHUNK_CELLS = 16;
+
+// qdot_lanes (below) for AVX2's batch passes over 4-bit and unpacked 6-bit tiles, in two
+// phases a chunk of cells at a time: every cell's integer products into `sums`, then their
+// float accumulation, the same floats added in the same order as in one loop. NOTE: in one
+// loop the 8 int16 sums of 4 rows x 2 tiles, the 8 float accumulators and the tiles' bytes
+// wanted more than AVX2's 16 registers: GCC spilt the sums inside the product loop and the
+// accumulators around it (Zen 3, in phases: the 1B's projections at 32 rows in 0.85 of the
+// time, SmolLM2's 4-bit matrices at 64 rows 0.84-0.86; bench/results/
+// qdot-avx2-zen3-2026-12-05.txt). NOTE: its cells' fetches and qdot_cell_sums' nibbles repeat
+// qdot_lanes' lines: shared through helpers, GCC inlined otherwise across the whole AVX-512
+// build (40 functions changed, attention's among them), which no host here can measure.
+template <int M, int T, int BITS, bool OFF, int ZERO, int CELL, int L>
+void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
+                          const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride,
+                          int64_t rows, const uint8_t* q_next, bool few, int row0) {
+    typedef typename Lanes<L>::F F;
+    typedef typename Lanes<L>::I I;
+    constexpr int64_t cell = CELL, cell_bytes = qdot_bytes(BITS, CELL);
+    const int64_t K = w.K, group = w.group;
+    const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
+    const int64_t chunk_groups = QDOT_CHUNK_CELLS / per_group, cells = K / cell;
+    const int block_shift = cell < in.block ? 1 : 0;
+    const uint16_t* scales = w.scales + t * groups * 16 + row0;
+    const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 + row0 : nullptr;
+    const int8_t* xq = in.q.data() + m0 * K;
+    const float* xs = in.scale.data() + m0 * blocks;
+    const int32_t* zq = ZERO ? in.zq.data() + m0 * cells : nullptr;
+    const int64_t part_scales = groups * 16;
+    F acc[M][T] = {};
+    I sums[QDOT_CHUNK_CELLS][M][T];
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
+        const int64_t g1 = g0 + chunk_groups < groups ? g0 + chunk_groups : groups;
+        const int64_t c0 = g0 * per_group;
+        for (int64_t c = c0; c < g1 * per_group; ++c) {
+            if (q_next)  // the next tiles' cell, as qdot_lanes asks for it
+                for (int i = 0; i < T; ++i)
+#pragma GCC unroll 8
+                    for (int64_t b = 0; b < cell_bytes; b += 64) {
+                        const uint8_t* ahead = q_next + i * q_stride + c * cell_bytes + b;
+                        if (few) __builtin_prefetch(ahead, 0, 2);
+                        else __builtin_prefetch(ahead, 0, 3);
+                    }
+            qdot_cell_sums<M, T, BITS, ZERO, CELL, L>(q + c * cell_bytes + 4 * row0, q_stride,
+                                                      xq, c * cell, sums[c - c0]);
+        }
+        for (int64_t g = g0; g < g1; ++g) {
+            F sc[T];
+            for (int i = 0; i < T; ++i) sc[i] = load_halves<F>(scales + part_scales * i + g * 16);
+            if (few && q_next && (g & 1) == 0) {
+                __builtin_prefetch(scales + (T * groups + g) * 16, 0, 2);
+                if (OFF) __builtin_prefetch(offsets + (T * groups + g) * 16, 0, 2);
+            }
+            for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+                const int64_t block = c >> block_shift;
+                for (int m = 0; m < M; ++m) {
+                    const float x_scale = xs[m * blocks + block];
+                    for (int i = 0; i < T; ++i) {
+                        I s = sums[c - c0][m][i];
+                        if (ZERO) s += zq[m * cells + c];
+                        acc[m][i] = fused(__builtin_convertvector(s, F), sc[i] * x_scale,
+                                          acc[m][i]);
+                    }
+                }
+            }
+            if (OFF)
+                for (int i = 0; i < T; ++i) {
+                    const F off = load_halves<F>(offsets + part_scales * i + g * 16);
+                    for (int m = 0; m < M; ++m)
+                        acc[m][i] = fused(off, splat<F>(in.xsum[(m0 + m) * groups + g]), acc[m][i]);
+                }
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int i = 0; i < T; ++i) {
+            const F out = acc[m][i] * w.unit;
+            float* ym = y + m * y_stride + 16 * i + row0;
+            const int64_t left = rows - row0;  // of the tile's rows
+            if (left >= L) memcpy(ym, &out, sizeof(F));
+            else for (int64_t r = 0; r < left; ++r) ym[r] = out[r];
+        }
+}
+
 // qdot_tile (below): T tiles of 16 weight rows (t, t + 1, ..., their bytes from `q`, `q_stride`
 // apart) against the pass of rows [m0, m0 + M) of x: y[m][0..16 T) of the tiles; q_next: the next
 // tiles' bytes, fetched ahead, or null; few: a decode step's call (fewer than QDOT_FEW_ROWS rows).
@@ -256,6 +401,10 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
     constexpr bool SUM4 = QDOT_SUM16 && BITS == 4 && !X16;
     constexpr bool SUM6 = QDOT_SUM16 && BITS == 8 && !WIDE && !X16;
     constexpr bool SIGNED = QDOT_SUM16 && WIDE && !X16;
+    if constexpr ((SUM4 || SUM6) && !HALVES)
+        if (per_group <= QDOT_CHUNK_CELLS)
+            return qdot_lanes_in_phases<M, T, BITS, OFF, ZERO, CELL, L>(
+                in, m0, w, t, q, q_stride, y, y_stride, rows, q_next, few, row0);
     F acc[M][T] = {};
     constexpr int tiles = HALVES ? 1 : T;
     // where part i's scales and offsets lie from part 0's
@@ -288,27 +437,11 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
             I d[M][T][CHAINS] = {}, dl[M][T] = {};
             // NOTE: AVX2's paths by `if constexpr`, so AVX-512's code stays as it was compiled
             // before them (with plain `if`s, GCC allocated its registers otherwise)
-            if constexpr (SUM4) {
-                const I low = (I){} + 0x0F0F0F0F;
-                I d16[M][T] = {};  // int16 lanes
-#pragma GCC unroll 1
-                for (int64_t e = 0; e < cell / 8; ++e) {
-                    I lo[T], hi[T];
-                    for (int i = 0; i < T; ++i) {
-                        const I v = load_lanes<I>(qc + i * q_stride + e * 64);
-                        lo[i] = v & low;
-                        hi[i] = (I)((U)v >> 4) & low;
-                    }
-                    const int64_t k = k0 + 8 * e;
-                    for (int m = 0; m < M; ++m) {
-                        const int32_t a = load_x4(xq + k * M + 4 * m);
-                        const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
-                        for (int i = 0; i < T; ++i)
-                            d16[m][i] = sum16(sum16(d16[m][i], lo[i], a), hi[i], b);
-                    }
-                }
+            if constexpr (SUM4 || SUM6) {
+                I sums[M][T];
+                qdot_cell_sums<M, T, BITS, ZERO, CELL, L>(qc, q_stride, xq, k0, sums);
                 for (int m = 0; m < M; ++m)
-                    for (int i = 0; i < T; ++i) d[m][i][0] = widen16(d16[m][i], 1);
+                    for (int i = 0; i < T; ++i) d[m][i][0] = sums[m][i];
             } else if (BITS == 4) {
                 const I low = (I){} + 0x0F0F0F0F;
 #pragma GCC unroll 4
@@ -351,22 +484,6 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
                                 for (int i = 0; i < T; ++i) dl[m][i] = dot4<WIDE>(dl[m][i], v[i][j], la);
                             }
                         }
-                }
-            } else if constexpr (SUM6) {
-#pragma GCC unroll 1
-                for (int64_t e = 0; e < cell / 4; e += 2) {
-                    I v[T], v_next[T];  // entries e and e + 1
-                    for (int i = 0; i < T; ++i) {
-                        v[i] = load_lanes<I>(qc + i * q_stride + e * 64);
-                        v_next[i] = load_lanes<I>(qc + i * q_stride + e * 64 + 64);
-                    }
-                    const int64_t k = k0 + 4 * e;
-                    for (int m = 0; m < M; ++m) {
-                        const int32_t a = load_x4(xq + k * M + 4 * m);
-                        const int32_t b = load_x4(xq + (k + 4) * M + 4 * m);
-                        for (int i = 0; i < T; ++i)
-                            d[m][i][0] += widen16(sum16(sum16((I){}, v[i], a), v_next[i], b), 1);
-                    }
                 }
             } else if constexpr (SIGNED) {
 #pragma GCC unroll 1
