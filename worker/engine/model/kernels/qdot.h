@@ -284,9 +284,10 @@ constexpr int QDOT_CHUNK_CELLS = 16;
 // wanted more than AVX2's 16 registers: GCC spilt the sums inside the product loop and the
 // accumulators around it (Zen 3, in phases: the 1B's projections at 32 rows in 0.85 of the
 // time, SmolLM2's 4-bit matrices at 64 rows 0.84-0.86; bench/results/
-// qdot-avx2-zen3-2026-12-05.txt). NOTE: its cells' fetches and qdot_cell_sums' nibbles repeat
-// qdot_lanes' lines: shared through helpers, GCC inlined otherwise across the whole AVX-512
-// build (40 functions changed, attention's among them), which no host here can measure.
+// qdot-avx2-zen3-2026-12-05.txt). NOTE: its cells' fetches, scales, offsets and output, and
+// qdot_cell_sums' nibbles, repeat qdot_lanes' lines: shared through helpers (the fetches and
+// the nibbles tried), GCC inlined otherwise across the whole AVX-512 build (40-58 of its 219
+// functions changed, attention's among them), which no host here can measure.
 template <int M, int T, int BITS, bool OFF, int ZERO, int CELL, int L>
 void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t,
                           const uint8_t* q, int64_t q_stride, float* y, int64_t y_stride,
