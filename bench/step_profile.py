@@ -4,8 +4,10 @@
     .venv/bin/python bench/step_profile.py --batch-sizes 1 --weights bf16 --steps 50
     .venv/bin/python bench/step_profile.py --batch-sizes 1 --op-by-op   # batch 1's parts apart
 
-A native decode step of up to 8 sequences runs every layer in one kernel call ("all layers in
-one kernel call"); --op-by-op runs it part by part instead, to see where that call's time goes.
+A native decode step runs its layers in the one-call kernel ("layers in one-call kernels"):
+every layer in one call up to 8 sequences, a call a layer above where every projection runs
+qdot's tiles at every batch size; --op-by-op runs it part by part instead, to see where that
+call's time goes.
 
 Each batch runs B requests of 128-token prompts until all are decoding, then times decode
 steps. Parts are timed by wrapping the engine's pieces (each wrapper costs ~0.3 us a call):
@@ -71,7 +73,7 @@ def instrument(engine: EngineCore) -> None:
     PagedAttention.__call__ = timed("attention", PagedAttention.__call__)  # type: ignore
     for name, part in (("add_rms_norm", "residual add + RMSNorm"),
                        ("rope_store", "RoPE + K/V store"), ("silu_mul", "SwiGLU"),
-                       ("decode_layers", "all layers in one kernel call")):
+                       ("decode_layers", "layers in one-call kernels")):
         method = getattr(cpu_kernels.CpuKernels, name)
         setattr(cpu_kernels.CpuKernels, name, timed(part, method))
     engine.runner.sampler.__call__ = None  # instance attribute is not used for calls
@@ -212,7 +214,7 @@ def main() -> None:
     ap.add_argument("--weights", default=None, choices=["native", "bf16", "fp32"])
     ap.add_argument("--model", default="")
     ap.add_argument("--op-by-op", action="store_true",
-                    help="no one-call decode step: time each part of a small step apart")
+                    help="no one-call decode step: time each part of a step apart")
     args = ap.parse_args()
 
     torch.set_num_threads(1)

@@ -129,6 +129,46 @@ def test_a_decode_step_in_one_kernel_call_equals_the_step_op_by_op(tiny_model_pa
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
 
+@needs_kernels
+def test_a_batch_decode_step_in_a_call_a_layer_equals_the_step_op_by_op(tiny_model_path,
+                                                                       monkeypatch):
+    # Given the native tiny model on qdot's tiles at every row count (so the one-call kernel
+    # takes a decode step of any rows), and a copy that runs its decode steps op by op
+    monkeypatch.setenv("LLMQ_FORMS", "qdot")
+    per_layer = load_model(tiny_model_path, "bfloat16", weights="native").model
+    op_by_op = load_model(tiny_model_path, "bfloat16", weights="native").model
+    assert per_layer._one_call and per_layer._one_call_rows > 12
+    op_by_op._one_call = False
+    steps: list[list[int]] = []  # the layers each forward yielded, where it could pause
+    forward_layers = per_layer.forward_layers
+
+    def recording(*args, **kwargs):
+        steps.append([])
+        layers = forward_layers(*args, **kwargs)
+        while True:
+            try:
+                layer = next(layers)
+            except StopIteration as done:
+                return done.value
+            steps[-1].append(layer)
+            yield layer
+
+    monkeypatch.setattr(per_layer, "forward_layers", recording)
+
+    # When both decode 12 prompts (12 rows: past the 8 that one call runs whole)
+    prompts = random_prompts(per_layer.arch.vocab_size, [4 + (i * 7) % 29 for i in range(12)])
+    ours, our_logits = greedy_paged(per_layer, prompts, 6)
+    theirs, their_logits = greedy_paged(op_by_op, prompts, 6)
+
+    # Then the tokens and the logits are the same bits (the same kernels, in the same order)
+    assert ours == theirs
+    assert all(torch.equal(a, b) for a, b in zip(our_logits, their_logits, strict=True))
+    # and each step (the prompts', then 5 decode steps a call a layer) could pause after
+    # every layer
+    every_layer = list(range(per_layer.arch.num_layers))
+    assert steps == [every_layer] * 6
+
+
 # ---- the default model ------------------------------------------------------------------------
 
 

@@ -332,17 +332,25 @@ class CpuKernels:
                       intermediate_size: int, final_norm: torch.Tensor, eps: float, num_heads: int,
                       kv_cache: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """Every layer of a decode step of rows <= 8 sequences in one call (DecoderLayer array,
-        one per layer, all projections QuantMatrix). h [rows, hidden] float32: the embedded
-        tokens, updated in place. kv_cache: layer 0's cache (all share its shape and dtype).
-        Returns the final-normed hidden states, or None if some shape has no kernel."""
+                      seq_lens: torch.Tensor, scale: float, first: int = 0,
+                      count: int | None = None) -> torch.Tensor | None:
+        """The layers [first, first + count) (default: all) of a decode step in one call
+        (DecoderLayer array, one per layer, all projections QuantMatrix: up to 8 rows, any
+        number where all are qdot's). h [rows, hidden] float32: the embedded tokens, or the
+        residual stream after layer first - 1, updated in place. final_norm: the norm after
+        the last of them (the next layer's input norm, or the model's). kv_cache: layer 0's
+        cache (all share its shape and dtype). Returns h normed by final_norm, or None if some
+        shape has no kernel."""
         rows, hidden = h.shape
         _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        count = len(layers) - first if count is None else count
+        if not (0 <= first and 0 < count and first + count <= len(layers)):
+            raise ValueError(f"decode_layers: layers [{first}, {first + count}) of {len(layers)}")
         out = torch.empty(rows, hidden)
         _check(h, final_norm, positions, cos, sin, slot_mapping, block_tables, seq_lens)
         done = self._decode_layers(
-            layers, len(layers), h.data_ptr(), rows, hidden, intermediate_size,
+            ctypes.byref(layers, first * ctypes.sizeof(DecoderLayer)), count, h.data_ptr(),
+            rows, hidden, intermediate_size,
             final_norm.data_ptr(), eps, num_heads, kv_heads, head_dim, num_blocks, block_size,
             _is_bf16(kv_cache), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],

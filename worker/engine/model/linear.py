@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 QUANT_MAX_ROWS = 8
 # rows past the last finite bucket's bound share its form (Linear._form_by_rows)
 ROUTED_ROWS = BUCKETS[-2][0] + 1
+# quant_rows where every row count runs the same qdot form
+ONE_CALL_ANY_ROWS = 1 << 62
 # Batch-invariant dense projections run in calls of exactly this many rows (the last padded):
 # oneDNN's and MKL's float32 and bfloat16 GEMMs sum a row in an order that follows the call's
 # rows (one row: a GEMV), never the row's place in the call (bench/batch_invariance.py)
@@ -353,12 +355,16 @@ class Linear(nn.Module):
     def quant_rows(self) -> int:
         """Every call of up to this many rows runs on one of the quantized kernels' matrices,
         `one_call_matrix` (0: none does): the one-call decode step (llama.py) needs every
-        projection there."""
+        projection there. The float kernel's matrices take up to QUANT_MAX_ROWS rows a call,
+        qdot's any number (a batch's decode step): ONE_CALL_ANY_ROWS where every bucket's form
+        is the first's."""
         first = self.form_of(1)
         if first not in QUANT_FORMS:
             return 0
-        return next(rows for rows in range(QUANT_MAX_ROWS, 0, -1)
+        most = ROUTED_ROWS if first in DOT_FORMS else QUANT_MAX_ROWS
+        rows = next(rows for rows in range(most, 0, -1)
                     if all(self.form_of(n) == first for n in range(1, rows + 1)))
+        return ONE_CALL_ANY_ROWS if rows == ROUTED_ROWS else rows
 
     @property
     def one_call_matrix(self) -> QuantMatrix:

@@ -43,7 +43,7 @@ from .cpu_kernels import CpuKernels, DecoderLayer
 from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
 from .form_choice import FormChoice
 from .gguf_loader import QuantizedTensor
-from .linear import Linear, _param
+from .linear import QUANT_MAX_ROWS, Linear, _param
 from .moe import SparseMoe
 from .quant_matrix import QuantMatrix
 from .repack_cache import RepackCache
@@ -180,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         """`forward` a decoder layer at a time: yields each layer's index once it is done, and
         returns the hidden states. Between two layers the caller may run whole other steps
         (worker/engine/step_interrupt.py): the step's tensors live in this generator, and
-        `lora` is set again on every resume. The one-call decode kernel yields nothing."""
+        `lora` is set again on every resume. The one-call decode kernel of up to QUANT_MAX_ROWS
+        rows yields nothing."""
         batch = lora if lora is not None and lora.segments else None
         if self.kernels is not None and self._fused_able:
             run = self._run_fused(input_ids, attn_metadata, kv_caches)
@@ -255,14 +256,27 @@ class LlamaForCausalLM(nn.Module):
         if (self._one_call and meta.num_decodes == meta.num_seqs and n <= self._one_call_rows
                 and self.lora_slot.batch is None):
             # NOTE: a few decodes: the whole step in one kernel call. The ~9 calls a layer
-            # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step.
-            out = kernels.decode_layers(
-                self._decoder_layers(kv_caches), h, arch.intermediate_size, self.norm, eps,
-                arch.num_heads, kv_caches[0], meta.positions, cos, sin, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens_tensor, self.paged_attention.scale)
-            if out is None:
-                raise RuntimeError("decode_layers: a shape checked at load has no kernel")
-            return out
+            # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step. A
+            # batch's decode step: a call a layer, so that it can pause between layers
+            # (step_interrupt.py), each recomputing the norm the last one ended with (Zen 3,
+            # SmolLM2 at 64 rows: 161-165 ms a step where op by op took 172-176).
+            decoder = self._decoder_layers(kv_caches)
+            calls = [(0, len(layers))] if n <= QUANT_MAX_ROWS else [
+                (i, 1) for i in range(len(layers))]
+            for start, count in calls:
+                last = start + count == len(layers)
+                out = kernels.decode_layers(
+                    decoder, h, arch.intermediate_size,
+                    self.norm if last else layers[start + count].input_layernorm, eps,
+                    arch.num_heads, kv_caches[0], meta.positions, cos, sin, meta.slot_mapping,
+                    meta.block_tables, meta.seq_lens_tensor, self.paged_attention.scale,
+                    start, count)
+                if out is None:
+                    raise RuntimeError("decode_layers: a shape checked at load has no kernel")
+                hidden = out
+                if len(calls) > 1:
+                    yield start
+            return hidden
         first = layers[0]
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
