@@ -15,6 +15,7 @@ import torch
 
 from llmq.worker.engine.model import llama
 from llmq.worker.engine.model.cpu_kernels import CpuKernels
+from llmq.worker.engine.model.form_choice import BUCKETS, FormChoice
 from llmq.worker.engine.model.int4_weight import Int4Weight
 from llmq.worker.engine.model.linear import Linear
 from llmq.worker.engine.model.loader import load_model
@@ -130,11 +131,16 @@ def test_a_decode_step_in_one_kernel_call_equals_the_step_op_by_op(tiny_model_pa
 
 
 @needs_kernels
-def test_a_batch_decode_step_in_a_call_a_layer_equals_the_step_op_by_op(tiny_model_path,
-                                                                       monkeypatch):
+@pytest.mark.parametrize(
+    "forms", [("qdot",) * len(BUCKETS), ("qdot16",) + ("qdot",) * (len(BUCKETS) - 1)],
+    ids=["qdot", "qdot16 at one row"])
+def test_a_decode_step_of_any_rows_in_the_one_call_kernel_equals_the_step_op_by_op(
+        tiny_model_path, monkeypatch, tmp_path, forms):
     # Given the native tiny model on qdot's tiles at every row count (so the one-call kernel
-    # takes a decode step of any rows), and a copy that runs its decode steps op by op
-    monkeypatch.setenv("LLMQ_FORMS", "qdot")
+    # takes a decode step of any rows), each bucket on the given form, and a copy that runs its
+    # decode steps op by op
+    monkeypatch.setenv("LLMQ_FORMS_DIR", str(tmp_path))
+    monkeypatch.setattr(FormChoice, "choose", lambda self, *args, **kwargs: forms)
     per_layer = load_model(tiny_model_path, "bfloat16", weights="native").model
     op_by_op = load_model(tiny_model_path, "bfloat16", weights="native").model
     assert per_layer._one_call and per_layer._one_call_rows > 12
@@ -155,18 +161,22 @@ def test_a_batch_decode_step_in_a_call_a_layer_equals_the_step_op_by_op(tiny_mod
 
     monkeypatch.setattr(per_layer, "forward_layers", recording)
 
-    # When both decode 12 prompts (12 rows: past the 8 that one call runs whole)
-    prompts = random_prompts(per_layer.arch.vocab_size, [4 + (i * 7) % 29 for i in range(12)])
-    ours, our_logits = greedy_paged(per_layer, prompts, 6)
-    theirs, their_logits = greedy_paged(op_by_op, prompts, 6)
+    for rows in (12, 3, 1):
+        # When both decode that many prompts (12 rows: past the 8 that one call runs whole)
+        steps.clear()
+        prompts = random_prompts(per_layer.arch.vocab_size,
+                                 [4 + (i * 7) % 29 for i in range(rows)])
+        ours, our_logits = greedy_paged(per_layer, prompts, 6)
+        theirs, their_logits = greedy_paged(op_by_op, prompts, 6)
 
-    # Then the tokens and the logits are the same bits (the same kernels, in the same order)
-    assert ours == theirs
-    assert all(torch.equal(a, b) for a, b in zip(our_logits, their_logits, strict=True))
-    # and each step (the prompts', then 5 decode steps a call a layer) could pause after
-    # every layer
-    every_layer = list(range(per_layer.arch.num_layers))
-    assert steps == [every_layer] * 6
+        # Then the tokens and the logits are the same bits (the same kernels, in the same
+        # order)
+        assert ours == theirs
+        assert all(torch.equal(a, b) for a, b in zip(our_logits, their_logits, strict=True))
+        # and after the prompts' step, each decode step of 12 rows (a call a layer) could pause
+        # after every layer; one of a few rows is one call
+        every_layer = list(range(per_layer.arch.num_layers))
+        assert steps == [every_layer] + [every_layer if rows > 8 else []] * 5
 
 
 # ---- the default model ------------------------------------------------------------------------

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 QUANT_MAX_ROWS = 8
 # rows past the last finite bucket's bound share its form (Linear._form_by_rows)
 ROUTED_ROWS = BUCKETS[-2][0] + 1
-# quant_rows where every row count runs the same qdot form
+# quant_rows where every bucket of rows runs one of qdot's forms
 ONE_CALL_ANY_ROWS = 1 << 62
 # Batch-invariant dense projections run in calls of exactly this many rows (the last padded):
 # oneDNN's and MKL's float32 and bfloat16 GEMMs sum a row in an order that follows the call's
@@ -353,23 +353,23 @@ class Linear(nn.Module):
 
     @property
     def quant_rows(self) -> int:
-        """Every call of up to this many rows runs on one of the quantized kernels' matrices,
-        `one_call_matrix` (0: none does): the one-call decode step (llama.py) needs every
-        projection there. The float kernel's matrices take up to QUANT_MAX_ROWS rows a call,
-        qdot's any number (a batch's decode step): ONE_CALL_ANY_ROWS where every bucket's form
-        is the first's."""
-        first = self.form_of(1)
-        if first not in QUANT_FORMS:
-            return 0
-        most = ROUTED_ROWS if first in DOT_FORMS else QUANT_MAX_ROWS
-        rows = next(rows for rows in range(most, 0, -1)
-                    if all(self.form_of(n) == first for n in range(1, rows + 1)))
+        """Every call of up to this many rows runs on one of the quantized kernels' matrices
+        (0: a lone row's does not): the one-call decode step (llama.py) needs every projection
+        there, on `one_call_matrix(rows)`. The float kernel's matrices take up to
+        QUANT_MAX_ROWS rows a call, qdot's forms any number (a batch's decode step):
+        ONE_CALL_ANY_ROWS where every bucket of rows runs one of them."""
+        def one_call(rows: int) -> bool:
+            form = self.form_of(rows)
+            return form in DOT_FORMS or (form == "quant" and rows <= QUANT_MAX_ROWS
+                                         and isinstance(self.quant, QuantMatrix))
+        rows = next((n - 1 for n in range(1, ROUTED_ROWS + 1) if not one_call(n)), ROUTED_ROWS)
         return ONE_CALL_ANY_ROWS if rows == ROUTED_ROWS else rows
 
-    @property
-    def one_call_matrix(self) -> QuantMatrix:
-        """The matrix calls of up to `quant_rows` rows run on."""
-        matrix = self._quant_form(self.form_of(1))
+    def one_call_matrix(self, rows: int) -> QuantMatrix:
+        """The matrix a call of `rows` (up to `quant_rows`) rows runs on. NOTE: qdot's forms
+        share one set of tiles, and the measured choice may differ between buckets of rows
+        (`qdot16` at one row, `qdot` above, seen on Zen 3)."""
+        matrix = self._quant_form(self.form_of(rows))
         assert isinstance(matrix, QuantMatrix)
         return matrix
 

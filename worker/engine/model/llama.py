@@ -41,7 +41,7 @@ from .attention import AttentionMetadata, PagedAttention, contiguous_attention
 from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
 from .cpu_kernels import CpuKernels, DecoderLayer
 from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
-from .form_choice import FormChoice
+from .form_choice import FormChoice, bucket_of
 from .gguf_loader import QuantizedTensor
 from .linear import QUANT_MAX_ROWS, Linear, _param
 from .moe import SparseMoe
@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self._one_call = False
         self._one_call_rows = 0
         self.forms: FormChoice | None = None  # native with the kernels: the forms chosen
-        self._one_call_layers: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self._one_call_layers: tuple[tuple[int, ...], dict[int, ctypes.Array]] | None = None
         # One Rotary per distinct RoPE (Gemma 3's local and global layers differ), one
         # PagedAttention per distinct window; each layer points at its own.
         rotaries: dict[RopeConfig, Rotary] = {}
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
             # batch's decode step: a call a layer, so that it can pause between layers
             # (step_interrupt.py), each recomputing the norm the last one ended with (Zen 3,
             # SmolLM2 at 64 rows: 161-165 ms a step where op by op took 172-176).
-            decoder = self._decoder_layers(kv_caches)
+            decoder = self._decoder_layers(kv_caches, n)
             calls = [(0, len(layers))] if n <= QUANT_MAX_ROWS else [
                 (i, 1) for i in range(len(layers))]
             for start, count in calls:
@@ -316,18 +316,23 @@ class LlamaForCausalLM(nn.Module):
                  for rows in x.tensor_split(slices)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _decoder_layers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
-        """The layers as the one-call kernel reads them, built once per set of caches."""
+    def _decoder_layers(self, kv_caches: list[torch.Tensor], rows: int) -> ctypes.Array:
+        """The layers as the one-call kernel reads them for a step of `rows` rows (each
+        projection's matrix for that bucket of rows), built once per set of caches."""
         key = tuple(c.data_ptr() for c in kv_caches)
+        bucket = bucket_of(rows)
         if self._one_call_layers is None or self._one_call_layers[0] != key:
+            self._one_call_layers = (key, {})
+        built = self._one_call_layers[1]
+        if bucket not in built:
             structs = []
             for layer, cache in zip(self._layers, kv_caches, strict=True):
                 structs.append(DecoderLayer(
-                    *(p.one_call_matrix.struct for p in layer.projections),
+                    *(p.one_call_matrix(rows).struct for p in layer.projections),
                     layer.input_layernorm.data_ptr(), layer.post_attention_layernorm.data_ptr(),
                     cache.data_ptr()))
-            self._one_call_layers = (key, (DecoderLayer * len(structs))(*structs))
-        return self._one_call_layers[1]
+            built[bucket] = (DecoderLayer * len(structs))(*structs)
+        return built[bucket]
 
     def _quantized_embedding(self, tensor: QuantizedTensor, repack: RepackCache | None
                              ) -> QuantizedEmbedding:
