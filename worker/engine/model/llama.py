@@ -259,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
             # below cost ~3 us of Python and ctypes each, 15-20% of a one-token step. A
             # batch's decode step: a call a layer, so that it can pause between layers
             # (step_interrupt.py), each recomputing the norm the last one ended with (Zen 3,
-            # SmolLM2 at 64 rows: 161-165 ms a step where op by op took 172-176).
+            # SmolLM2 at 64 rows: 163-168 ms a step where op by op took 176-184).
             decoder = self._decoder_layers(kv_caches, n)
             calls = [(0, len(layers))] if n <= QUANT_MAX_ROWS else [
                 (i, 1) for i in range(len(layers))]
