@@ -32,7 +32,7 @@ void add_rms_norm(float* h, const Y* y, const float* w, int64_t rows, int64_t di
                   O* out) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
     // AVX2: the 16-lane sum of squares as its two native halves, added lane by lane as hsum's
-    // first halving step adds them: the same floats in the same order as the 16-lane loop below,
+    // first halving step adds them: the same floats in the same order as the 16-lane loop below
     // which GCC built from pieces through the stack (Zen 3, 64 rows of 576: 75 us a call, now
     // 14-16). NOTE: by the preprocessor, not `if constexpr`: the AVX-512 build compiles the lines
     // it did (a change here once changed 68 of its functions through GCC's inlining).
@@ -62,8 +62,7 @@ void add_rms_norm(float* h, const Y* y, const float* w, int64_t rows, int64_t di
             store_vf(orow + d, load_vf(hr + d) * inv * load_vf(w + d));
         for (; d < dim; ++d) store(orow, d, hr[d] * inv * w[d]);
     }
-    return;
-#endif
+#else
     for (int64_t r = 0; r < rows; ++r) {
         float* hr = h + r * dim;
         O* orow = out + r * dim;
@@ -84,6 +83,7 @@ void add_rms_norm(float* h, const Y* y, const float* w, int64_t rows, int64_t di
         for (d = 0; d + 16 <= dim; d += 16) store16(orow + d, load16(hr + d) * inv * load16(w + d));
         for (; d < dim; ++d) store(orow, d, hr[d] * inv * w[d]);
     }
+#endif
 }
 
 // gate_up [rows, 2 * dim] (gate, then up) -> out [rows, dim] = silu(gate) * up.
