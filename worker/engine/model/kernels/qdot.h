@@ -214,6 +214,33 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
     }
 }
 
+// Whether cells of CELL columns may go in pairs (qdot_scale_pair, where x's blocks are 32).
+// NOTE: not with offsets (the 1B's fused QKV, 6-bit where its V is Q6_K): paired, it ran 1.27x
+// the time at 32 rows (Zen 4, a C++ harness), where the Q6_K down ran 0.88x.
+constexpr bool qdot_pairs(int cell, bool offsets) { return cell == 16 && !offsets; }
+
+// Cells of 16 in x's blocks of 32 (Q6_K's groups in the `qdot` and `qdot16` forms) share x's
+// scale in pairs: M rows' float step against T parts, acc += (float(dot0) * scale0 +
+// float(dot1) * scale1) * x's scale, the first cell's product parked in `part` (`second`
+// false), where each cell alone took acc += float(dot) * (scale * x's scale): three
+// multiplies a row and part where the two cells took four, on the pipes vpdpbusd shares
+// (docs/performance.md, seventeenth session). The same operations for a row whatever M.
+template <int M, int T, typename F>
+inline void qdot_scale_pair(const F (&sums)[M][T], const F (&sc)[T], const float* xs,
+                            int64_t blocks, int64_t block, bool second, F (&part)[M][T],
+                            F (&acc)[M][T]) {
+    if (!second) {
+        for (int m = 0; m < M; ++m)
+            for (int i = 0; i < T; ++i) part[m][i] = sums[m][i] * sc[i];
+        return;
+    }
+    for (int m = 0; m < M; ++m) {
+        const F x_scale = splat<F>(xs[m * blocks + block]);
+        for (int i = 0; i < T; ++i)
+            acc[m][i] = fused(fused(sums[m][i], sc[i], part[m][i]), x_scale, acc[m][i]);
+    }
+}
+
 // AVX2 (QDOT_SUM16): one cell's integer products, M rows of x against T parts of L rows of
 // the tiles (`q_stride` apart), as int32 lanes in `sums`. BITS 4: vpmaddubsw's pair sums of
 // the nibble products added in int16 (`sum16`) over the whole cell (|2 * 15 * 127| a pair, 8
@@ -305,7 +332,8 @@ void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w,
     const float* xs = in.scale.data() + m0 * blocks;
     const int32_t* zq = ZERO ? in.zq.data() + m0 * cells : nullptr;
     const int64_t part_scales = groups * 16;
-    F acc[M][T] = {};
+    constexpr bool PAIRS = qdot_pairs(CELL, OFF);
+    F acc[M][T] = {}, part[M][T];
     I sums[QDOT_CHUNK_CELLS][M][T];
     for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
         const int64_t g1 = g0 + chunk_groups < groups ? g0 + chunk_groups : groups;
@@ -331,6 +359,19 @@ void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w,
             }
             for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
                 const int64_t block = c >> block_shift;
+                if constexpr (PAIRS) {  // as qdot_lanes
+                    if (block_shift) {
+                        F products[M][T];
+                        for (int m = 0; m < M; ++m)
+                            for (int i = 0; i < T; ++i) {
+                                I s = sums[c - c0][m][i];
+                                if (ZERO) s += zq[m * cells + c];
+                                products[m][i] = __builtin_convertvector(s, F);
+                            }
+                        qdot_scale_pair<M, T>(products, sc, xs, blocks, block, c & 1, part, acc);
+                        continue;
+                    }
+                }
                 for (int m = 0; m < M; ++m) {
                     const float x_scale = xs[m * blocks + block];
                     for (int i = 0; i < T; ++i) {
@@ -406,7 +447,8 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
         if (per_group <= QDOT_CHUNK_CELLS)
             return qdot_lanes_in_phases<M, T, BITS, OFF, ZERO, CELL, L>(
                 in, m0, w, t, q, q_stride, y, y_stride, rows, q_next, few, row0);
-    F acc[M][T] = {};
+    constexpr bool PAIRS = qdot_pairs(CELL, OFF);
+    F acc[M][T] = {}, part[M][T];
     constexpr int tiles = HALVES ? 1 : T;
     // where part i's scales and offsets lie from part 0's
     const int64_t part_scales = HALVES ? L : groups * 16;
@@ -518,6 +560,23 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
                 }
             }
             const int64_t block = c >> block_shift;
+            // NOTE: `if constexpr`, and the unpaired step below as it was before pairs: written
+            // once for both (through a lambda), GCC allocated the registers of passes that never
+            // pair otherwise, and the 1B's fused QKV ran ~5% slower at 32 rows (Zen 4)
+            if constexpr (PAIRS) {
+                if (block_shift) {
+                    F products[M][T];
+                    for (int m = 0; m < M; ++m)
+                        for (int i = 0; i < T; ++i) {
+                            I s = CHAINS == 2 ? d[m][i][0] + d[m][i][CHAINS - 1] : d[m][i][0];
+                            if (X16) s = s * 256 + dl[m][i];
+                            if (ZERO && !SIGNED) s += zq[m * cells + c];
+                            products[m][i] = __builtin_convertvector(s, F);
+                        }
+                    qdot_scale_pair<M, T>(products, sc, xs, blocks, block, c & 1, part, acc);
+                    continue;
+                }
+            }
             for (int m = 0; m < M; ++m) {
                 const float x_scale = xs[m * blocks + block];
                 for (int i = 0; i < T; ++i) {
