@@ -26,13 +26,14 @@
 //
 // Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact; less
 // ZERO * the sum of the cell's x integers), then in float32 acc += float(dot) * (scale[g] *
-// xs[cell's block]); per group, with offsets, acc += offset[g] * (the sum of the group's
-// xs * q). NOTE: the zero's term in integers, one add a row, tile and cell, where taken out
-// with the offsets it was a float multiply-add a row, tile and group: in cells of 16 (Q6_K's
-// groups) a fifth of the vector work (Zen 4, 32 rows: the 1B's Q6_K matrices in 0.88-0.89 of
-// the time; no change at one row). The same
-// operations in the same order for a row whatever shares its call, so a row's products are the
-// same bits alone or in a call of any size (batch invariance, as the float kernel's).
+// xs[cell's block]) (cells of 16 without offsets in x's blocks of 32: a pair's two products
+// with their scales summed, then times xs, qdot_scale_pair); per group, with offsets, acc +=
+// offset[g] * (the sum of the group's xs * q). NOTE: the zero's term in integers, one add a
+// row, tile and cell, where taken out with the offsets it was a float multiply-add a row, tile
+// and group: in cells of 16 (Q6_K's groups) a fifth of the vector work (Zen 4, 32 rows: the
+// 1B's Q6_K matrices in 0.88-0.89 of the time; no change at one row). The same operations in
+// the same order for a row whatever shares its call, so a row's products are the same bits
+// alone or in a call of any size (batch invariance, as the float kernel's).
 
 #ifndef LLMQ_QDOT_H
 #define LLMQ_QDOT_H
@@ -216,7 +217,7 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
 
 // Whether cells of CELL columns may go in pairs (qdot_scale_pair, where x's blocks are 32).
 // NOTE: not with offsets (the 1B's fused QKV, 6-bit where its V is Q6_K): paired, it ran 1.27x
-// the time at 32 rows (Zen 4, a C++ harness), where the Q6_K down ran 0.88x.
+// the time at 32 rows (Zen 4, a C++ harness), where the Q6_K down ran 0.90-0.95x.
 constexpr bool qdot_pairs(int cell, bool offsets) { return cell == 16 && !offsets; }
 
 // Cells of 16 in x's blocks of 32 (Q6_K's groups in the `qdot` and `qdot16` forms) share x's
