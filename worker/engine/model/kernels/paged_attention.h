@@ -82,6 +82,18 @@ inline void softmax(float* s, int64_t n) {
 // take the GR accumulators' P, get the floats of their decodes).
 constexpr int parts_a_pass(int G) { return LANES == 8 && 2 * G <= 8 ? 2 : 1; }
 
+// block_values' vectors a pass: with AVX-512's 32 registers, a 64-dim head's 4 vectors for up
+// to 6 query heads (24 accumulators), so each key's weights feed 4 G independent multiply-adds
+// where one vector a pass left G chains of one a key waiting on each other. The same floats
+// (each lane's sum runs over the keys in the same order whatever P is). NOTE: Zen 4, SmolLM2's
+// 30 layers at batch 64, ~147 keys: 14.5 ms against 18.0 (a C++ harness, blocks in order),
+// 24.1 against 27.0 (bench/attention_pages.py, scattered, 2 MiB pages); in a step
+// (bench/step_profile.py --op-by-op) 17.5 against 18.4, the 1B's 16 layers at batch 32 14.0
+// against 15.2.
+constexpr int value_parts(int G) {
+    return LANES == 8 ? parts_a_pass(G) : G <= 6 ? 4 : G <= 12 ? 2 : 1;
+}
+
 // Scores of one block for G query heads sharing a kv head. kt [head_dim, block_size]: the
 // block's keys transposed; n <= block_size of them are used; scores[g] gets n entries;
 // `ahead`: the block to fetch meanwhile.
@@ -141,6 +153,7 @@ void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
     // NOTE: a copy, written back at the end: through the reference, its count was stored to
     // memory every key (a tenth of this loop's perf samples on Zen 3)
     SpreadPrefetch fetch = ahead;
+    fetch.per_step *= P;  // a key's step asks for P vectors' share of the block (one call, not P)
     for (; d0 + P * LANES <= head_dim; d0 += P * LANES) {
         vf a[G][P];
         // NOTE: a vector load each, not a memcpy of the array: GCC moved that through the
@@ -161,6 +174,7 @@ void block_values_lanes(const float* p, int64_t stride, const C* v, int64_t n,
         for (int g = 0; g < G; ++g)
             for (int q = 0; q < P; ++q) store_vf(acc + g * head_dim + d0 + q * LANES, a[g][q]);
     }
+    fetch.per_step /= P;
     ahead = fetch;
 }
 
@@ -170,7 +184,9 @@ template <int G, typename C>
 void block_values(const float* p, int64_t stride, const C* v, int64_t n, int64_t head_dim,
                   float* acc, SpreadPrefetch ahead = SpreadPrefetch()) {
     int64_t d0 = 0;
-    block_values_lanes<G, parts_a_pass(G)>(p, stride, v, n, head_dim, acc, d0, ahead);
+    block_values_lanes<G, value_parts(G)>(p, stride, v, n, head_dim, acc, d0, ahead);
+    if constexpr (value_parts(G) > 2)
+        block_values_lanes<G, 2>(p, stride, v, n, head_dim, acc, d0, ahead);
     block_values_lanes<G, 1>(p, stride, v, n, head_dim, acc, d0, ahead);
     for (; d0 < head_dim; ++d0)
         for (int64_t i = 0; i < n; ++i)
