@@ -24,12 +24,10 @@
 //   its top two (0.75 bytes a weight, where BITS 8 takes 1: a lone decode reads every byte);
 // - BITS 8, [K / 4][16][4] bytes, q[r][4e + j] + 128.
 //
-// Arithmetic: per cell of min(group, x's block) columns, the row's integer dot product (exact;
-// less ZERO * the sum of the cell's x integers), then in float32 acc += float(dot) * (scale[g]
-// * xs[cell's block]) (cells of 16 without offsets, two sharing a scale: in x's blocks of 32,
-// a pair's two products summed with their weight scales, then times xs; in groups of 32
-// against x's blocks of 16, summed with their xs, then times the scale: qdot_scale_pair);
-// per group, with offsets, acc +=
+// Arithmetic: per cell of min(group, 32) columns, the row's integer dot product (exact; less
+// ZERO * the sum of the cell's x integers), then in float32 acc += float(dot) * (scale[g] *
+// xs[cell's block]) (cells of 16 without offsets in x's blocks of 32: a pair's two products
+// with their scales summed, then times xs, qdot_scale_pair); per group, with offsets, acc +=
 // offset[g] * (the sum of the group's xs * q). NOTE: the zero's term in integers, one add a
 // row, tile and cell, where taken out with the offsets it was a float multiply-add a row, tile
 // and group: in cells of 16 (Q6_K's groups) a fifth of the vector work (Zen 4, 32 rows: the
@@ -217,37 +215,30 @@ inline void qdot_unpack_six(const uint8_t* tile, int64_t K, const uint8_t* next,
     }
 }
 
-// Whether cells of CELL columns may go in pairs (qdot_scale_pair: where x's blocks are 32, or
-// the weights' groups 32 and more against x's blocks of 16).
+// Whether cells of CELL columns may go in pairs (qdot_scale_pair, where x's blocks are 32).
 // NOTE: not with offsets (the 1B's fused QKV, 6-bit where its V is Q6_K): paired, it ran 1.27x
 // the time at 32 rows (Zen 4, a C++ harness), where the Q6_K down ran 0.90-0.95x.
 constexpr bool qdot_pairs(int cell, bool offsets) { return cell == 16 && !offsets; }
 
-// Cells of 16 in pairs that share one of their two scales: x's (X_SHARED: cells of 16 in x's
-// blocks of 32, Q6_K's groups in the `qdot` and `qdot16` forms), or the weights' (groups of 32
-// or more against x's blocks of 16: `qdot_b16` on Q8_0, a head's usual type). M rows' float
-// step against T parts, acc += (float(dot0) * own0 + float(dot1) * own1) * shared, the first
-// cell's product parked in `part` (`second` false), where each cell alone took acc +=
-// float(dot) * (scale * x's scale): three multiplies a row and part where the two cells took
-// four, on the pipes vpdpbusd shares (docs/performance.md, seventeenth session). The same
-// operations for a row whatever M.
-template <bool X_SHARED, int M, int T, typename F>
+// Cells of 16 in x's blocks of 32 (Q6_K's groups in the `qdot` and `qdot16` forms) share x's
+// scale in pairs: M rows' float step against T parts, acc += (float(dot0) * scale0 +
+// float(dot1) * scale1) * x's scale, the first cell's product parked in `part` (`second`
+// false), where each cell alone took acc += float(dot) * (scale * x's scale): three
+// multiplies a row and part where the two cells took four, on the pipes vpdpbusd shares
+// (docs/performance.md, seventeenth session). The same operations for a row whatever M.
+template <int M, int T, typename F>
 inline void qdot_scale_pair(const F (&sums)[M][T], const F (&sc)[T], const float* xs,
                             int64_t blocks, int64_t block, bool second, F (&part)[M][T],
                             F (&acc)[M][T]) {
     if (!second) {
-        for (int m = 0; m < M; ++m) {
-            const F x_scale = splat<F>(xs[m * blocks + block]);
-            for (int i = 0; i < T; ++i) part[m][i] = sums[m][i] * (X_SHARED ? sc[i] : x_scale);
-        }
+        for (int m = 0; m < M; ++m)
+            for (int i = 0; i < T; ++i) part[m][i] = sums[m][i] * sc[i];
         return;
     }
     for (int m = 0; m < M; ++m) {
         const F x_scale = splat<F>(xs[m * blocks + block]);
         for (int i = 0; i < T; ++i)
-            acc[m][i] = X_SHARED
-                ? fused(fused(sums[m][i], sc[i], part[m][i]), x_scale, acc[m][i])
-                : fused(fused(sums[m][i], x_scale, part[m][i]), sc[i], acc[m][i]);
+            acc[m][i] = fused(fused(sums[m][i], sc[i], part[m][i]), x_scale, acc[m][i]);
     }
 }
 
@@ -336,8 +327,6 @@ void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w,
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     const int64_t chunk_groups = QDOT_CHUNK_CELLS / per_group, cells = K / cell;
     const int block_shift = cell < in.block ? 1 : 0;
-    // cells of 16 in pairs within a group (qdot_scale_pair): x's blocks 16, groups of 32 or more
-    const bool weight_pairs = !block_shift && per_group % 2 == 0;
     const uint16_t* scales = w.scales + t * groups * 16 + row0;
     const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 + row0 : nullptr;
     const int8_t* xq = in.q.data() + m0 * K;
@@ -372,7 +361,7 @@ void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w,
             for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
                 const int64_t block = c >> block_shift;
                 if constexpr (PAIRS) {  // as qdot_lanes
-                    if (block_shift || weight_pairs) {
+                    if (block_shift) {
                         F products[M][T];
                         for (int m = 0; m < M; ++m)
                             for (int i = 0; i < T; ++i) {
@@ -380,12 +369,7 @@ void qdot_lanes_in_phases(const QdotInput& in, int64_t m0, const QdotWeights& w,
                                 if (ZERO) s += zq[m * cells + c];
                                 products[m][i] = __builtin_convertvector(s, F);
                             }
-                        if (block_shift)
-                            qdot_scale_pair<true, M, T>(products, sc, xs, blocks, block, c & 1,
-                                                        part, acc);
-                        else
-                            qdot_scale_pair<false, M, T>(products, sc, xs, blocks, block, c & 1,
-                                                         part, acc);
+                        qdot_scale_pair<M, T>(products, sc, xs, blocks, block, c & 1, part, acc);
                         continue;
                     }
                 }
@@ -441,8 +425,6 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
     const int64_t per_group = group / cell, blocks = K / in.block, groups = K / group;
     // a cell's block of x: the cell's own, or (cells of 16 in blocks of 32) every second one's
     const int block_shift = cell < in.block ? 1 : 0;
-    // cells of 16 in pairs within a group (qdot_scale_pair): x's blocks 16, groups of 32 or more
-    const bool weight_pairs = !block_shift && per_group % 2 == 0;
     const uint16_t* scales = w.scales + t * groups * 16 + row0;
     const uint16_t* offsets = OFF ? w.offsets + t * groups * 16 + row0 : nullptr;
     // x's pass (qdot_x_at): row m's columns [k, k + 4) at xq + k * M + 4 * m
@@ -583,7 +565,7 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
             // once for both (through a lambda), GCC allocated the registers of passes that never
             // pair otherwise, and the 1B's fused QKV ran ~5% slower at 32 rows (Zen 4)
             if constexpr (PAIRS) {
-                if (block_shift || weight_pairs) {
+                if (block_shift) {
                     F products[M][T];
                     for (int m = 0; m < M; ++m)
                         for (int i = 0; i < T; ++i) {
@@ -592,12 +574,7 @@ void qdot_lanes(const QdotInput& in, int64_t m0, const QdotWeights& w, int64_t t
                             if (ZERO && !SIGNED) s += zq[m * cells + c];
                             products[m][i] = __builtin_convertvector(s, F);
                         }
-                    if (block_shift)
-                        qdot_scale_pair<true, M, T>(products, sc, xs, blocks, block, c & 1, part,
-                                                    acc);
-                    else
-                        qdot_scale_pair<false, M, T>(products, sc, xs, blocks, block, c & 1,
-                                                     part, acc);
+                    qdot_scale_pair<M, T>(products, sc, xs, blocks, block, c & 1, part, acc);
                     continue;
                 }
             }
