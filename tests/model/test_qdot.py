@@ -187,14 +187,10 @@ def test_the_qdot_layout_holds_fewer_bytes_and_adds_the_bias(tmp_path):
 
 
 @pytest.mark.usefixtures("cpu_kernels")
-@pytest.mark.parametrize("parts", [(Q.Q6_K,), (Q.Q5_K,), (Q.Q4_K, Q.Q6_K)],
-                         ids=["Q6_K", "Q5_K", "Q4_K+Q6_K"])
-def test_six_bit_types_are_held_in_six_bits_and_compute_the_stated_arithmetic(tmp_path, parts):
-    # Given a matrix whose integers all lie in -32..31: Q6_K, a Q5 type, or a fused QKV of
-    # Q4_K rows with Q6_K ones (Q4_K_M's), in the qdot layout
-    blocks = [blocks_of(tmp_path, qtype, 32, seed=7 + i) for i, qtype in enumerate(parts)]
-    bq = merge_rows([b for b, _ in blocks])
-    w = torch.cat([dense for _, dense in blocks])
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda t: t.name)
+def test_six_bit_types_are_held_in_six_bits_and_compute_the_stated_arithmetic(tmp_path, qtype):
+    # Given a matrix whose integers all lie in -32..31 (Q6_K, a Q5 type) in the qdot layout
+    bq, w = blocks_of(tmp_path, qtype, 32, seed=7)
     matrix = QuantMatrix(bq, dot=True)
     # Then its tiles hold 0.75 bytes a weight, where the 8-bit layout took 1, and the tied
     # embedding's lookups read them back
@@ -215,3 +211,36 @@ def test_six_bit_types_are_held_in_six_bits_and_compute_the_stated_arithmetic(tm
             bq, matrix.unit).t()
         torch.testing.assert_close(y, expected, rtol=1e-5,
                                    atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_a_fused_matrix_of_two_types_holds_each_in_its_own_layout(tmp_path):
+    # Given a fused QKV as Q4_K_M writes it: Q and K rows in Q4_K, V rows in Q6_K, with a bias
+    parts = [blocks_of(tmp_path, qtype, rows, seed=20 + i)
+             for i, (qtype, rows) in enumerate([(Q.Q4_K, 64), (Q.Q4_K, 32), (Q.Q6_K, 32)])]
+    bq = merge_rows([b for b, _ in parts])
+    bias = torch.randn(128, generator=torch.Generator().manual_seed(3))
+    matrix = QuantMatrix(bq, bias, dot=True)
+    # Then the qdot tiles hold the Q4_K rows in 4 bits with offsets and the Q6_K rows in 6
+    # without: 0.625 and 0.875 bytes a weight, where merged into V's kind all took 1
+    assert matrix.kind == "q4g32+q6g16s"
+    assert matrix.nbytes == 96 * IN_FEATURES * 5 // 8 + 32 * IN_FEATURES * 7 // 8
+    merged = BlockQuant(bq.q, bq.scales, bq.offsets, bq.group, bq.bits)
+    assert QuantMatrix(merged, dot=True).nbytes == 128 * IN_FEATURES
+    kernels = CpuKernels.load()
+    q4 = QuantMatrix(merge_rows([parts[0][0], parts[1][0]]), bias[:96], dot=True)
+    q6 = QuantMatrix(parts[2][0], bias[96:], dot=True)
+    w = torch.cat([dense for _, dense in parts]).double()
+    for form in ("qdot", "qdot16", "qdot_b16"):
+        fused = matrix.against(form)
+        for rows in (1, 3, 9, 70):
+            x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(rows))
+            # When one call multiplies x by the fused matrix
+            y = kernels.quant_matmul(x, fused)
+            # Then it is each part's own product, side by side, bit for bit, biases added
+            assert torch.equal(y, torch.cat([kernels.quant_matmul(x, q4.against(form)),
+                                             kernels.quant_matmul(x, q6.against(form))], dim=1))
+            # and within the form's error of the exact product
+            exact = x.double() @ w.t() + bias.double()
+            error = float((y.double() - exact).abs().max() / exact.abs().max())
+            assert error < TOLERANCE, (form, rows, error)

@@ -15,6 +15,7 @@ from llmq.worker.engine.model.loader import load_model
 from llmq.worker.engine.model.quant_matrix import QuantMatrix
 from tests.fixtures.models import greedy_paged
 from tests.fixtures.tiny_gguf import write_tiny_llama
+from tests.model.test_form_choice import DECODE_BOUNDS, assert_decodes_alike
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -146,6 +147,32 @@ def test_fused_rows_of_mixed_types_run_quantized_with_the_dequantized_numbers(
     assert ours == theirs
     for a, b in zip(our_logits, their_logits, strict=True):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def test_a_fused_qkv_of_two_types_runs_each_in_its_own_tiles_cold_and_warm(
+        tmp_path, cache_dir, monkeypatch):
+    # Given Q4_K_M's mix (V in Q6_K) on the qdot tiles, loaded cold, then warm from the cache
+    monkeypatch.setenv("LLMQ_FORMS", "qdot")
+    path = tiny(tmp_path, hidden=256, intermediate=512, weight_type=Q.Q4_K,
+                override_types={f"model.layers.{i}.self_attn.v_proj.weight": Q.Q6_K
+                                for i in range(2)})
+    cold = load_model(path, "float32", weights="native").model
+    no_block_decoding(monkeypatch)
+    warm = load_model(path, "float32", weights="native").model
+    dense = load_model(path, "float32", weights="fp32").model
+
+    # Then both hold the fused QKV's Q and K rows in 4 bits with Q4_K's offsets and its V rows
+    # in 6 bits without (merged, all took V's 6 bits and groups of 16 with offsets)
+    for model in (cold, warm):
+        tiles = model.layers[0].self_attn.qkv_proj.dot_tiles
+        assert tiles is not None and tiles.kind == "q4g32+q6g16s"
+    # And the warm start decodes as the cold one, bit for bit (prefill and the one-call decode
+    # step), and the float32 model's tokens within the qdot form's bound
+    cold_tokens, cold_logits = greedy_paged(cold, PROMPTS, 5)
+    warm_tokens, warm_logits = greedy_paged(warm, PROMPTS, 5)
+    assert warm_tokens == cold_tokens
+    assert all(torch.equal(a, b) for a, b in zip(warm_logits, cold_logits, strict=True))
+    assert_decodes_alike(cold, dense, DECODE_BOUNDS["qdot"])
 
 
 def test_the_fast_reader_reads_what_gguf_py_reads(tmp_path):

@@ -41,6 +41,8 @@ class BlockQuant:
     offsets: np.ndarray  # [out, in / group] float32
     group: int
     bits: int  # 4: every q in 0..15; 8: any int8
+    # the row blocks of other kinds it was merged from, each a run of one kind (merge_rows)
+    row_blocks: list[BlockQuant] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,7 +84,31 @@ class BlockQuant:
 def merge_rows(parts: list[BlockQuant]) -> BlockQuant:
     """Row blocks of one matrix (a fused QKV whose parts have different types) -> one
     BlockQuant, exactly: in the finest group size (a group's scale and offset repeat over its
-    sub-groups) and 8 bits where any part has them (every 4-bit q, 0..15, is a valid int8)."""
+    sub-groups) and 8 bits where any part has them (every 4-bit q, 0..15, is a valid int8).
+
+    Where the parts are of more than one kind (bits, group, offsets or none), the merged
+    matrix keeps them too, a run of each kind merged (`row_blocks`): the qdot tiles hold each
+    in its own layout (QuantMatrix), so Q4_K_M's Q and K rows stay 4-bit beside a Q6_K V, where
+    merged they took V's 6 bits and its groups of 16 with Q4_K's offsets."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = _stacked(parts)
+    runs: list[list[BlockQuant]] = []
+    for part in parts:
+        if runs and _kind(runs[-1][-1]) == _kind(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    if len(runs) > 1:
+        merged.row_blocks = [_stacked(run) for run in runs]
+    return merged
+
+
+def _kind(bq: BlockQuant) -> tuple[int, int, bool]:
+    return bq.bits, bq.group, bool(bq.offsets.any())
+
+
+def _stacked(parts: list[BlockQuant]) -> BlockQuant:
     if len(parts) == 1:
         return parts[0]
     group = min(p.group for p in parts)

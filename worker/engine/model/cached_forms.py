@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import packed_weight
-from .block_quant import BlockQuant
+from .block_quant import BlockQuant, merge_rows
 from .form_choice import DENSE_DTYPES
 from .int8_matrix import Int8Matrix
 from .quant_matrix import QuantMatrix
@@ -24,10 +24,19 @@ from .repack_cache import RepackCache
 DENSE_CHUNK_ROWS = 4096  # rows dequantized at a time into a dense form (bounds the peak RSS)
 
 Blocks = Callable[[], BlockQuant | None]
+_TILE_ARRAYS = ("q", "scales", "offsets")
 
 
 def tile_arrays(quant: QuantMatrix) -> tuple[dict, dict[str, np.ndarray]]:
-    """A QuantMatrix's (meta, arrays) as the repack cache keeps them."""
+    """A QuantMatrix's (meta, arrays) as the repack cache keeps them; a stacked one's row
+    blocks each under its index (`q0`, `scales0`, ..., meta `row_blocks`)."""
+    if quant.row_blocks:
+        metas, arrays = [], {}
+        for i, block in enumerate(quant.row_blocks):
+            meta, own = tile_arrays(block)
+            metas.append(meta)
+            arrays.update({f"{part}{i}": array for part, array in own.items()})
+        return {"shape": [quant.out_features, quant.in_features], "row_blocks": metas}, arrays
     arrays = {"q": quant.q.numpy(), "scales": quant.scales.numpy()}
     if quant.offsets is not None:  # none where all zero (QuantMatrix)
         arrays["offsets"] = quant.offsets.numpy()
@@ -38,13 +47,31 @@ def tile_arrays(quant: QuantMatrix) -> tuple[dict, dict[str, np.ndarray]]:
 def from_tile_arrays(meta: dict, arrays: dict[str, np.ndarray], shape: tuple[int, int],
                      bias: torch.Tensor | None, dot: bool = False) -> QuantMatrix:
     """The QuantMatrix over the repack cache's arrays (no copy)."""
+    if "row_blocks" in meta:
+        blocks, at = [], 0
+        for i, block in enumerate(meta["row_blocks"]):
+            rows = block["shape"][0]
+            own = {part: arrays[f"{part}{i}"] for part in _TILE_ARRAYS if f"{part}{i}" in arrays}
+            blocks.append(from_tile_arrays(block, own, (rows, shape[1]),
+                                           None if bias is None else bias[at:at + rows], dot))
+            at += rows
+        return QuantMatrix.stacked(blocks)
     t = {part: torch.from_numpy(a) for part, a in arrays.items()}
     return QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"), shape, meta["group"],
                                   meta["bits"], bias, dot=dot, unit=meta.get("unit", 1.0))
 
 
 def block_rows(bq: BlockQuant, start: int, stop: int) -> BlockQuant:
-    """Rows [start, stop) of a projection's blocks (views, no copy)."""
+    """Rows [start, stop) of a projection's blocks (views, no copy, unless they span row
+    blocks of different kinds: then those rows merged as merge_rows merges them)."""
+    if bq.row_blocks:
+        pieces, at = [], 0
+        for block in bq.row_blocks:
+            first, last = max(start, at), min(stop, at + block.shape[0])
+            if first < last:
+                pieces.append(block_rows(block, first - at, last - at))
+            at += block.shape[0]
+        return merge_rows(pieces)
     return BlockQuant(bq.q[start:stop], bq.scales[start:stop], bq.offsets[start:stop],
                       bq.group, bq.bits)
 

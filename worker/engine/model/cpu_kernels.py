@@ -135,7 +135,7 @@ class QMat(ctypes.Structure):
                 ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
                 ("group", ctypes.c_int64), ("bits", ctypes.c_int32), ("dot", ctypes.c_int32),
-                ("unit", ctypes.c_float), ("unused", ctypes.c_int32)]
+                ("unit", ctypes.c_float), ("unused", ctypes.c_int32), ("next", ctypes.c_void_p)]
 
 
 class DecoderLayer(ctypes.Structure):

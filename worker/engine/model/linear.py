@@ -296,7 +296,8 @@ class Linear(nn.Module):
                 tensor.qtype not in BLOCK_QUANT_TYPES for _, tensor in parts):
             return None
         # NOTE: fused rows of mixed types (Q4_K_M keeps some attn_v in Q6_K) are merged into
-        # the finer one's layout, exactly (block_quant.py `merge_rows`).
+        # the finer one's layout, exactly (block_quant.py `merge_rows`); the qdot tiles keep
+        # each kind's rows in its own layout (QuantMatrix.stacked).
         decoded = [BlockQuant.from_gguf(t.qtype, t.data, t.shape) for _, t in parts]
         return merge_rows(decoded)
 

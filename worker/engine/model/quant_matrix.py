@@ -6,6 +6,9 @@ forms of DOT_FORMS run against int8 (or 15-bit) activations.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+
 import numpy as np
 import torch
 
@@ -41,9 +44,25 @@ class QuantMatrix:
     (two int8 halves, two products a weight), whose error is the float16 scales' alone;
     `qdot_b16` to int8 per 16 columns (~0.47% error where 32 give ~0.53%)."""
 
+    q: torch.Tensor  # the tiles (and their scales and offsets): none in a stacked matrix
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    bias: torch.Tensor | None
+    struct: QMat
+    row_blocks: list[QuantMatrix] | None = None  # a stacked matrix's (see `stacked`)
+
     def __init__(self, bq: BlockQuant, bias: torch.Tensor | None = None, dot: bool = False
                  ) -> None:
         out_features, in_features = bq.shape
+        if dot and bq.row_blocks and all(b.shape[0] % 16 == 0 for b in bq.row_blocks):
+            at, blocks = 0, []
+            for block in bq.row_blocks:
+                rows = block.shape[0]
+                blocks.append(QuantMatrix(block, None if bias is None else bias[at:at + rows],
+                                          dot=True))
+                at += rows
+            self._stack(blocks)
+            return
         self.out_features, self.in_features = out_features, in_features
         self.group, self.bits, self.unit = bq.group, bq.bits, 1.0
         self.form = "qdot" if dot else "quant"
@@ -81,9 +100,35 @@ class QuantMatrix:
         self._bind(q, scales, offsets, bias)
         return self
 
+    @classmethod
+    def stacked(cls, blocks: list[QuantMatrix]) -> QuantMatrix:
+        """Row blocks of one matrix, each in its own qdot layout, as one: a call runs them in
+        turn on the same x (kernels/layer_kernels.cpp `quant_mm`, following `QMat.next`), so a
+        fused QKV of Q4_K rows and Q6_K ones reads each in its own bytes and arithmetic. Each
+        block's rows but the last's are a multiple of 16 (whole tiles)."""
+        self = cls.__new__(cls)
+        self._stack(blocks)
+        return self
+
+    def _stack(self, blocks: list[QuantMatrix]) -> None:
+        assert all(b.dot and not b.row_blocks for b in blocks)
+        assert all(b.out_features % 16 == 0 for b in blocks[:-1])
+        first = blocks[0]
+        self.row_blocks = blocks
+        self.out_features = sum(b.out_features for b in blocks)
+        self.in_features, self.form, self.unit = first.in_features, first.form, 1.0
+        # NOTE: as merge_rows would hold them merged: for messages, not the arithmetic
+        self.group, self.bits = min(b.group for b in blocks), max(b.bits for b in blocks)
+        self.offsets = self.bias = None  # its blocks' own, each added by its own call
+        for block, following in itertools.pairwise(blocks):
+            block.struct.next = ctypes.addressof(following.struct)
+        self.struct = first.struct
+
     def against(self, form: str) -> QuantMatrix:
         """These qdot tiles (shared, not copied), run as `form` (one of DOT_FORMS)."""
         assert self.dot and form in DOT_FORMS
+        if self.row_blocks:
+            return QuantMatrix.stacked([b.against(form) for b in self.row_blocks])
         return QuantMatrix.from_tiles(self.q, self.scales, self.offsets,
                                       (self.out_features, self.in_features), self.group,
                                       self.bits, self.bias, unit=self.unit, form=form)
@@ -107,7 +152,7 @@ class QuantMatrix:
         """Rows `ids` [n] of the matrix, dequantized from the qdot tiles -> [n, in] float32
         (a tied embedding's lookups, from the head's tiles every decode step keeps resident
         anyway); exact to the float16 scales' rounding (2^-11 of each)."""
-        assert self.dot
+        assert self.dot and not self.row_blocks
         tile, row = ids // 16, ids % 16
         n = ids.shape[0]
         if self.bits == 6:  # per 16 columns, three bytes a lane: see _dot_tiles
@@ -140,12 +185,17 @@ class QuantMatrix:
 
     @property
     def nbytes(self) -> int:
+        if self.row_blocks:
+            return sum(b.nbytes for b in self.row_blocks)
         offsets = 0 if self.offsets is None else self.offsets.nbytes
         return self.q.nbytes + self.scales.nbytes + offsets
 
     @property
     def kind(self) -> str:
-        """`q<bits>g<group>`, `s` after it without offsets: what decides the tiles' bytes."""
+        """`q<bits>g<group>`, `s` after it without offsets: what decides the tiles' bytes (a
+        stacked matrix's blocks' joined by `+`)."""
+        if self.row_blocks:
+            return "+".join(b.kind for b in self.row_blocks)
         return f"q{self.bits}g{self.group}{'' if self.offsets is not None else 's'}"
 
 

@@ -323,6 +323,8 @@ struct QMat {
                   // `qdot_b16`)
     float unit;  // dot: the scales' and offsets' unit (QdotWeights)
     int32_t unused;
+    const QMat* next;  // or null: the next rows' block, in its own layout (a fused QKV whose
+                       // V rows are another GGUF type: QuantMatrix.stacked)
 };
 
 void add_bias(const QMat& w, int64_t rows, float* y, int64_t y_stride) {
@@ -331,10 +333,9 @@ void add_bias(const QMat& w, int64_t rows, float* y, int64_t y_stride) {
             for (int64_t n = 0; n < w.out_features; ++n) y[m * y_stride + n] += w.bias[n];
 }
 
-// y = x W^T (+ bias) for rows <= 8 (any rows for a qdot matrix); false for shapes with no
-// kernel.
-bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, float* y,
-              int64_t y_stride) {
+// One block of rows of quant_mm's.
+bool quant_mm_block(const float* x, int64_t x_stride, int64_t rows, const QMat& w, float* y,
+                    int64_t y_stride) {
     const int64_t K = w.in_features, group = w.group, N = w.out_features;
     if (w.dot) {
         const QdotWeights qw{w.q, (const uint16_t*)w.scales, (const uint16_t*)w.offsets, N, K,
@@ -367,6 +368,15 @@ bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, flo
                                                 N, K, group, y, y_stride));
     if (done) add_bias(w, rows, y, y_stride);
     return done;
+}
+
+// y = x W^T (+ bias) for rows <= 8 (any rows for a qdot matrix), block after block of W's
+// rows; false for shapes with no kernel.
+bool quant_mm(const float* x, int64_t x_stride, int64_t rows, const QMat& w, float* y,
+              int64_t y_stride) {
+    for (const QMat* block = &w; block; y += block->out_features, block = block->next)
+        if (!quant_mm_block(x, x_stride, rows, *block, y, y_stride)) return false;
+    return true;
 }
 
 struct DecoderLayer {
