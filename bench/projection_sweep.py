@@ -9,14 +9,16 @@ Compared, each a full sweep per round, the median and best of the rounds printed
   this build, as held      the kernels of this checkout on the tiles QuantMatrix lays out
   this build, 8-bit        ... with the 6-bit tiles (Q6_K, the Q5 types) held in 8 bits instead
   --against DIR, 8-bit     another checkout's kernels (DIR/worker/engine/model/kernels), built
-                           once; it must take the 8-bit tiles (any checkout since `qdot`)
+                           once; it must take the 8-bit tiles (any checkout since `qdot`), and
+                           a stacked matrix's blocks (`QMat.next`: since 16f0865)
   --against-held           ... DIR's kernels on the tiles as held too
   floor                    the same bytes read by torch (a sum: a plain streaming read)
 
 With --against, each projection's output on the 8-bit tiles is compared between the two builds.
 
 Llama-family tensor names (blk.N.attn_q ... ffn_down, token_embd as the tied head); the fused
-QKV and gate-up as the model fuses them (a Q4_K_M QKV with a Q6_K V is one 6-bit matrix).
+QKV and gate-up as the model fuses them (a Q4_K_M QKV with a Q6_K V: a stacked matrix, its
+Q and K rows in 4 bits and V in 6).
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ def projections(path: Path) -> list[BlockQuant]:
 
 
 def in_eight_bits(bq: BlockQuant, held: QuantMatrix) -> QuantMatrix:
-    """`held`'s matrix in the 8-bit qdot tiles (itself unless held in 6 bits)."""
+    """`held`'s matrix in the 8-bit qdot tiles (itself unless held in 6 bits; a stacked
+    matrix's blocks each)."""
+    if held.row_blocks:
+        assert bq.row_blocks is not None
+        return QuantMatrix.stacked([in_eight_bits(part, block) for part, block
+                                    in zip(bq.row_blocks, held.row_blocks, strict=True)])
     if held.bits != 6:
         return held
     q = np.pad(bq.q, ((0, -bq.q.shape[0] % 16), (0, 0)))
@@ -97,8 +104,9 @@ def main() -> None:
         runs[f"{args.against}, 8-bit"] = (theirs, eight)
         if args.against_held:
             runs[f"{args.against}, as held"] = (theirs, held)
-    views = [t.view(-1).view(torch.float32) for m in held
-             for t in (m.q, m.scales, m.offsets) if t is not None and t.nbytes % 4 == 0]
+    views = [t.view(-1).view(torch.float32) for m in held for block in m.row_blocks or [m]
+             for t in (block.q, block.scales, block.offsets)
+             if t is not None and t.nbytes % 4 == 0]
     x = {k: torch.randn(args.rows, k) for k in {m.in_features for m in held}}
     print(f"{args.model.name}: {len(held)} projections at {args.rows} rows; bytes as held "
           f"{sum(m.nbytes for m in held) / 1e6:.1f} MB, in 8 bits "

@@ -20,6 +20,7 @@ from llmq.worker.engine.model.block_quant import (
     QuantizedEmbedding,
     merge_rows,
 )
+from llmq.worker.engine.model.cached_forms import block_rows
 from llmq.worker.engine.model.cpu_kernels import CpuKernels
 from llmq.worker.engine.model.gguf_loader import QuantizedTensor
 from llmq.worker.engine.model.int4_weight import Int4Weight
@@ -90,10 +91,20 @@ def test_rows_of_mixed_types_merge_into_one_exact_matrix(tmp_path, first, second
     parts = [write_and_read(tmp_path, first, (32, 256), seed=2),
              write_and_read(tmp_path, second, (16, 256), seed=3)]
     # When merged, then it dequantizes to the parts' own numbers, stacked
-    merged = merge_rows([BlockQuant.from_gguf(t.qtype, t.data, t.shape) for t in parts])
+    decoded = [BlockQuant.from_gguf(t.qtype, t.data, t.shape) for t in parts]
+    merged = merge_rows(decoded)
     assert np.array_equal(merged.dequantize(),
                           np.concatenate([t.dequantize().numpy() for t in parts]))
     assert merged.group == 16 if Q.Q6_K in (first, second) else merged.group == 32
+    # And it keeps each type's rows as a block of its own kind, for the qdot tiles (QuantMatrix)
+    assert [(b.shape, b.group, b.bits) for b in merged.row_blocks] == [
+        (d.shape, d.group, d.bits) for d in decoded]
+    assert np.array_equal(np.concatenate([b.dequantize() for b in merged.row_blocks]),
+                          merged.dequantize())
+    # and rows taken across the two blocks are those rows, each block's in its own kind
+    rows = block_rows(merged, 24, 40)
+    assert np.array_equal(rows.dequantize(), merged.dequantize()[24:40])
+    assert [b.shape[0] for b in rows.row_blocks] == [8, 8]
 
 
 @pytest.mark.usefixtures("cpu_kernels")
