@@ -18,7 +18,7 @@ from . import packed_weight
 from .block_quant import BlockQuant, merge_rows
 from .form_choice import DENSE_DTYPES
 from .int8_matrix import Int8Matrix
-from .quant_matrix import QuantMatrix
+from .quant_matrix import QuantMatrix, row_slices
 from .repack_cache import RepackCache
 
 DENSE_CHUNK_ROWS = 4096  # rows dequantized at a time into a dense form (bounds the peak RSS)
@@ -48,13 +48,13 @@ def from_tile_arrays(meta: dict, arrays: dict[str, np.ndarray], shape: tuple[int
                      bias: torch.Tensor | None, dot: bool = False) -> QuantMatrix:
     """The QuantMatrix over the repack cache's arrays (no copy)."""
     if "row_blocks" in meta:
-        blocks, at = [], 0
-        for i, block in enumerate(meta["row_blocks"]):
-            rows = block["shape"][0]
+        metas = meta["row_blocks"]
+        rows = [block["shape"][0] for block in metas]
+        blocks = []
+        for i, (block, n, part_bias) in enumerate(
+                zip(metas, rows, row_slices(bias, rows), strict=True)):
             own = {part: arrays[f"{part}{i}"] for part in _TILE_ARRAYS if f"{part}{i}" in arrays}
-            blocks.append(from_tile_arrays(block, own, (rows, shape[1]),
-                                           None if bias is None else bias[at:at + rows], dot))
-            at += rows
+            blocks.append(from_tile_arrays(block, own, (n, shape[1]), part_bias, dot))
         return QuantMatrix.stacked(blocks)
     t = {part: torch.from_numpy(a) for part, a in arrays.items()}
     return QuantMatrix.from_tiles(t["q"], t["scales"], t.get("offsets"), shape, meta["group"],

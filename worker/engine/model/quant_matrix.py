@@ -15,7 +15,7 @@ import torch
 from .block_quant import BlockQuant
 from .cpu_kernels import QMat
 
-__all__ = ["DOT_FORMS", "QuantMatrix"]
+__all__ = ["DOT_FORMS", "QuantMatrix", "row_slices"]
 
 # the forms that run qdot tiles, and how each rounds x (kernels/layer_kernels.cpp `QMat.dot`)
 DOT_FORMS = {"qdot": 1, "qdot16": 2, "qdot_b16": 3}
@@ -55,13 +55,9 @@ class QuantMatrix:
                  ) -> None:
         out_features, in_features = bq.shape
         if dot and bq.row_blocks and all(b.shape[0] % 16 == 0 for b in bq.row_blocks):
-            at, blocks = 0, []
-            for block in bq.row_blocks:
-                rows = block.shape[0]
-                blocks.append(QuantMatrix(block, None if bias is None else bias[at:at + rows],
-                                          dot=True))
-                at += rows
-            self._stack(blocks)
+            biases = row_slices(bias, [block.shape[0] for block in bq.row_blocks])
+            self._stack([QuantMatrix(block, part, dot=True)
+                         for block, part in zip(bq.row_blocks, biases, strict=True)])
             return
         self.out_features, self.in_features = out_features, in_features
         self.group, self.bits, self.unit = bq.group, bq.bits, 1.0
@@ -197,6 +193,13 @@ class QuantMatrix:
         if self.row_blocks:
             return "+".join(b.kind for b in self.row_blocks)
         return f"q{self.bits}g{self.group}{'' if self.offsets is not None else 's'}"
+
+
+def row_slices(t: torch.Tensor | None, rows: list[int]) -> list[torch.Tensor | None]:
+    """`t` cut into consecutive slices of `rows` rows each (a stacked matrix's blocks' biases);
+    all None where `t` is None."""
+    starts = [0, *itertools.accumulate(rows)]
+    return [None if t is None else t[a:b] for a, b in itertools.pairwise(starts)]
 
 
 def _nibble_pairs(q: np.ndarray) -> np.ndarray:
