@@ -70,6 +70,11 @@ def parse_cpus(value: str | None) -> set[int] | None:
               type=click.FloatRange(0, 1, max_open=True), default=0.25, show_default=True,
               help="Fraction of the engine's seats batch-lane work leaves free for interactive "
                    "requests.")
+@click.option("--even-share/--no-even-share", envvar="LLMQ_EVEN_SHARE", default=True,
+              show_default=True,
+              help="While requests wait unread, hold at most an even part of the queue's work "
+                   "among its live workers (off for a pool of workers of different speeds: "
+                   "docs/operations.md).")
 @click.option("--tenant-weights", envvar="LLMQ_TENANT_WEIGHTS", default="",
               help="Fair-share weights of tenants within a lane, e.g. acme=2,bob=1 (others 1).")
 @click.option("--cpus", envvar="LLMQ_CPUS", default=None, callback=lambda _c, _p, v: parse_cpus(v),
@@ -93,7 +98,8 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
            lease_timeout: float, renew_interval: float | None, heartbeat_timeout: float,
            claim_interval: float | None,
            drain_timeout: float, max_deliveries: int, result_ttl: int, result_maxlen: int,
-           metrics_port: int, interactive_headroom: float, tenant_weights: str,
+           metrics_port: int, interactive_headroom: float, even_share: bool,
+           tenant_weights: str,
            cpus: set[int] | None, otlp_traces_endpoint: str | None,
            affinity: bool, affinity_steal_delay: float, affinity_min_tokens: int,
            **kwargs: Any) -> None:
@@ -116,7 +122,8 @@ def worker(redis_url: str | None, prefix: str, queue: str, worker_id: str | None
                 claim_interval=claim_interval,
                 drain_timeout=drain_timeout, max_deliveries=max_deliveries, result_ttl=result_ttl,
                 result_maxlen=result_maxlen, metrics_port=metrics_port,
-                interactive_headroom=interactive_headroom, tenant_weights=tenant_weights,
+                interactive_headroom=interactive_headroom, even_share=even_share,
+                tenant_weights=tenant_weights,
                 affinity=affinity, affinity_steal_delay=affinity_steal_delay,
                 affinity_min_tokens=affinity_min_tokens)
         except LLMQError as e:

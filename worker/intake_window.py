@@ -43,6 +43,9 @@ PRIOR_PROMPTS = 4
 # Weight of the newest prompt in the running mean once it is past the prior (about the last 20
 # prompts count).
 SMOOTHING = 0.05
+# The longest recent step fades by this factor a step (a long prefill step is remembered for
+# a few dozen decode steps after it).
+STEP_FADE = 0.95
 
 
 class IntakeWindow:
@@ -56,8 +59,13 @@ class IntakeWindow:
             1 if interactive_headroom > 0 else 0, round(max_num_seqs * interactive_headroom)))
         self.mean_prompt_tokens = float(ASSUMED_PROMPT_TOKENS)
         self._num_prompts = PRIOR_PROMPTS
-        # Live workers in the pool (the lease keeper counts heartbeats); reads are shared by them.
+        # Live workers reading this queue (the stream reader counts them); reads are shared.
         self.num_workers = 1
+        self.longest_step_s = 0.0  # of the engine's recent steps
+
+    def note_step(self, seconds: float) -> None:
+        """The engine ran a step in `seconds` (the busy loop's thread)."""
+        self.longest_step_s = max(seconds, self.longest_step_s * STEP_FADE)
 
     def note_prompt(self, num_tokens: int) -> None:
         """A request was tokenized at admission: its length updates the running mean (a plain

@@ -124,10 +124,12 @@ class LeaseKeeper(IOThread):
         pipe.pexpire(key, self.heartbeat_ttl_ms)
         pipe.zadd(self.keys.workers(), {self.worker_id: now_ms})
         # NOTE: the live workers of the prefix, other queues' too (an overcount only makes this
-        # worker's reads smaller, never leaves work unread); ZRANGE, which the worker's ACL
-        # already grants, not ZCOUNT, so an upgrade needs no new rule.
+        # worker's reads smaller, never leaves work unread; the even share counts this queue's
+        # apart); ZRANGE, which the worker's ACL already grants, not ZCOUNT, so an upgrade needs
+        # no new rule.
         pipe.zrange(self.keys.workers(), now_ms - self.heartbeat_ttl_ms, "+inf", byscore=True)
-        self.ctx.intake.num_workers = max(1, len(pipe.execute()[-1]))
+        self.ctx.live_worker_ids = frozenset(replies.texts(pipe.execute()[-1], "ZRANGE"))
+        self.ctx.intake.num_workers = max(1, len(self.ctx.live_worker_ids))
 
     # -- 2. fence and renew -----------------------------------------------------------------------
 

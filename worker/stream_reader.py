@@ -10,9 +10,12 @@ Interactive lanes first, then batch lanes in what room is left; within a class, 
 in weighted fair shares of tokens (deficit round robin, worker/fair_share.py). Room is what the
 engine can start within a step or two, less what it holds that has not started, and never more
 than max_num_seqs - entries in flight; batch work also leaves the interactive headroom free
-(worker/intake_window.py). With no room it reads nothing, so unread work stays with the groups
-for idle peers and the groups' lag is a true scaling signal (KEDA's redis-streams scaler reads
-it). With nothing to read it blocks on every lane there is room for. What it reads goes through
+(worker/intake_window.py). While entries wait unread and peers read the same queue, it holds no
+more than an even part of what the queue's groups hold (worker/even_share.py, from XINFO GROUPS
+and XINFO CONSUMERS at most every OBSERVE_S, and only when it holds or would hold more than its
+intake window). With no room it reads nothing, so unread work stays with the groups for idle
+peers and the groups' lag is a true scaling signal (KEDA's redis-streams scaler reads it). With
+nothing to read it blocks on every lane there is room for. What it reads goes through
 `Admission`, with the lane each entry came from.
 
 On NOGROUP (a fresh queue, or Redis restarted without persistence) it creates the group with
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -37,6 +41,7 @@ from llmq.broker.replies import StreamEntry
 from llmq.broker.work_lanes import BATCH, INTERACTIVE, PriorityClass, WorkLane
 from llmq.worker.admission import Admission
 from llmq.worker.backoff import REDIS_ERRORS, TRANSIENT_ERRORS, Backoff
+from llmq.worker.even_share import EvenShare
 from llmq.worker.fair_share import FairShare, entry_cost, parse_weights
 from llmq.worker.worker_context import WorkerContext
 
@@ -47,6 +52,8 @@ BATCH_RECHECK_MS = 50
 # Batch entries read (and admitted: tokenized) at most per pass, so an interactive entry that
 # arrives meanwhile waits for a few admissions, not for a whole window's.
 BATCH_READ_MAX = 8
+# The queue's groups are read for the even share at most this often.
+OBSERVE_S = 0.1
 
 
 class StreamReader:
@@ -75,6 +82,8 @@ class StreamReader:
         weights = parse_weights(ctx.config.tenant_weights)
         self.shares = {INTERACTIVE: FairShare(weights), BATCH: FairShare(weights)}
         self.batch_left_unread = False  # the last read found no room for batch work
+        self.even_share = EvenShare()
+        self._next_observe = 0.0
         self._client_id: int | None = None
         self._thread = threading.Thread(target=self._run, name="llmq-stream-reader", daemon=True)
 
@@ -166,16 +175,70 @@ class StreamReader:
 
     def _rooms(self, just_read: int = 0) -> tuple[int, int]:
         """(interactive, batch) entries to read now (worker/intake_window.py), less
-        `just_read` entries read but not admitted yet."""
+        `just_read` entries read but not admitted yet, within this worker's even share of the
+        queue (worker/even_share.py)."""
         waiting = self.table.count_lanes(not_started=True)
         interactive_waiting = waiting.get(None, 0) + waiting.get(INTERACTIVE, 0)
+        num_held = len(self.table) + just_read
         interactive, batch = self.intake.lane_rooms(
-            len(self.table) + just_read, sum(waiting.values()) + just_read,
-            interactive_waiting + just_read)
+            num_held, sum(waiting.values()) + just_read, interactive_waiting + just_read)
         # NOTE: seats kept for entries peers hand this worker for its cache (cache affinity)
         reserved = self.reserved()
-        return (self.intake.per_read(interactive - reserved),
-                self.intake.per_read(batch - reserved))
+        interactive, batch = interactive - reserved, batch - reserved
+        # NOTE: the share never binds below the intake window: then no need to ask Redis
+        if self.ctx.config.even_share and num_held + max(interactive, batch) > self.intake.window:
+            self._observe_queue(just_read)
+            share = self.even_share.room(num_held, floor=self.intake.window)
+            if share is not None:
+                interactive, batch = min(interactive, share), min(batch, share)
+        return self.intake.per_read(interactive), self.intake.per_read(batch)
+
+    def _observe_queue(self, just_read: int) -> None:
+        """Feed the even share what the queue's groups hold and how many live workers read
+        them (at most every OBSERVE_S; alone, without asking Redis)."""
+        live = self.ctx.live_worker_ids
+        if not live - {self.worker_id}:
+            self.even_share.observe(num_workers=1, lag=0, pending=0, group_reads=0, own_reads=0)
+            return
+        now = time.monotonic()
+        if now < self._next_observe:
+            return
+        self._next_observe = now + OBSERVE_S
+        lanes = self.ctx.lanes.all()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xinfo_consumers(self.queue_key, GROUP)
+        for lane in lanes:
+            pipe.xinfo_groups(lane.stream)
+        try:
+            consumers, *lane_groups = pipe.execute(raise_on_error=False)
+        except REDIS_ERRORS:
+            # NOTE: no share rather than a stale one; the read that follows meets the same
+            # trouble and backs off.
+            self.even_share.observe(num_workers=1, lag=None, pending=0, group_reads=None,
+                                    own_reads=0)
+            return
+        if isinstance(consumers, redis.ResponseError):
+            readers = {self.worker_id}  # NOGROUP: the reader recreates it on its next read
+        else:
+            readers = {c.name for c in replies.consumers(consumers)} | {self.worker_id}
+        lag: int | None = 0
+        pending = 0
+        group_reads: int | None = 0
+        for reply in lane_groups:
+            group = None if isinstance(reply, redis.ResponseError) else next(
+                (g for g in replies.groups(reply) if g.name == GROUP), None)
+            if group is None:
+                continue  # a lane whose group is gone holds nothing to share
+            lag = None if lag is None or group.lag is None else lag + group.lag
+            pending += group.pending
+            group_reads = (None if group_reads is None or group.entries_read is None
+                           else group_reads + group.entries_read)
+        # NOTE: a live worker that has not read this queue yet is not a consumer of it: leaving
+        # it out only makes this worker's share larger, never leaves work unread.
+        num_workers = len(readers & (live | {self.worker_id}))
+        self.even_share.observe(num_workers=num_workers, lag=lag, pending=pending,
+                                group_reads=group_reads, own_reads=self.num_read + just_read,
+                                step_s=self.intake.longest_step_s)
 
     def _read_lanes(self, interactive_room: int, batch_room: int
                     ) -> list[tuple[WorkLane, StreamEntry]]:

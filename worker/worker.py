@@ -329,6 +329,7 @@ class Worker:
         elapsed = time.perf_counter() - started
         if not outputs:
             return
+        self.ctx.intake.note_step(elapsed)
         num_tokens = sum(len(output.new_token_ids) for output in outputs)
         # NOTE: a child of an n > 1 request is `<entry id>#<index>`; its entry has started.
         self.table.mark_started([output.request_id.partition("#")[0] for output in outputs

@@ -50,6 +50,9 @@ class WorkerConfig:
     # Fraction of max_num_seqs that batch-lane work never takes, kept for interactive requests
     # (worker/intake_window.py).
     interactive_headroom: float = 0.25
+    # While entries wait unread, hold at most an even part of the queue's work among its live
+    # workers (worker/even_share.py); off: each reads what its intake window allows.
+    even_share: bool = True
     # Fair-share weights of tenants within a lane, `acme=2,bob=1`; unnamed tenants weigh 1
     # (worker/fair_share.py).
     tenant_weights: str = ""

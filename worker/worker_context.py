@@ -52,6 +52,9 @@ class WorkerContext:
     intake: IntakeWindow = field(init=False)
     spans: RequestSpans | None = None  # None: this process does not trace (broker/tracing.py)
     lanes: LaneRegistry = field(init=False)
+    # The workers whose heartbeats are live, of every queue under the key prefix (the lease
+    # keeper's registry read); the stream reader counts the ones that read this queue.
+    live_worker_ids: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.config.prefix)

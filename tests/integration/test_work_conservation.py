@@ -1,4 +1,6 @@
-"""A burst is shared by the pool: no request waits in one worker's engine while a peer idles.
+"""A burst is shared by the pool: no request waits in one worker's engine while a peer idles,
+each worker holds an even part of it (worker/even_share.py), and a peer that cannot take its part
+leaves it to the others, not unread.
 
 Two `llmq worker` processes on the tiny random Llama, each step slowed to 40 ms (the fault hook
 `slow_step`) so the burst lasts long enough to see who runs what. Before the intake window
@@ -92,6 +94,99 @@ def test_a_burst_in_one_transaction_after_short_warm_ups_is_shared(redis_server,
             w.stop()
 
 
+def test_a_burst_is_split_evenly_between_two_workers(redis_server, redis_client,
+                                                   tiny_model_path: Path,
+                                                   tmp_path: Path) -> None:
+    # Given two idle workers that know of each other, whose engines take 128 tokens a step
+    workers = _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path)
+    try:
+        # When 64 requests arrive at once, long enough that none ends before all are read
+        # (seen with the 1B model: a 29/35 split, and the drain lasted as long as the 35)
+        ids = _burst(redis_server.url, max_tokens=96)
+        # Then each worker ran exactly half of them
+        ran = _ran_by(redis_client, ids)
+        assert ran == {"w1": 32, "w2": 32}, ran
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_a_peer_with_few_seats_leaves_the_rest_to_the_other(redis_server, redis_client,
+                                                           tiny_model_path: Path,
+                                                           tmp_path: Path) -> None:
+    # Given two workers of which w1 has 4 seats and w2 has 64
+    workers = _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path,
+                           seats={"w1": 4})
+    try:
+        # When 64 long requests arrive at once
+        ids = _burst(redis_server.url, max_tokens=180)
+        ran = _ran_by(redis_client, ids)
+        # Then w2 took all that w1 could not (it did not stop at an even half while entries
+        # sat unread), so every request had started before w1 finished its first
+        assert ran == {"w1": 4, "w2": 60}, ran
+        last_start = max(_event_ms(redis_client, i, protocol.Start) for i in ids)
+        first_done = min(_event_ms(redis_client, i, protocol.Done) for i in ids
+                         if _ran_on(redis_client, i) == "w1")
+        assert last_start < first_done
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_without_the_even_share_a_faster_worker_takes_more(redis_server, redis_client,
+                                                          tiny_model_path: Path,
+                                                          tmp_path: Path) -> None:
+    # Given a pool of a fast worker (20 ms steps) and a slow one (100 ms), run with
+    # --no-even-share as docs/operations.md advises for workers of different speeds
+    workers = _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path,
+                           steps_ms={"w1": 20, "w2": 100}, extra=["--no-even-share"])
+    try:
+        # When 64 long requests arrive at once
+        ran = _ran_by(redis_client, _burst(redis_server.url, max_tokens=180))
+        # Then each read as fast as its engine started requests: the fast one ran most (with
+        # the even share, 32 each)
+        assert ran["w1"] > 40, ran
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def _two_workers(url: str, r: redis.Redis, model: Path, tmp_path: Path,
+                 seats: dict[str, int] | None = None, steps_ms: dict[str, int] | None = None,
+                 extra: list[str] | None = None) -> list[WorkerProcess]:
+    """Workers w1 and w2 (steps slowed to 40 ms unless `steps_ms` says, 128 tokens a step),
+    ready, and each counted in the other's registry read."""
+    workers = [WorkerProcess(url, model, tmp_path, name,
+                             fault=f"slow_step:{(steps_ms or {}).get(name, 40)}",
+                             extra=["--max-num-batched-tokens", "128",
+                                    "--max-num-seqs", str((seats or {}).get(name, 64)),
+                                    *(extra or [])]).start()
+               for name in ("w1", "w2")]
+    for w in workers:
+        w.wait_ready(r)
+    time.sleep(HEARTBEAT + 0.5)
+    return workers
+
+
+def _burst(url: str, max_tokens: int) -> list[str]:
+    with Client(url) as client:
+        return client.submit_many([
+            {"prompt_token_ids": [5 + (i + j) % 50 for j in range(PROMPT_TOKENS)],
+             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            for i in range(NUM_REQUESTS)])
+
+
+def _ran_by(r: redis.Redis, ids: list[str]) -> Counter[str]:
+    """How many of the requests each worker ran, once all are answered."""
+    finals = [wait_terminal(r, request_id, timeout=120) for request_id in ids]
+    assert all(isinstance(f, protocol.Done) for f in finals), finals
+    return Counter(_ran_on(r, request_id) for request_id in ids)
+
+
+def _ran_on(r: redis.Redis, request_id: str) -> str:
+    return next(e.worker for e in read_events(r, request_id) if isinstance(e, protocol.Start))
+
+
 def _assert_shared(r: redis.Redis, ids: list[str], submitted: float) -> None:
     """Every request of the burst is answered, both workers ran at least a quarter of it, and
     each began its first within 2 s of `submitted` (start events carry the server time of
@@ -103,14 +198,15 @@ def _assert_shared(r: redis.Redis, ids: list[str], submitted: float) -> None:
     ran = Counter(start.worker for start in starts.values())
     assert set(ran) == {"w1", "w2"} and min(ran.values()) >= len(ids) // 4, ran
     for worker in ("w1", "w2"):
-        first_ms = min(_start_ms(r, request_id)
+        first_ms = min(_event_ms(r, request_id, protocol.Start)
                        for request_id, start in starts.items() if start.worker == worker)
         assert first_ms / 1000.0 - submitted < 2.0, (worker, first_ms / 1000.0 - submitted)
 
 
-def _start_ms(r: redis.Redis, request_id: str) -> int:
-    """Milliseconds of the result-stream entry holding the request's first start event."""
+def _event_ms(r: redis.Redis, request_id: str,
+              kind: type[protocol.Start] | type[protocol.Done]) -> int:
+    """Milliseconds of the result-stream entry holding the request's first event of `kind`."""
     for entry_id, fields in r.xrange(KEYS.result(request_id)):
-        if isinstance(protocol.decode_event(fields), protocol.Start):
+        if isinstance(protocol.decode_event(fields), kind):
             return int(entry_id.decode().partition("-")[0])
-    raise AssertionError(f"no start event for {request_id}")
+    raise AssertionError(f"no {kind.__name__} event for {request_id}")
