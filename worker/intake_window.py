@@ -59,7 +59,7 @@ class IntakeWindow:
             1 if interactive_headroom > 0 else 0, round(max_num_seqs * interactive_headroom)))
         self.mean_prompt_tokens = float(ASSUMED_PROMPT_TOKENS)
         self._num_prompts = PRIOR_PROMPTS
-        # Live workers reading this queue (the stream reader counts them); reads are shared.
+        # Live workers in the pool (the lease keeper counts heartbeats); reads are shared by them.
         self.num_workers = 1
         self.longest_step_s = 0.0  # of the engine's recent steps
 

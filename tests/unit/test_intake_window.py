@@ -71,3 +71,17 @@ def test_with_two_live_workers_each_read_takes_half_the_room() -> None:
     assert window.per_read(16) == 6
     window.num_workers = 1  # alone, a read takes all the room
     assert window.per_read(64) == 64
+
+
+def test_a_long_prefill_step_is_remembered_for_a_few_dozen_steps() -> None:
+    # Given an engine that ran a 7 s prefill step, then 0.3 s decode steps
+    window = IntakeWindow(max_num_seqs=64, max_num_batched_tokens=1024)
+    window.note_step(7.0)
+    for _ in range(20):
+        window.note_step(0.3)
+    # Then its longest recent step is still seconds long (peers' reads are waited for that
+    # long: worker/even_share.py), and fades to the decode steps' length later
+    assert window.longest_step_s > 2.0
+    for _ in range(100):
+        window.note_step(0.3)
+    assert window.longest_step_s == 0.3
