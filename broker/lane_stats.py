@@ -56,8 +56,7 @@ def parse_lane_stats(lanes: list[WorkLane], results: list[Any]) -> list[LaneStat
         if isinstance(length, Exception):
             raise length
         num = replies.integer(length, "XLEN")
-        group = None if isinstance(groups, Exception) else next(
-            (g for g in replies.groups(groups) if g.name == GROUP), None)
+        group = None if isinstance(groups, Exception) else replies.group(groups, GROUP)
         backlog = num if group is None or group.lag is None else group.lag
         stats.append(LaneStats(lane.queue, lane.label, lane.priority_class, lane.tenant, num,
                                backlog, group.pending if group else 0,

@@ -35,6 +35,7 @@ __all__ = [
     "blobs",
     "consumers",
     "entries",
+    "group",
     "groups",
     "integer",
     "last_generated_id",
@@ -277,6 +278,11 @@ def groups(reply: object) -> list[GroupInfo]:
             lag=_optional_integer(info.get("lag"), "XINFO GROUPS"),
             entries_read=_optional_integer(info.get("entries-read"), "XINFO GROUPS")))
     return out
+
+
+def group(reply: object, name: str) -> GroupInfo | None:
+    """The row of XINFO GROUPS for the group `name`; None when the stream has no such group."""
+    return next((g for g in groups(reply) if g.name == name), None)
 
 
 def consumers(reply: object) -> list[ConsumerInfo]:

@@ -225,9 +225,8 @@ class StreamReader:
         pending = 0
         group_reads: int | None = 0
         for reply in lane_groups:
-            group = None if isinstance(reply, redis.ResponseError) else next(
-                (g for g in replies.groups(reply) if g.name == GROUP), None)
-            if group is None:
+            if isinstance(reply, redis.ResponseError) or (
+                    group := replies.group(reply, GROUP)) is None:
                 continue  # a lane whose group is gone holds nothing to share
             lag = None if lag is None or group.lag is None else lag + group.lag
             pending += group.pending

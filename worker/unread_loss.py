@@ -47,7 +47,7 @@ class UnreadLoss:
         """(entries ever trimmed from the queue unread, the group's last-delivered id); None
         when Redis cannot tell now (entries wait after the last delivery, or an XDEL blinded
         the counters)."""
-        delivered = self._group(client.xinfo_groups(self.queue_key))
+        delivered = replies.group(client.xinfo_groups(self.queue_key), GROUP)
         if delivered is None:
             return None
         # NOTE: checked again in one transaction with the look past it: if no delivery moved
@@ -56,16 +56,12 @@ class UnreadLoss:
         pipe.xinfo_groups(self.queue_key)
         pipe.xrange(self.queue_key, f"({delivered.last_delivered_id}", "+", count=1)
         groups_reply, after = pipe.execute()
-        group = self._group(groups_reply)
+        group = replies.group(groups_reply, GROUP)
         if (group is None or group.lag is None
                 or group.last_delivered_id != delivered.last_delivered_id
                 or replies.entries(after, "XRANGE")):
             return None
         return group.lag, group.last_delivered_id
-
-    @staticmethod
-    def _group(reply: object) -> replies.GroupInfo | None:
-        return next((g for g in replies.groups(reply) if g.name == GROUP), None)
 
     def check(self, client: redis.Redis) -> int:
         """Report entries trimmed unread since the last report; returns how many were new."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -98,26 +100,21 @@ def test_a_burst_is_split_evenly_between_two_workers(redis_server, redis_client,
                                                    tiny_model_path: Path,
                                                    tmp_path: Path) -> None:
     # Given two idle workers that know of each other, whose engines take 128 tokens a step
-    workers = _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path)
-    try:
+    with _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path):
         # When 64 requests arrive at once, long enough that none ends before all are read
         # (seen with the 1B model: a 29/35 split, and the drain lasted as long as the 35)
         ids = _burst(redis_server.url, max_tokens=96)
         # Then each worker ran exactly half of them
         ran = _ran_by(redis_client, ids)
         assert ran == {"w1": 32, "w2": 32}, ran
-    finally:
-        for w in workers:
-            w.stop()
 
 
 def test_a_peer_with_few_seats_leaves_the_rest_to_the_other(redis_server, redis_client,
                                                            tiny_model_path: Path,
                                                            tmp_path: Path) -> None:
     # Given two workers of which w1 has 4 seats and w2 has 64
-    workers = _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path,
-                           seats={"w1": 4})
-    try:
+    with _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path,
+                      seats={"w1": 4}):
         # When 64 long requests arrive at once
         ids = _burst(redis_server.url, max_tokens=180)
         ran = _ran_by(redis_client, ids)
@@ -128,9 +125,6 @@ def test_a_peer_with_few_seats_leaves_the_rest_to_the_other(redis_server, redis_
         first_done = min(_event_ms(redis_client, i, protocol.Done) for i in ids
                          if _ran_on(redis_client, i) == "w1")
         assert last_start < first_done
-    finally:
-        for w in workers:
-            w.stop()
 
 
 def test_without_the_even_share_a_faster_worker_takes_more(redis_server, redis_client,
@@ -138,34 +132,35 @@ def test_without_the_even_share_a_faster_worker_takes_more(redis_server, redis_c
                                                           tmp_path: Path) -> None:
     # Given a pool of a fast worker (20 ms steps) and a slow one (100 ms), run with
     # --no-even-share as docs/operations.md advises for workers of different speeds
-    workers = _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path,
-                           steps_ms={"w1": 20, "w2": 100}, extra=["--no-even-share"])
-    try:
+    with _two_workers(redis_server.url, redis_client, tiny_model_path, tmp_path,
+                      steps_ms={"w1": 20, "w2": 100}, extra=["--no-even-share"]):
         # When 64 long requests arrive at once
         ran = _ran_by(redis_client, _burst(redis_server.url, max_tokens=180))
         # Then each read as fast as its engine started requests: the fast one ran most (with
         # the even share, 32 each)
         assert ran["w1"] > 40, ran
-    finally:
-        for w in workers:
-            w.stop()
 
 
+@contextmanager
 def _two_workers(url: str, r: redis.Redis, model: Path, tmp_path: Path,
                  seats: dict[str, int] | None = None, steps_ms: dict[str, int] | None = None,
-                 extra: list[str] | None = None) -> list[WorkerProcess]:
+                 extra: list[str] | None = None) -> Iterator[list[WorkerProcess]]:
     """Workers w1 and w2 (steps slowed to 40 ms unless `steps_ms` says, 128 tokens a step),
-    ready, and each counted in the other's registry read."""
+    ready, and each counted in the other's registry read; stopped on the way out."""
     workers = [WorkerProcess(url, model, tmp_path, name,
                              fault=f"slow_step:{(steps_ms or {}).get(name, 40)}",
                              extra=["--max-num-batched-tokens", "128",
                                     "--max-num-seqs", str((seats or {}).get(name, 64)),
                                     *(extra or [])]).start()
                for name in ("w1", "w2")]
-    for w in workers:
-        w.wait_ready(r)
-    time.sleep(HEARTBEAT + 0.5)
-    return workers
+    try:
+        for w in workers:
+            w.wait_ready(r)
+        time.sleep(HEARTBEAT + 0.5)
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def _burst(url: str, max_tokens: int) -> list[str]:
