@@ -163,8 +163,9 @@ class ModelRunner:
         lora = LoraBatch.from_rows([(n, state.sampling_params.lora)
                                     for (_, n), state in zip(scheduled, states, strict=True)])
         rows = _StepRows(states, drafts, sample_rows, logits_indices)
-        layers = self.model.forward_layers(  # -> [num_tokens, hidden_size]
-            torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches, lora)
+        layers = self.model.forward_layers(  # -> [len(logits_indices), hidden_size]
+            torch.tensor(input_ids, dtype=torch.long), metadata, self.kv_caches, lora,
+            out_rows=logits_indices)
         return self._run_layers(rows, self._stages(rows, layers), pause_after)
 
     def _stages(self, rows: _StepRows, layers: Generator[int, None, torch.Tensor]
@@ -172,11 +173,11 @@ class ModelRunner:
         """A step's pause points: after each decoder layer, then after each vocabulary slice of
         the LM head (llama.py `logits_parts`), numbered on. Returns the logits of the rows that
         sample [num_rows, vocab] (None: no row does)."""
-        hidden = yield from layers  # [num_tokens, hidden_size]
+        hidden = yield from layers  # [len(logits_indices), hidden_size]
         if not rows.sample_rows:
             return None
         num_layers = len(self.model.layers)
-        head = self.model.logits_parts(hidden[rows.logits_indices])
+        head = self.model.logits_parts(hidden)
         try:
             while True:
                 yield num_layers + next(head)

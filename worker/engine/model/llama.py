@@ -175,24 +175,36 @@ class LlamaForCausalLM(nn.Module):
         return run_to_end(self.forward_layers(input_ids, attn_metadata, kv_caches, lora))
 
     def forward_layers(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata,
-                       kv_caches: list[torch.Tensor], lora: LoraBatch | None = None
-                       ) -> Generator[int, None, torch.Tensor]:
+                       kv_caches: list[torch.Tensor], lora: LoraBatch | None = None,
+                       out_rows: list[int] | None = None) -> Generator[int, None, torch.Tensor]:
         """`forward` a decoder layer at a time: yields each layer's index once it is done, and
         returns the hidden states. Between two layers the caller may run whole other steps
         (worker/engine/step_interrupt.py): the step's tensors live in this generator, and
         `lora` is set again on every resume. The one-call decode kernel of up to QUANT_MAX_ROWS
-        rows yields nothing."""
+        rows yields nothing.
+
+        `out_rows`: the rows whose hidden states the caller reads (None: all), returned in that
+        order. The last layer then runs its output projection and MLP for those rows alone:
+        no later layer reads the others, whose K/V it has already written. A prefill chunk
+        samples one row of each prompt, so its last layer's projections shrink ~100x (the 1B
+        model: 1/16 of a chunk's projections). Not with adapter rows: their segments number
+        the step's rows."""
         batch = lora if lora is not None and lora.segments else None
+        keep = (None if out_rows is None or out_rows == list(range(input_ids.shape[0]))
+                else torch.tensor(out_rows, dtype=torch.long))
+        in_last_layer = keep if batch is None else None
         if self.kernels is not None and self._fused_able:
-            run = self._run_fused(input_ids, attn_metadata, kv_caches)
+            run = self._run_fused(input_ids, attn_metadata, kv_caches, in_last_layer)
         else:
-            run = self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata)
+            run = self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata,
+                            in_last_layer)
         while True:
             self.lora_slot.batch = batch
             try:
                 layer = next(run)
             except StopIteration as done:
-                return done.value
+                hidden = done.value
+                return hidden[keep] if keep is not None and in_last_layer is None else hidden
             finally:
                 self.lora_slot.batch = None
             yield layer
@@ -206,8 +218,8 @@ class LlamaForCausalLM(nn.Module):
         return run_to_end(self._run(input_ids, positions, cache, start_pos))
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-             kv_caches: list[torch.Tensor], attn: AttentionMetadata | int
-             ) -> Generator[int, None, torch.Tensor]:
+             kv_caches: list[torch.Tensor], attn: AttentionMetadata | int,
+             keep: torch.Tensor | None = None) -> Generator[int, None, torch.Tensor]:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         eps, act_dtype = self.arch.rms_norm_eps, self.act_dtype
@@ -230,6 +242,11 @@ class LlamaForCausalLM(nn.Module):
             else:  # [num_tokens, q_size]
                 o = contiguous_attention(q, kv, kv_cache, attn, paged.window, paged.scale,
                                          paged.softcap)
+            if keep is not None and i + 1 == len(self._layers):  # `forward_layers` says why
+                o, h = o[keep], h[keep]
+                if not len(keep):
+                    yield i
+                    return h
             h.add_(layer.attn_residual(o))  # [num_tokens, hidden_size]
             x = rms_norm(h, layer.post_attention_layernorm, eps)
             h.add_(layer.mlp_residual(x))  # [num_tokens, hidden_size]
@@ -237,7 +254,8 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(h, self.norm, eps)
 
     def _run_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                   kv_caches: list[torch.Tensor]) -> Generator[int, None, torch.Tensor]:
+                   kv_caches: list[torch.Tensor], keep: torch.Tensor | None = None
+                   ) -> Generator[int, None, torch.Tensor]:
         """`_run` on the compiled kernels: per layer two GEMMs and one kernel around each,
         so a one-token step is ~9 calls a layer instead of ~30 torch ops (the Python and
         dispatch cost of a decode step). Residual adds are fused into the next RMSNorm, RoPE
@@ -276,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden = out
                 if len(calls) > 1:
                     yield start
-            return hidden
+            return hidden if keep is None else hidden[keep]
         first = layers[0]
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
@@ -289,6 +307,11 @@ class LlamaForCausalLM(nn.Module):
                                        cos, sin, meta.slot_mapping, kv_cache, with_kv)
             o = self._layer_attention[i].attend(  # [n, q_size]
                 q, kv, kv_cache, meta, q.new_empty(q.shape, dtype=attn.o_proj.input_dtype(n)))
+            if keep is not None and i + 1 == len(layers):  # `forward_layers` says why
+                if not len(keep):
+                    yield i
+                    return h[keep]
+                o, h, n = o[keep], h[keep], len(keep)
             x = kernels.add_rms_norm(h, layer.attn_residual(o), layer.post_attention_layernorm,
                                      eps, mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
             down = layer.scale_residual(self._mlp_in_slices(mlp, x))
