@@ -58,6 +58,15 @@ def test_runs_of_one_adapter_become_one_segment() -> None:
     assert LoraBatch.from_rows([(4, None)]).segments == []
 
 
+def test_some_rows_keep_their_adapters_numbered_anew() -> None:
+    # rows 0-1 a, 2 base, 3-7 b, 8 a; a step's last layer runs the sampled rows 1, 2, 5, 7, 8
+    a, b = _adapter("a", 1), _adapter("b", 2)
+    batch = LoraBatch.from_rows([(1, a), (1, a), (1, None), (3, b), (2, b), (1, a)])
+    assert batch.of_rows([1, 2, 5, 7, 8]).segments == [(0, 1, a), (2, 4, b), (4, 5, a)]
+    assert batch.of_rows([2]).segments == []
+    assert batch.of_rows([]).segments == []
+
+
 @pytest.mark.parametrize("with_kernels", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_row_adds_its_own_adapters_product(dtype: torch.dtype, with_kernels: bool,

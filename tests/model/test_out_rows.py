@@ -1,11 +1,13 @@
 """`forward_layers(..., out_rows=...)`: a step's last layer runs its output projection and MLP
 for the rows the caller reads (a prefill's sampled rows) alone, and they come out the same bits
 as when every row runs it; every row's K/V is still written, so the next step attends to the
-whole prompt.
+whole prompt. (Under adapters, the kept rows keep theirs: tests/model/test_lora.py's mixed
+batches against each request alone, and tests/model/test_lora_batch.py.)
 
 On the tiny model loaded batch-invariant (a row's arithmetic does not depend on how many rows
-share its call), with native weights (the compiled kernels) and with float32 dense weights (the
-op-by-op path): otherwise a smaller call may take another form and round differently.
+share its call; otherwise a smaller call may take another form and round differently), with
+native weights (the quantized kernels) and float32 dense ones, both on the fused kernels; and on
+the op-by-op path, close rather than the same bits.
 """
 
 from __future__ import annotations

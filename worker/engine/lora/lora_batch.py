@@ -18,6 +18,7 @@ from: the runner sets it around the forward pass, so the layers' signatures stay
 from __future__ import annotations
 
 import ctypes
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -48,6 +49,16 @@ class LoraBatch:
                     segments.append((row, row + num_rows, adapter))
             row += num_rows
         return cls(segments)
+
+    def of_rows(self, rows: list[int]) -> LoraBatch:
+        """The batch of `rows` (ascending rows of this one) alone, numbered from 0 in that
+        order: a step's last layer runs its sampled rows alone (LlamaForCausalLM.forward_layers)."""
+        segments = []
+        for start, end, adapter in self.segments:
+            first, stop = bisect_left(rows, start), bisect_left(rows, end)
+            if first < stop:
+                segments.append((first, stop, adapter))
+        return LoraBatch(segments)
 
     def add_(self, key: str, x: torch.Tensor, y: torch.Tensor,
              kernels: CpuKernels | None = None) -> None:

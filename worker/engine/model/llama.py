@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Generator, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,15 @@ WEIGHTS = ("native", "bf16", "fp32")
 # stretch of a batch step an interactive arrival could not pause (docs/performance.md, lanes).
 HEAD_PARTS = 8
 MLP_SLICE_ROWS = 256  # a prefill's MLP runs in slices of at least this many rows
+
+
+@dataclass(frozen=True)
+class _KeptRows:
+    """The rows a step's last layer runs past its attention (`forward_layers`' out_rows), and
+    their adapters numbered as those rows (None: none)."""
+
+    rows: torch.Tensor  # [k] int64, ascending
+    lora: LoraBatch | None
 
 
 def run_to_end(layers: Generator[int, None, torch.Tensor]) -> torch.Tensor:
@@ -183,28 +193,28 @@ class LlamaForCausalLM(nn.Module):
         `lora` is set again on every resume. The one-call decode kernel of up to QUANT_MAX_ROWS
         rows yields nothing.
 
-        `out_rows`: the rows whose hidden states the caller reads (None: all), returned in that
-        order. The last layer then runs its output projection and MLP for those rows alone:
-        no later layer reads the others, whose K/V it has already written. A prefill chunk
-        samples one row of each prompt, so its last layer's projections shrink ~100x (the 1B
-        model: 1/16 of a chunk's projections). Not with adapter rows: their segments number
-        the step's rows."""
+        `out_rows`: the rows whose hidden states the caller reads (None: all), ascending;
+        returned in that order. The last layer then runs its output projection and MLP for
+        those rows alone (under their adapters, `LoraBatch.of_rows`): no later layer reads
+        the others, whose K/V it has already written. A prefill chunk samples one row of each
+        prompt, so its last layer's projections shrink ~100x (the 1B model: 1/16 of a chunk's
+        projections)."""
         batch = lora if lora is not None and lora.segments else None
-        keep = (None if out_rows is None or out_rows == list(range(input_ids.shape[0]))
-                else torch.tensor(out_rows, dtype=torch.long))
-        in_last_layer = keep if batch is None else None
+        keep = None
+        if out_rows is not None and out_rows != list(range(input_ids.shape[0])):
+            kept_lora = batch.of_rows(out_rows) if batch is not None else LoraBatch()
+            keep = _KeptRows(torch.tensor(out_rows, dtype=torch.long),
+                             kept_lora if kept_lora.segments else None)
         if self.kernels is not None and self._fused_able:
-            run = self._run_fused(input_ids, attn_metadata, kv_caches, in_last_layer)
+            run = self._run_fused(input_ids, attn_metadata, kv_caches, keep)
         else:
-            run = self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata,
-                            in_last_layer)
+            run = self._run(input_ids, attn_metadata.positions, kv_caches, attn_metadata, keep)
         while True:
             self.lora_slot.batch = batch
             try:
                 layer = next(run)
             except StopIteration as done:
-                hidden = done.value
-                return hidden[keep] if keep is not None and in_last_layer is None else hidden
+                return done.value
             finally:
                 self.lora_slot.batch = None
             yield layer
@@ -219,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor,
              kv_caches: list[torch.Tensor], attn: AttentionMetadata | int,
-             keep: torch.Tensor | None = None) -> Generator[int, None, torch.Tensor]:
+             keep: _KeptRows | None = None) -> Generator[int, None, torch.Tensor]:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} KV caches, got {len(kv_caches)}")
         eps, act_dtype = self.arch.rms_norm_eps, self.act_dtype
@@ -243,8 +253,9 @@ class LlamaForCausalLM(nn.Module):
                 o = contiguous_attention(q, kv, kv_cache, attn, paged.window, paged.scale,
                                          paged.softcap)
             if keep is not None and i + 1 == len(self._layers):  # `forward_layers` says why
-                o, h = o[keep], h[keep]
-                if not len(keep):
+                o, h = o[keep.rows], h[keep.rows]
+                self.lora_slot.batch = keep.lora
+                if not len(keep.rows):
                     yield i
                     return h
             h.add_(layer.attn_residual(o))  # [num_tokens, hidden_size]
@@ -254,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(h, self.norm, eps)
 
     def _run_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                   kv_caches: list[torch.Tensor], keep: torch.Tensor | None = None
+                   kv_caches: list[torch.Tensor], keep: _KeptRows | None = None
                    ) -> Generator[int, None, torch.Tensor]:
         """`_run` on the compiled kernels: per layer two GEMMs and one kernel around each,
         so a one-token step is ~9 calls a layer instead of ~30 torch ops (the Python and
@@ -294,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden = out
                 if len(calls) > 1:
                     yield start
-            return hidden if keep is None else hidden[keep]
+            return hidden if keep is None else hidden[keep.rows]
         first = layers[0]
         x = kernels.add_rms_norm(h, None, first.input_layernorm, eps,
                                  first.self_attn.qkv_proj.input_dtype(n))
@@ -308,10 +319,11 @@ class LlamaForCausalLM(nn.Module):
             o = self._layer_attention[i].attend(  # [n, q_size]
                 q, kv, kv_cache, meta, q.new_empty(q.shape, dtype=attn.o_proj.input_dtype(n)))
             if keep is not None and i + 1 == len(layers):  # `forward_layers` says why
-                if not len(keep):
+                if not len(keep.rows):
                     yield i
-                    return h[keep]
-                o, h, n = o[keep], h[keep], len(keep)
+                    return h[keep.rows]
+                o, h, n = o[keep.rows], h[keep.rows], len(keep.rows)
+                self.lora_slot.batch = keep.lora
             x = kernels.add_rms_norm(h, layer.attn_residual(o), layer.post_attention_layernorm,
                                      eps, mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
             down = layer.scale_residual(self._mlp_in_slices(mlp, x))
