@@ -69,6 +69,13 @@ class _KeptRows:
     rows: torch.Tensor  # [k] int64, ascending
     lora: LoraBatch | None
 
+    def narrow(self, o: torch.Tensor, h: torch.Tensor, slot: LoraSlot
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output and residual stream at these rows alone; the projections'
+        adapters from here on, numbered as these rows."""
+        slot.batch = self.lora
+        return o[self.rows], h[self.rows]
+
 
 def run_to_end(layers: Generator[int, None, torch.Tensor]) -> torch.Tensor:
     """The hidden states a layer-by-layer forward (`forward_layers`) returns, run through."""
@@ -193,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         `lora` is set again on every resume. The one-call decode kernel of up to QUANT_MAX_ROWS
         rows yields nothing.
 
-        `out_rows`: the rows whose hidden states the caller reads (None: all), ascending;
+        `out_rows`: the rows whose hidden states the caller reads (None: all), distinct, ascending;
         returned in that order. The last layer then runs its output projection and MLP for
         those rows alone (under their adapters, `LoraBatch.of_rows`): no later layer reads
         the others, whose K/V it has already written. A prefill chunk samples one row of each
@@ -201,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         projections)."""
         batch = lora if lora is not None and lora.segments else None
         keep = None
-        if out_rows is not None and out_rows != list(range(input_ids.shape[0])):
+        if out_rows is not None and len(out_rows) < input_ids.shape[0]:
             kept_lora = batch.of_rows(out_rows) if batch is not None else LoraBatch()
             keep = _KeptRows(torch.tensor(out_rows, dtype=torch.long),
                              kept_lora if kept_lora.segments else None)
@@ -253,9 +260,8 @@ class LlamaForCausalLM(nn.Module):
                 o = contiguous_attention(q, kv, kv_cache, attn, paged.window, paged.scale,
                                          paged.softcap)
             if keep is not None and i + 1 == len(self._layers):  # `forward_layers` says why
-                o, h = o[keep.rows], h[keep.rows]
-                self.lora_slot.batch = keep.lora
-                if not len(keep.rows):
+                o, h = keep.narrow(o, h, self.lora_slot)
+                if not len(h):
                     yield i
                     return h
             h.add_(layer.attn_residual(o))  # [num_tokens, hidden_size]
@@ -319,11 +325,11 @@ class LlamaForCausalLM(nn.Module):
             o = self._layer_attention[i].attend(  # [n, q_size]
                 q, kv, kv_cache, meta, q.new_empty(q.shape, dtype=attn.o_proj.input_dtype(n)))
             if keep is not None and i + 1 == len(layers):  # `forward_layers` says why
-                if not len(keep.rows):
+                o, h = keep.narrow(o, h, self.lora_slot)
+                if not len(h):
                     yield i
-                    return h[keep.rows]
-                o, h, n = o[keep.rows], h[keep.rows], len(keep.rows)
-                self.lora_slot.batch = keep.lora
+                    return h
+                n = len(h)
             x = kernels.add_rms_norm(h, layer.attn_residual(o), layer.post_attention_layernorm,
                                      eps, mlp.gate_up_proj.input_dtype(n))  # h += o_proj(o)
             down = layer.scale_residual(self._mlp_in_slices(mlp, x))
