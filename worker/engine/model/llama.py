@@ -39,12 +39,13 @@ from llmq.worker.engine.lora.lora_batch import LoraBatch, LoraSlot
 from . import huge_pages
 from .arch import ModelArchConfig
 from .attention import AttentionMetadata, PagedAttention, contiguous_attention
-from .block_quant import BLOCK_QUANT_TYPES, BlockQuant, QuantizedEmbedding
+from .block_quant import QuantizedEmbedding
 from .cpu_kernels import CpuKernels, DecoderLayer
-from .decoder_layer import LlamaDecoderLayer, LlamaMLP, Target, rms_norm
+from .decoder_layer import LlamaDecoderLayer, LlamaMLP, rms_norm
 from .form_choice import FormChoice, bucket_of
 from .gguf_loader import QuantizedTensor
 from .linear import QUANT_MAX_ROWS, Linear, _param
+from .llama_weights import load_weights
 from .moe import SparseMoe
 from .quant_matrix import QuantMatrix
 from .repack_cache import RepackCache
@@ -375,21 +376,6 @@ class LlamaForCausalLM(nn.Module):
             built[bucket] = (DecoderLayer * len(structs))(*structs)
         return built[bucket]
 
-    def _quantized_embedding(self, tensor: QuantizedTensor, repack: RepackCache | None
-                             ) -> QuantizedEmbedding:
-        found = repack.get("embed_tokens") if repack is not None else None
-        if found is not None:
-            meta, arrays = found
-            return QuantizedEmbedding(BlockQuant(arrays["q"], arrays["scales"],
-                                                 arrays["offsets"], meta["group"], meta["bits"]))
-        bq = BlockQuant.from_gguf(tensor.qtype, tensor.data, tensor.shape)
-        if repack is not None:
-            meta = {"group": bq.group, "bits": bq.bits}
-            arrays = repack.put("embed_tokens", meta,
-                                {"q": bq.q, "scales": bq.scales, "offsets": bq.offsets})
-            bq = BlockQuant(arrays["q"], arrays["scales"], arrays["offsets"], bq.group, bq.bits)
-        return QuantizedEmbedding(bq)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [n] -> a fresh [n, hidden_size] tensor in the activations' dtype (the
         residual adds go in place), scaled where the family scales it."""
@@ -510,84 +496,11 @@ class LlamaForCausalLM(nn.Module):
                      repack: RepackCache | None = None, forms: FormChoice | None = None
                      ) -> None:
         """Copy named tensors in Hugging Face layout and names (`model.layers.0.self_attn.
-        q_proj.weight`, ...) into the fused parameters, converting dtype on the way.
-
-        Takes an iterator so a loader can dequantize one tensor at a time. A `QuantizedTensor`
-        is dequantized into the dense weight, or with `weights="native"` kept for the
-        projection's quantized forms. Call it once: afterwards the projections build their
-        forms one at a time (linear.py; from `repack`, the repack cache, where it has them) and
-        dequantize only what a dense form still needs. `forms`: the kernels' form choice of
-        this model on this CPU (form_choice.py; None: the forms by assumption).
-        """
-        arch = self.arch
-        tied_head = self.lm_head if arch.tie_word_embeddings else None
-        targets: dict[str, Target] = {
-            "model.embed_tokens.weight": (self.embed_tokens, None, tied_head),
-            "model.norm.weight": (self.norm, None, None),
-        }
-        if not arch.tie_word_embeddings:
-            targets["lm_head.weight"] = (self.lm_head.weight, None, self.lm_head)
-        for i, layer in enumerate(self._layers):
-            targets.update(layer.weight_targets(f"model.layers.{i}."))
-
-        native = self.weights == "native"
-        for name, tensor in weights:
-            if name not in targets:
-                if name == "lm_head.weight" and arch.tie_word_embeddings:
-                    continue  # some tied checkpoints still store the head: the embedding wins
-                raise ValueError(f"unexpected weight {name!r} for {arch.architecture}")
-            param, rows, linear = targets.pop(name)
-            dest = param if rows is None else param[rows]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}")
-            if isinstance(tensor, QuantizedTensor):
-                if (native and param is self.embed_tokens
-                        and tensor.qtype in BLOCK_QUANT_TYPES):
-                    self.embed_quant = self._quantized_embedding(tensor, repack)
-                if native and linear is not None:
-                    linear.add_quantized(rows, tensor)  # dequantized there if still needed
-                    continue
-                if self.embed_quant is not None and param is self.embed_tokens:
-                    continue  # looked up from its blocks: the dense table is never read
-                tensor = tensor.dequantize()
-            dest.copy_(tensor)
-        if targets:
-            missing = sorted(targets)
-            raise ValueError(f"missing {len(missing)} weights, e.g. {missing[:3]}")
-        # NOTE: the dense table stays only where lookups still need it; the tied head then
-        # keeps just its packed copy.
-        keep_embedding = self.embed_quant is None
-        if arch.tie_word_embeddings:
-            self.lm_head.dense_from = self.embed_quant
-        experts = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
-                   for m in moe.experts.modules()}
-        if native and self.kernels is not None:
-            self.forms = forms or FormChoice("fixed", None, {}, self.kernels)
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                module.finalize(native, self.kernels,
-                                keep_dense=keep_embedding and module.weight is self.embed_tokens,
-                                quant_only=id(module) in experts, cache=repack, name=name,
-                                forms=self.forms, head=module is self.lm_head)
-        if repack is not None:
-            repack.commit()
-        if self.forms is not None:
-            self.forms.save()
-        if arch.tie_word_embeddings and self.embed_quant is not None:
-            # NOTE: the head's qdot tiles are the same weights, and every decode step keeps
-            # them resident: looked up there, the embedding's own blocks (mapped, 1.5 bytes a
-            # weight: 144 MiB for the 1B model's vocabulary) are never read into the RSS
-            self.embed_tiles = self.lm_head.dot_tiles
-        if not keep_embedding:
-            self.embed_tokens = nn.Parameter(self.embed_tokens.new_empty(0), requires_grad=False)
+        q_proj.weight`, ...) into the fused parameters (llama_weights.py says how); then
+        whether the one-call decode kernel runs this model's decode steps."""
+        load_weights(self, self._layers, weights, repack, forms)
         self._one_call_rows = 0 if not self._one_call_able else min(
             (p.quant_rows for layer in self._layers for p in layer.projections), default=0)
         self._one_call = (self._one_call_able and self.kernels is not None
                           and self.paged_attention.kernels is not None
                           and self._one_call_rows > 0)
-        logger.info("weights %s: %.0f MiB in the projections", self.weights,
-                    sum(m.nbytes for m in self.modules() if isinstance(m, Linear)) / 2**20)
-
-
