@@ -491,7 +491,6 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights --------------------------------------------------------------------------
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
                      repack: RepackCache | None = None, forms: FormChoice | None = None
                      ) -> None:
