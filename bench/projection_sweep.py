@@ -16,6 +16,12 @@ Compared, each a full sweep per round, the median and best of the rounds printed
 
 With --against, each projection's output on the 8-bit tiles is compared between the two builds.
 
+NOTE: the tiles here are NumPy's allocations, which NumPy advises for 2 MiB pages itself (arrays
+of 4 MiB or more): the engine's maps of the repack cache are on 2 MiB pages only where the page
+cache holds their files in 2 MiB folios (huge_pages.py `read_in`). On 4 KiB pages the sweep at
+one row read 34.3-35.6 ms against 32.5-33.9
+(bench/results/lone_huge_pages-zen4-2026-12-06-twentyfourth.txt).
+
 Llama-family tensor names (blk.N.attn_q ... ffn_down, token_embd as the tied head); the fused
 QKV and gate-up as the model fuses them (a Q4_K_M QKV with a Q6_K V: a stacked matrix, its
 Q and K rows in 4 bits and V in 6).

@@ -85,7 +85,7 @@ def _decoded(blocks: Blocks) -> BlockQuant:
 def qdot_form(blocks: Blocks, shape: tuple[int, int], bias: torch.Tensor | None,
               cache: RepackCache | None, name: str) -> QuantMatrix:
     """The blocks in the qdot layout (kernels/qdot.h), as `<name>.qdot`."""
-    found = cache.get(f"{name}.qdot") if cache is not None else None
+    found = cache.get(f"{name}.qdot", streamed=True) if cache is not None else None
     if found is not None and tuple(found[0]["shape"]) == shape:
         return from_tile_arrays(*found, shape, bias, dot=True)
     qdot = QuantMatrix(_decoded(blocks), bias, dot=True)
@@ -100,7 +100,7 @@ def qdot_form(blocks: Blocks, shape: tuple[int, int], bias: torch.Tensor | None,
 def int8_form(blocks: Blocks, shape: tuple[int, int], bias: torch.Tensor | None,
               cache: RepackCache | None, name: str) -> Int8Matrix:
     """The two-term int8 form (int8_matrix.py), as `<name>.int8`."""
-    found = cache.get(f"{name}.int8") if cache is not None else None
+    found = cache.get(f"{name}.int8", streamed=True) if cache is not None else None
     if found is None or found[1]["q"].shape != shape:
         # NOTE: from this projection's blocks alone: one float32 matrix at a time
         int8 = Int8Matrix(_decoded(blocks).dequantize_torch(), bias)
@@ -123,7 +123,7 @@ def dense_form(form: str, blocks: Blocks, shape: tuple[int, int], rows: tuple[in
     start, stop = rows
     dtype, part_shape = DENSE_DTYPES[form], (stop - start, shape[1])
     name = f"{name}.{form}" if rows == (0, shape[0]) else f"{name}.{form}.{start}-{stop}"
-    found = cache.get(name) if cache is not None else None
+    found = cache.get(name, streamed=True) if cache is not None else None
     if found is not None:
         mapped = packed_weight.from_arrays(found[1], part_shape, dtype)
         if mapped is not None:

@@ -16,7 +16,10 @@ whose files do not match its manifest (truncated, missing, zeroed by a crash bef
 had the data, a garbage array header) is deleted with one warning and rebuilt.
 Arrays come back as copy-on-write memory maps (`np.load(mmap_mode="c")`): a warm start reads
 only the pages a step touches, and the page cache is shared between workers of the same model
-on one machine.
+on one machine. A form a decode streams (`get(..., streamed=True)`) is read in first where it
+is not cached, as 2 MiB folios (huge_pages.py `read_in` says why), so its maps take huge pages
+after the page cache was evicted too; the check's samples are read without readahead, and
+dropped again before, so that they leave no small folios in its way.
 
 `LLMQ_REPACK_DIR=off` turns the cache off (forms are built in memory every start).
 """
@@ -24,8 +27,10 @@ on one machine.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import mmap
 import os
 import shutil
 import zlib
@@ -34,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from . import huge_pages
 from .cpu_kernels import _cpu_model
 
 logger = logging.getLogger(__name__)
@@ -112,14 +118,21 @@ class RepackCache:
         self._manifest = entries
         return True
 
-    def get(self, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-        """(meta, arrays) of form `name`, mapped from disk, or None if the entry lacks it."""
+    def get(self, name: str, streamed: bool = False
+            ) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        """(meta, arrays) of form `name`, mapped from disk, or None if the entry lacks it.
+        `streamed`: a form every decode step reads whole, its files read in first as 2 MiB
+        folios where they are not cached (huge_pages.py `read_in`)."""
         entry = self._manifest.get(name)
         if entry is None:
             return None
         try:
-            arrays = {part: np.load(self.path / f"{name}.{part}.npy", mmap_mode="c")
-                      for part in entry["files"]}
+            paths = {part: self.path / f"{name}.{part}.npy" for part in entry["files"]}
+            if streamed:  # before np.load, whose header read would read small folios in
+                for path in paths.values():
+                    _drop_samples(path)
+                    huge_pages.read_in(path)
+            arrays = {part: np.load(path, mmap_mode="c") for part, path in paths.items()}
         except (OSError, ValueError) as exc:
             logger.warning("repack cache %s: %s unreadable (%s)", self.path, name, exc)
             return None
@@ -142,7 +155,7 @@ class RepackCache:
             files = {}
             for part, array in arrays.items():
                 target = self._staging / f"{name}.{part}.npy"
-                np.save(target, np.ascontiguousarray(array))
+                _save(target, array)
                 files[part] = _file_check(target)
             self._new[name] = {"meta": meta, "files": files}
             # NOTE: the maps stay valid when the folder is renamed (they hold the inodes)
@@ -193,8 +206,47 @@ def _file_check(path: Path) -> dict[str, Any]:
     never reached the disk (zeros)."""
     size = path.stat().st_size
     crc = 0
-    with open(path, "rb") as f:
-        for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
-            f.seek(offset)
-            crc = zlib.crc32(f.read(_SAMPLE), crc)
+    with open(path, "rb", buffering=0) as f:
+        # NOTE: no readahead: the samples' pages alone come in, and where the file was not
+        # cached they are small folios, which `_drop_samples` drops again before a read-in
+        _fadvise(f.fileno(), 0, 0, "POSIX_FADV_RANDOM")
+        for offset in _sample_offsets(size):
+            crc = zlib.crc32(os.pread(f.fileno(), _SAMPLE, offset), crc)
     return {"bytes": size, "crc": crc}
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    """`np.save`'s file, written in one call (header and data): the page cache then holds it
+    in 2 MiB folios from its first byte, where np.save's two writes (the 128-byte header
+    first) leave its first 2 MiB in small ones, which a map cannot take as a huge page."""
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    parts = [memoryview(header.getvalue()), array.reshape(-1).view(np.uint8).data]
+    with open(path, "wb", buffering=0) as f:
+        while parts:  # a write may take less than it was given
+            written = os.writev(f.fileno(), parts)
+            while parts and written >= len(parts[0]):
+                written -= len(parts.pop(0))
+            if parts:
+                parts[0] = parts[0][written:]
+
+
+def _sample_offsets(size: int) -> list[int]:
+    return sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)})
+
+
+def _drop_samples(path: Path) -> None:
+    """Drop the pages `_file_check` read from the page cache where they are folios of their
+    own (a 2 MiB folio holding one stays: the kernel drops only folios inside the range)."""
+    page = mmap.PAGESIZE
+    with open(path, "rb", buffering=0) as f:
+        for offset in _sample_offsets(path.stat().st_size):
+            start = offset // page * page
+            _fadvise(f.fileno(), start, -(-(offset + _SAMPLE - start) // page) * page,
+                     "POSIX_FADV_DONTNEED")
+
+
+def _fadvise(fd: int, offset: int, length: int, advice: str) -> None:
+    if hasattr(os, advice):  # Linux; elsewhere the reads stay as they are
+        os.posix_fadvise(fd, offset, length, getattr(os, advice))
