@@ -13,7 +13,7 @@ import torch
 
 from llmq.worker.engine.model import huge_pages, repack_cache
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP = huge_pages.THP_MODE
 
 
 def smaps_field(t: torch.Tensor, field: str) -> list[int]:

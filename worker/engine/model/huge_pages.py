@@ -37,6 +37,7 @@ evicted, 35.65 ms with 659 of the maps' 672 MB on 2 MiB pages against 37.64 with
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import sys
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
 MADV_COLLAPSE = 25
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
@@ -79,6 +81,15 @@ def _advise(t: torch.Tensor, advice: int) -> bool:
     return True
 
 
+@functools.cache
+def _granted() -> bool:
+    """Whether this kernel grants transparent huge pages at all (not `never`, not absent)."""
+    try:
+        return "[never]" not in THP_MODE.read_text()
+    except OSError:
+        return False
+
+
 def read_in(path: Path) -> None:
     """Bring the file into the page cache, in 2 MiB folios where it is not cached yet: a byte
     of each 2 MiB read through a read-only map advised for huge pages. Cheap where it is
@@ -87,8 +98,8 @@ def read_in(path: Path) -> None:
     (Linux 6.18, ext4); they map the folios this reads as 2 MiB pages."""
     with open(path, "rb") as f:
         size = f.seek(0, 2)
-        if size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-            return
+        if size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not _granted():
+            return  # left to the maps' faults: nothing to gain from reading it now
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
                 mm.madvise(mmap.MADV_HUGEPAGE)
