@@ -24,9 +24,9 @@ Where the kernel refuses (THP `never`, another OS), the tensor is on ordinary pa
 bytes, only slower.
 
 A file's map takes 2 MiB pages where the page cache holds the file in 2 MiB folios: what a
-fresh write leaves (a cold start's `np.save`), but not what a plain read or a fault of an
-unadvised map reads back after the cache was evicted (a reboot, memory pressure): small folios,
-kept for as long as the page cache keeps them. `read_in` reads a file in through a map advised
+large write leaves (a cold start writes each repack file in one call, repack_cache.py `_save`),
+but not what a plain read or a fault of an unadvised map reads back after the cache was evicted
+(a reboot, memory pressure): small folios, kept for as long as the page cache keeps them. `read_in` reads a file in through a map advised
 for huge pages, so its readahead reads 2 MiB folios. What it is worth (Zen 4, the 1B model's
 lone decode, median CPU time a token of 5 starts alternated with the code before;
 bench/results/lone_huge_pages-zen4-2026-12-06-twentyfourth.txt): after the repack files were
