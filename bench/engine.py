@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from llmq.worker.engine.config import EngineConfig  # noqa: E402
 from llmq.worker.engine.engine_core import EngineCore  # noqa: E402
+from llmq.worker.engine.model import huge_pages  # noqa: E402
 from llmq.worker.engine.model.default_model import ensure_default_model  # noqa: E402
 from llmq.worker.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -133,6 +134,9 @@ def main() -> None:
 
     single = single_sequence_decode(engine, prompts[0], args.output_len)
     print(f"llmq single-sequence decode: {single:.1f} tok/s")
+    resident, huge = huge_pages.file_maps()
+    print(f"  weights mapped from the repack cache: {huge / 2**20:.0f} of {resident / 2**20:.0f} "
+          "MiB on 2 MiB pages (huge_pages.py: a lone decode's rate follows it)")
 
     r = run_engine(engine, prompts, args.output_len)
     print(f"llmq engine  {args.num_requests} x {args.prompt_len}/{args.output_len}, "

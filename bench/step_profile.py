@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from llmq.worker.engine.config import EngineConfig  # noqa: E402
 from llmq.worker.engine.engine_core import EngineCore  # noqa: E402
-from llmq.worker.engine.model import cpu_kernels, form_choice, linear  # noqa: E402
+from llmq.worker.engine.model import cpu_kernels, form_choice, huge_pages, linear  # noqa: E402
 from llmq.worker.engine.model.attention import PagedAttention  # noqa: E402
 from llmq.worker.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -272,6 +272,9 @@ def main() -> None:
         kv_bytes = (batch * (args.prompt_len + 3 + args.steps // 2) * 2 * arch.num_kv_heads
                     * arch.head_dim * model.dtype.itemsize * arch.num_layers)
         print(f"  floor of attention: K/V read once {1e3 * kv_bytes / bandwidth:.2f} ms")
+    resident, huge = huge_pages.file_maps()
+    print(f"weights mapped from the repack cache: {huge / 2**20:.0f} of {resident / 2**20:.0f} MiB "
+          "on 2 MiB pages (huge_pages.py: a lone decode's rate follows it)")
 
 
 if __name__ == "__main__":

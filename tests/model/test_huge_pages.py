@@ -116,6 +116,22 @@ def test_a_cold_starts_forms_are_mapped_on_huge_pages_from_their_first_byte(tmp_
 
 
 @pytest.mark.usefixtures("file_huge_pages")
+def test_the_benchmarks_count_the_repack_maps_on_huge_pages(tmp_path):
+    # Given the process's repack maps so far, and then one more form mapped and read
+    resident, huge = huge_pages.file_maps()
+    cache = repack_cache.RepackCache(tmp_path, "entry")
+    mapped = cache.put("blk.0.ffn_down.qdot", {}, {"q": weights()})["q"]
+    assert int(mapped.sum()) > 0
+
+    # When the benchmarks count them (bench/engine.py and step_profile.py print it)
+    now_resident, now_huge = huge_pages.file_maps()
+
+    # Then the new map's 8 MiB are counted, on 2 MiB pages
+    assert now_resident - resident >= 8 * MIB
+    assert now_huge - huge == 8 * MIB
+
+
+@pytest.mark.usefixtures("file_huge_pages")
 def test_a_streamed_form_is_mapped_on_huge_pages_after_the_page_cache_was_evicted(tmp_path):
     # Given an entry written by a cold start, then its files evicted from the page cache
     cold = repack_cache.RepackCache(tmp_path, "entry")

@@ -26,9 +26,10 @@ bytes, only slower.
 A file's map takes 2 MiB pages where the page cache holds the file in 2 MiB folios: what a
 large write leaves (a cold start writes each repack file in one call, repack_cache.py `_save`),
 but not what a plain read or a fault of an unadvised map reads back after the cache was evicted
-(a reboot, memory pressure): small folios, kept for as long as the page cache keeps them. `read_in` reads a file in through a map advised
-for huge pages, so its readahead reads 2 MiB folios. What it is worth (Zen 4, the 1B model's
-lone decode, median CPU time a token of 5 starts alternated with the code before;
+(a reboot, memory pressure): small folios, kept for as long as the page cache keeps them.
+`read_in` reads a file in through a map advised for huge pages, so its readahead reads 2 MiB
+folios. What it is worth (Zen 4, the 1B model's lone decode, median CPU time a token of 5
+starts alternated with the code before;
 bench/results/lone_huge_pages-zen4-2026-12-06-twentyfourth.txt): after the repack files were
 evicted, 35.65 ms with 659 of the maps' 672 MB on 2 MiB pages against 37.64 with none; with
 4 KiB pages one core's hardware prefetcher stops at every page's end.
@@ -107,6 +108,30 @@ def read_in(path: Path) -> None:
                 return
             for offset in range(0, size, HUGE_PAGE):
                 mm[offset]  # the fault reads the folio in
+
+
+def file_maps(suffix: str = ".npy") -> tuple[int, int]:
+    """(bytes resident, bytes of those mapped as 2 MiB pages) of this process's maps of files
+    named `*suffix` (by default the repack cache's arrays), from /proc/self/smaps: a
+    benchmark prints it beside a lone decode's rate, which it moves by ~5%. (0, 0) where
+    there is none or no smaps (another OS)."""
+    resident = huge = 0
+    inside = False
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0, 0
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[-1].endswith(suffix)
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+        elif inside and fields[0] == "FilePmdMapped:":
+            huge += int(fields[1]) * 1024
+    return resident, huge
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
