@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from pathlib import Path
@@ -117,7 +118,9 @@ def test_a_cold_starts_forms_are_mapped_on_huge_pages_from_their_first_byte(tmp_
 
 @pytest.mark.usefixtures("file_huge_pages")
 def test_the_benchmarks_count_the_repack_maps_on_huge_pages(tmp_path):
-    # Given the process's repack maps so far, and then one more form mapped and read
+    # Given the process's repack maps so far (earlier tests' garbage freed first, so that none
+    # is freed between the two counts), and then one more form mapped and read
+    gc.collect()
     resident, huge = huge_pages.file_maps()
     cache = repack_cache.RepackCache(tmp_path, "entry")
     mapped = cache.put("blk.0.ffn_down.qdot", {}, {"q": weights()})["q"]
